@@ -1,0 +1,25 @@
+"""lorazor_kernels: grouped LoRA shrink/expand kernels (GridTrim) and their pure-torch reference.
+
+This package takes tensors and step metadata; it knows nothing about models.
+"""
+
+from .kernel_config import KernelConfig, get_kernel_config
+from .lora_kernels import lora_expand, lora_shrink
+from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound
+from .ops import add_batched_lora_, batched_lora
+from .reference import NO_ADAPTER, lora_delta_reference
+
+__all__ = [
+    "GRID_MODES",
+    "KernelConfig",
+    "LoRABatchMeta",
+    "NO_ADAPTER",
+    "add_batched_lora_",
+    "batched_lora",
+    "build_batch_meta",
+    "get_kernel_config",
+    "lora_delta_reference",
+    "lora_expand",
+    "lora_shrink",
+    "row_bound",
+]

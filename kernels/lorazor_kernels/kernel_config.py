@@ -1,0 +1,62 @@
+"""Block sizes for the LoRA kernels, per GPU, from JSON files in `configs/` with a default fallback."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the shrink and expand kernels.
+
+    Attributes:
+        shrink_block_k: K chunk per shrink loop iteration.
+        shrink_split_k: fixed number of K splits; 0 picks one from the grid size.
+        target_programs_per_sm: with `shrink_split_k == 0`, split K until the shrink launch has
+            about this many programs per multiprocessor.
+        shrink_num_warps / shrink_num_stages: Triton launch options of shrink.
+        expand_block_n: output columns per expand program.
+        expand_num_warps / expand_num_stages: Triton launch options of expand.
+    """
+
+    shrink_block_k: int = 128
+    shrink_split_k: int = 0
+    target_programs_per_sm: int = 4
+    shrink_num_warps: int = 4
+    shrink_num_stages: int = 3
+    expand_block_n: int = 128
+    expand_num_warps: int = 4
+    expand_num_stages: int = 2
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "KernelConfig":
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown kernel config keys {sorted(unknown)} in {path}")
+        return cls(**data)
+
+
+def config_file_name(device_name: str) -> str:
+    """`NVIDIA H200` -> `NVIDIA_H200.json`."""
+    return device_name.replace(" ", "_").replace("-", "_") + ".json"
+
+
+@lru_cache(maxsize=None)
+def _config_for(device_name: str) -> KernelConfig:
+    path = CONFIG_DIR / config_file_name(device_name)
+    return KernelConfig.from_json(path if path.exists() else CONFIG_DIR / "default.json")
+
+
+def get_kernel_config(device: torch.device) -> KernelConfig:
+    """Tuned config of this device's GPU, or `configs/default.json` (also used on CPU)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return _config_for(name)

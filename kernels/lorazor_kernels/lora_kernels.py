@@ -1,0 +1,259 @@
+"""GridTrim: one Triton shrink/expand family for the grouped LoRA delta, four grid modes.
+
+Semantics (see `reference.lora_delta_reference`):
+    u[m]  = x[m] @ lora_a[s, :r].T                  # shrink, r = rank[s], s = row_slot[m]
+    y[m] += scaling[s] * u[m] @ lora_b[s, :, :r].T  # expand, in place
+
+Every program first maps its id to a tile: a slot and a run of at most BLOCK_M rows of that slot in
+`meta.sorted_rows`. How it does so is the grid mode, chosen by constexpr flags, not by copies:
+    TILE_TABLE=True   `exact`: program t reads (tile_slot[t], tile_row[t]) from a device-built table;
+                      the grid is cdiv(M, BM) + min(L, M) tiles and only tiles that hold rows compute.
+    TILE_TABLE=False  slot-major: program = slot * tiles_per_slot + j; `full` uses tiles_per_slot =
+                      cdiv(M, BM), `active_rows` cdiv(R, BM); empty tiles exit. USE_SLOT_LIST reads
+                      the slot from a compact list (two_class large class); CLASS_MAX_ROWS > 0 skips
+                      slots with more rows (two_class small class).
+Shrink splits K over grid axis 1 (the rank is tiny, K is large) and writes one fp32 partial per split;
+expand sums the partials, so no atomics and no zero-fill are needed. Ranks are padded only inside
+the kernels to BLOCK_R = 16 (the smallest legal dot width); loads past a slot's real rank are masked,
+so a rank-8 adapter reads rank-8 bytes even in a bank whose largest rank is 64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernel_config import KernelConfig, get_kernel_config
+from .meta import LARGE_CLASS_CAPACITY, SMALL_CLASS_ROWS, LoRABatchMeta
+
+# The smallest dot dimension the GPU compiler accepts; ranks are padded to it inside the kernels.
+BLOCK_R = 16
+
+
+@triton.jit
+def _tile_rows(
+    pid, slot_start_ptr, tile_slot_ptr, tile_row_ptr, slot_list_ptr, tiles_per_slot,
+    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Map a program id to (slot, first, end) positions in sorted_rows; slot < 0 means exit."""
+    if TILE_TABLE:
+        slot = tl.load(tile_slot_ptr + pid)
+        safe = tl.maximum(slot, 0)
+        row_lo = tl.load(tile_row_ptr + pid)
+        row_hi = tl.minimum(row_lo + BLOCK_M, tl.load(slot_start_ptr + safe + 1))
+    else:
+        slot_idx = pid // tiles_per_slot
+        j = pid % tiles_per_slot
+        if USE_SLOT_LIST:
+            slot = tl.load(slot_list_ptr + slot_idx)
+        else:
+            slot = slot_idx
+        safe = tl.maximum(slot, 0)
+        group_lo = tl.load(slot_start_ptr + safe)
+        group_hi = tl.load(slot_start_ptr + safe + 1)
+        row_lo = group_lo + j * BLOCK_M
+        row_hi = tl.minimum(row_lo + BLOCK_M, group_hi)
+        if CLASS_MAX_ROWS > 0:
+            slot = tl.where(group_hi - group_lo > CLASS_MAX_ROWS, -1, slot)
+        slot = tl.where(row_lo < row_hi, slot, -1)
+    return slot, row_lo, row_hi
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, u_ptr, rank_ptr,
+    sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_row_ptr, slot_list_ptr,
+    K, tiles_per_slot, k_per_split,
+    stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
+    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    slot, row_lo, row_hi = _tile_rows(
+        pid, slot_start_ptr, tile_slot_ptr, tile_row_ptr, slot_list_ptr, tiles_per_slot,
+        TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, BLOCK_M,
+    )
+    if slot < 0:
+        return
+    rank = tl.load(rank_ptr + slot)
+    if pid_r * BLOCK_R >= rank:
+        return
+    offs_m = row_lo + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < row_hi
+    rows = tl.load(sorted_rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows[:, None] * stride_xm  # [BM, 1]
+    a_rows = a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar  # [BR, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        k = k0 + offs_k
+        mask_k = k < K
+        x_tile = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a_tile = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+        # [BM, BK] @ [BK, BR]
+        acc += tl.dot(x_tile.to(a_tile.dtype), tl.trans(a_tile), input_precision=DOT_PRECISION)
+    u_tile = u_ptr + pid_k * stride_us + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
+    tl.store(u_tile, acc, mask=mask_m[:, None] & mask_r[None, :])
+
+
+@triton.jit
+def _lora_expand_kernel(
+    u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
+    sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_row_ptr, slot_list_ptr,
+    N, tiles_per_slot,
+    stride_us, stride_um, stride_ur, stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
+    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot, row_lo, row_hi = _tile_rows(
+        pid, slot_start_ptr, tile_slot_ptr, tile_row_ptr, slot_list_ptr, tiles_per_slot,
+        TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, BLOCK_M,
+    )
+    if slot < 0:
+        return
+    rank = tl.load(rank_ptr + slot)
+    if rank == 0:
+        return
+    offs_m = row_lo + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < row_hi
+    rows = tl.load(sorted_rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[:, None] * stride_bn  # [BN, 1]
+    u_rows = u_ptr + rows[:, None] * stride_um  # [BM, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        u_mask = mask_m[:, None] & mask_r[None, :]
+        u_tile = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for split in tl.static_range(SPLIT_K):
+            u_tile += tl.load(u_rows + split * stride_us + offs_r[None, :] * stride_ur, mask=u_mask, other=0.0)
+        b_tile = tl.load(b_rows + offs_r[None, :] * stride_br, mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        # [BM, BR] @ [BR, BN]
+        acc += tl.dot(u_tile.to(b_tile.dtype), tl.trans(b_tile), input_precision=DOT_PRECISION)
+    acc = acc * tl.load(scaling_ptr + slot).to(tl.float32)
+    y_tile = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    mask = mask_m[:, None] & mask_n[None, :]
+    y_old = tl.load(y_tile, mask=mask, other=0.0)
+    tl.store(y_tile, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=mask)
+
+
+def _launches(meta: LoRABatchMeta, expand: bool):
+    """Launch plan of a step: (programs on axis 0, tiles_per_slot, TILE_TABLE, slot list, CLASS_MAX_ROWS)."""
+    bm = meta.block_m
+    if meta.grid == "exact":
+        return [(meta.num_tiles, 1, True, None, 0)]
+    tiles = triton.cdiv(meta.row_bound, bm)
+    if meta.grid == "two_class" and expand and meta.class_split:
+        small_tiles = triton.cdiv(SMALL_CLASS_ROWS, bm)
+        return [
+            (meta.num_slots * small_tiles, small_tiles, False, None, SMALL_CLASS_ROWS),
+            (LARGE_CLASS_CAPACITY * tiles, tiles, False, meta.large_slots, 0),
+        ]
+    return [(meta.num_slots * tiles, tiles, False, None, 0)]
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 dots default to tf32 on the GPU; keep fp32 exact so fp32 tests and the reference agree.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _split_k(meta: LoRABatchMeta, K: int, rank_blocks: int, cfg: KernelConfig, device: torch.device) -> int:
+    """Split K so that shrink launches enough programs to keep the GPU's memory system busy."""
+    max_splits = triton.cdiv(K, cfg.shrink_block_k)
+    if cfg.shrink_split_k > 0:
+        return min(cfg.shrink_split_k, max_splits)
+    programs = sum(n for n, *_ in _launches(meta, expand=False)) * rank_blocks
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(max_splits, triton.cdiv(cfg.target_programs_per_sm * sms, max(programs, 1))))
+
+
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tensor, meta: LoRABatchMeta,
+    cfg: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Shrink `u = x @ A[slot].T` per row, as fp32 split-K partials.
+
+    Args:
+        x: `[M, K]` activations.
+        lora_a: `[L, r_max, K]` stacked A weights.
+        lora_rank: `[L]` int32 real rank per slot (0: slot absent in this layer).
+        meta: the step's `LoRABatchMeta`.
+
+    Returns:
+        `[S, M, r_pad]` fp32 partials (sum over S is u); only rows with a slot and columns below
+        that slot's rank are written.
+    """
+    cfg = cfg or get_kernel_config(x.device)
+    M, K = x.shape
+    r_max = lora_a.shape[1]
+    rank_blocks = triton.cdiv(r_max, BLOCK_R)
+    split = _split_k(meta, K, rank_blocks, cfg, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.shrink_block_k) * cfg.shrink_block_k
+    split = triton.cdiv(K, k_per_split)
+    u = torch.empty(split, M, rank_blocks * BLOCK_R, dtype=torch.float32, device=x.device)
+    for programs, tiles_per_slot, table, slot_list, class_rows in _launches(meta, expand=False):
+        _lora_shrink_kernel[(programs, split, rank_blocks)](
+            x, lora_a, u, lora_rank,
+            meta.sorted_rows, meta.slot_start,
+            meta.tile_slot if table else meta.slot_start,
+            meta.tile_row if table else meta.slot_start,
+            slot_list if slot_list is not None else meta.slot_start,
+            K, tiles_per_slot, k_per_split,
+            x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+            u.stride(0), u.stride(1), u.stride(2),
+            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows,
+            BLOCK_M=meta.block_m, BLOCK_R=BLOCK_R, BLOCK_K=cfg.shrink_block_k,
+            DOT_PRECISION=_dot_precision(x.dtype),
+            num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages,
+        )
+    return u
+
+
+def lora_expand(
+    u: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
+    y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Expand in place: `y[m] += scaling[s] * u[m] @ B[s].T` for every row m with a slot s.
+
+    Args:
+        u: `[S, M, r_pad]` fp32 partials from `lora_shrink`.
+        lora_b: `[L, N, r_max]` stacked B weights.
+        scaling: `[L]` scale per slot.
+        lora_rank: `[L]` int32 real rank per slot.
+        y: `[M, N]` output, updated in place (rows without a slot are untouched).
+        meta: the step's `LoRABatchMeta`.
+
+    Returns:
+        `y`.
+    """
+    cfg = cfg or get_kernel_config(y.device)
+    N = lora_b.shape[1]
+    block_n = min(cfg.expand_block_n, max(16, triton.next_power_of_2(N)))
+    for programs, tiles_per_slot, table, slot_list, class_rows in _launches(meta, expand=True):
+        _lora_expand_kernel[(programs, triton.cdiv(N, block_n))](
+            u, lora_b, y, scaling, lora_rank,
+            meta.sorted_rows, meta.slot_start,
+            meta.tile_slot if table else meta.slot_start,
+            meta.tile_row if table else meta.slot_start,
+            slot_list if slot_list is not None else meta.slot_start,
+            N, tiles_per_slot,
+            u.stride(0), u.stride(1), u.stride(2),
+            lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
+            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows,
+            SPLIT_K=u.shape[0], BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=BLOCK_R,
+            DOT_PRECISION=_dot_precision(lora_b.dtype),
+            num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages,
+        )
+    return y

@@ -1,0 +1,137 @@
+"""Per-step batch metadata for the grouped LoRA kernels, built once per step and shared by every layer.
+
+All tensors are computed on the device from `row_slot` with sort/scatter/cumsum/searchsorted: no host
+sync, so building the metadata can live inside a captured CUDA graph (`exact` and `full` modes).
+`active_rows` and `two_class` need the largest group size on the host to pick their row bound R, as
+the paper's host-side scheduler does: building them costs one sync per step (never per layer).
+
+Semantics (what the kernels read):
+    key            = where(row_slot >= 0, row_slot, L)      # no-adapter rows sort last
+    sorted_rows    = stable argsort(key)                      # [M] rows grouped by slot
+    slot_start[s]  = first position of slot s in sorted_rows  # [L + 1], slot_start[L] = rows with LoRA
+    exact tiles:   tile t covers sorted_rows[tile_row[t] : min(tile_row[t] + BM, slot_start[s + 1])]
+                   for slot s = tile_slot[t]; tile_slot[t] = -1 past the last real tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GRID_MODES = ("full", "active_rows", "two_class", "exact")
+# Row bounds are 16 * 2^k (paper eq. 7); 16 is also the smallest legal tl.dot dimension.
+MIN_ROW_BOUND = 16
+# two_class: slots with at most this many rows form the small class (paper eq. 4).
+SMALL_CLASS_ROWS = 16
+# two_class: capacity C of the compact large-class slot list (paper 3.1.3).
+LARGE_CLASS_CAPACITY = 16
+# two_class is enabled only with at least this many small slots (paper 3.1.3).
+MIN_SMALL_SLOTS = 8
+
+
+def row_bound(max_rows: int, num_rows: int) -> int:
+    """Smallest supported bound 16 * 2^k >= max_rows, or M itself (paper eq. 7-8)."""
+    bound = MIN_ROW_BOUND
+    while bound < max_rows and bound < num_rows:
+        bound *= 2
+    return min(bound, max(num_rows, 1)) if max_rows > 0 else MIN_ROW_BOUND
+
+
+@dataclass
+class LoRABatchMeta:
+    """Metadata for one step. Tensors live on the batch's device; ints are launch geometry.
+
+    Attributes:
+        grid: one of `GRID_MODES`.
+        num_rows: M, rows (tokens) in the step.
+        num_slots: L, adapter slots of the bank.
+        block_m: row-tile height BM the tile table and slot-tile grids were built for.
+        sorted_rows: `[M]` int64 row indices grouped by slot, no-adapter rows last.
+        slot_start: `[L + 1]` int64 start of each slot's group in `sorted_rows`.
+        tile_slot: `[T]` int32 slot of each exact tile (-1: exits), `exact` only.
+        tile_row: `[T]` int64 first position in `sorted_rows` of each exact tile, `exact` only.
+        row_bound: R, the shared row bound (`full`: M; `active_rows`/`two_class`: 16 * 2^k).
+        large_slots: `[C]` int32 compact list of large-class slots (-1 padded), `two_class` only.
+        class_split: whether this step runs the two-class expand (`two_class` only).
+        has_lora: False when no row has an adapter (the layers then skip LoRA entirely);
+            None when unknown on the host (`exact`/`full` never sync to find out).
+    """
+
+    grid: str
+    num_rows: int
+    num_slots: int
+    block_m: int
+    sorted_rows: torch.Tensor
+    slot_start: torch.Tensor
+    row_slot: torch.Tensor
+    tile_slot: torch.Tensor | None = None
+    tile_row: torch.Tensor | None = None
+    row_bound: int = 0
+    large_slots: torch.Tensor | None = None
+    class_split: bool = False
+    has_lora: bool | None = None
+
+    @property
+    def num_tiles(self) -> int:
+        """Upper bound on exact tiles: each active slot adds at most one partial tile."""
+        return -(-self.num_rows // self.block_m) + min(self.num_slots, self.num_rows)
+
+
+def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact", block_m: int = 16) -> LoRABatchMeta:
+    """Build the step metadata from the per-row slot map.
+
+    Args:
+        row_slot: `[M]` int slot per row (-1: no adapter). Values must be < `num_slots`.
+        num_slots: L, the number of slots in the adapter bank.
+        grid: grid mode, one of `GRID_MODES`.
+        block_m: row-tile height BM (a power of two >= 16).
+
+    Returns:
+        A `LoRABatchMeta` shared by every LoRA layer of the step.
+    """
+    if grid not in GRID_MODES:
+        raise ValueError(f"grid must be one of {GRID_MODES}, got {grid!r}")
+    if block_m < MIN_ROW_BOUND or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= {MIN_ROW_BOUND}, got {block_m}")
+    if row_slot.dim() != 1:
+        raise ValueError(f"row_slot must be 1-D [M], got shape {tuple(row_slot.shape)}")
+    device = row_slot.device
+    num_rows = row_slot.shape[0]
+    key = torch.where(row_slot >= 0, row_slot.long(), torch.full_like(row_slot, num_slots, dtype=torch.long))
+    sorted_rows = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    slot_start = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
+    torch.cumsum(counts[:num_slots], 0, out=slot_start[1:])
+    meta = LoRABatchMeta(grid, num_rows, num_slots, block_m, sorted_rows, slot_start, row_slot)
+
+    if grid == "exact":
+        tiles = (counts[:num_slots] + block_m - 1) // block_m
+        tile_end = torch.cumsum(tiles, 0)
+        t = torch.arange(meta.num_tiles, device=device)
+        slot_of_tile = torch.searchsorted(tile_end, t, right=True)
+        valid = slot_of_tile < num_slots
+        slot_c = slot_of_tile.clamp(max=num_slots - 1)
+        first_tile = tile_end[slot_c] - tiles[slot_c]
+        meta.tile_row = slot_start[slot_c] + (t - first_tile) * block_m
+        meta.tile_slot = torch.where(valid, slot_of_tile, -1).to(torch.int32)
+    elif grid == "full":
+        meta.row_bound = max(num_rows, 1)
+    else:
+        # The paper's modes pick their launch shape on the host: one sync per step.
+        group = counts[:num_slots]
+        max_rows = int(group.max()) if num_slots else 0
+        meta.has_lora = max_rows > 0
+        meta.row_bound = row_bound(max_rows, num_rows)
+        if grid == "two_class":
+            small = int(((group > 0) & (group <= SMALL_CLASS_ROWS)).sum())
+            large_mask = group > SMALL_CLASS_ROWS
+            n_large = int(large_mask.sum())
+            meta.class_split = small >= MIN_SMALL_SLOTS and 1 <= n_large <= LARGE_CLASS_CAPACITY
+            if meta.class_split:
+                large = torch.full((LARGE_CLASS_CAPACITY,), -1, dtype=torch.int32, device=device)
+                ids = torch.nonzero(large_mask).squeeze(1).to(torch.int32)
+                large[: ids.numel()] = ids
+                meta.large_slots = large
+    return meta

@@ -1,0 +1,87 @@
+"""Entry points: the batched LoRA delta through the Triton kernels or the reference.
+
+`add_batched_lora_` is what model layers call (metadata built once per step, passed in);
+`batched_lora` builds the metadata itself, for tests and one-off use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernel_config import KernelConfig
+from .lora_kernels import lora_expand, lora_shrink
+from .meta import LoRABatchMeta, build_batch_meta
+from .reference import check_lora_args, lora_delta_reference
+
+BACKENDS = ("triton", "reference")
+
+
+def _full_rank(lora_a: torch.Tensor) -> torch.Tensor:
+    return torch.full((lora_a.shape[0],), lora_a.shape[1], dtype=torch.int32, device=lora_a.device)
+
+
+def add_batched_lora_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    lora_rank: torch.Tensor,
+    meta: LoRABatchMeta,
+    backend: str = "triton",
+    cfg: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Add the batched LoRA delta into `y` in place.
+
+    Semantics:
+        y[m] += scaling[s] * (x[m] @ lora_a[s, :r].T) @ lora_b[s, :, :r].T
+        for every row m with s = meta.row_slot[m] >= 0 and r = lora_rank[s] > 0
+
+    Args:
+        y: `[M, N]` base output, updated in place.
+        x: `[M, K]` input activations.
+        lora_a: `[L, r_max, K]`; lora_b: `[L, N, r_max]`; scaling: `[L]`; lora_rank: `[L]` int32.
+        meta: step metadata from `build_batch_meta(row_slot, L, grid)`.
+        backend: "triton" (GPU, or CPU under TRITON_INTERPRET=1) or "reference".
+
+    Returns:
+        `y`.
+    """
+    if meta.has_lora is False:
+        return y
+    if backend == "reference":
+        return y.add_(lora_delta_reference(x, lora_a, lora_b, scaling, meta.row_slot, lora_rank).to(y.dtype))
+    if backend != "triton":
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    u = lora_shrink(x, lora_a, lora_rank, meta, cfg)
+    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg)
+
+
+def batched_lora(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    row_slot: torch.Tensor,
+    grid: str = "exact",
+    lora_rank: torch.Tensor | None = None,
+    backend: str = "triton",
+    block_m: int = 16,
+) -> torch.Tensor:
+    """Batched LoRA delta `[M, N]` for rows mapped to slots (rows with slot -1 get 0).
+
+    Args:
+        x: `[M, K]`; lora_a: `[L, r, K]`; lora_b: `[L, N, r]`; scaling: `[L]`;
+        row_slot: `[M]` int slot per row, -1 for none.
+        grid: "full", "active_rows", "two_class" or "exact".
+        lora_rank: optional `[L]` real rank per slot (defaults to r for every slot).
+        backend: "triton" or "reference".
+
+    Returns:
+        `[M, N]` delta in `x.dtype`.
+    """
+    check_lora_args(x, lora_a, lora_b, scaling, row_slot, lora_rank)
+    rank = _full_rank(lora_a) if lora_rank is None else lora_rank.to(torch.int32)
+    y = torch.zeros(x.shape[0], lora_b.shape[1], dtype=x.dtype, device=x.device)
+    meta = build_batch_meta(row_slot, lora_a.shape[0], grid, block_m)
+    return add_batched_lora_(y, x, lora_a, lora_b, scaling, rank, meta, backend)
