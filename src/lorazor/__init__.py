@@ -1,0 +1,20 @@
+"""LoRazor: serve many LoRA adapters on one Hugging Face backbone, in one batch, fast."""
+
+from .adapters import AdapterBank, AdapterError
+from .config import LoRazorConfig
+from .generate import LoRazorOutput
+from .model import LoRazorModel
+from .policies import LearnedRelease, ProfiledRelease, ReleasePolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdapterBank",
+    "AdapterError",
+    "LearnedRelease",
+    "LoRazorConfig",
+    "LoRazorModel",
+    "LoRazorOutput",
+    "ProfiledRelease",
+    "ReleasePolicy",
+]

@@ -1,0 +1,163 @@
+"""AdapterBank: every LoRA adapter of a multi-adapter PeftModel as stacked slot tensors per module.
+
+For each LoRA-wrapped linear module the bank holds PEFT's layouts stacked over slots:
+    lora_a [L, r_max, K]   (lora_A.weight of each adapter, zero past its rank)
+    lora_b [L, N, r_max]   (lora_B.weight)
+    scaling [L]            (alpha / r, or alpha / sqrt(r) with rsLoRA: PEFT's own value)
+    rank [L] int32         (0 where the adapter does not target this module: no delta there)
+Slot s holds the s-th adapter in `names`; unused slots (max_loras > adapters) have rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+NO_ADAPTER = -1
+
+
+class AdapterError(ValueError):
+    """An adapter LoRazor cannot serve as asked; the message names the adapter and the reason."""
+
+
+@dataclass
+class ModuleLoRA:
+    """Stacked LoRA weights of one target module over all slots."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: torch.Tensor
+    rank: torch.Tensor
+
+
+def _lora_layer_types():
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import Linear as LoraLinear
+
+    return LoraLayer, LoraLinear
+
+
+def find_lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name -> PEFT LoraLayer, for every LoRA-wrapped module of `model`."""
+    lora_layer, _ = _lora_layer_types()
+    return {name: m for name, m in model.named_modules() if isinstance(m, lora_layer)}
+
+
+def _check_adapter_config(name: str, cfg) -> None:
+    peft_type = getattr(cfg, "peft_type", None)
+    if str(getattr(peft_type, "value", peft_type)) != "LORA":
+        raise AdapterError(f"adapter {name!r} is {peft_type}, only LoRA adapters are supported")
+    if getattr(cfg, "use_dora", False):
+        raise AdapterError(f"adapter {name!r} uses DoRA, which LoRazor does not support")
+    if getattr(cfg, "modules_to_save", None):
+        raise AdapterError(
+            f"adapter {name!r} has modules_to_save={cfg.modules_to_save}: fully trained modules cannot be "
+            "batched per row"
+        )
+    if getattr(cfg, "lora_bias", False):
+        raise AdapterError(f"adapter {name!r} has lora_bias=True, which LoRazor does not support")
+
+
+def _check_layer(module_name: str, layer: nn.Module, adapters: list[str]) -> None:
+    _, lora_linear = _lora_layer_types()
+    present = [a for a in adapters if a in layer.lora_A]
+    if not present:
+        return
+    if not isinstance(layer, lora_linear) or not isinstance(layer.get_base_layer(), nn.Linear):
+        raise AdapterError(
+            f"adapter {present[0]!r} targets {module_name} ({type(layer).__name__} over "
+            f"{type(layer.get_base_layer()).__name__}): only nn.Linear targets are supported, not embeddings or conv"
+        )
+    if module_name.split(".")[-1] == "lm_head":
+        raise AdapterError(f"adapter {present[0]!r} targets lm_head, which LoRazor does not support")
+    if layer.merged_adapters:
+        raise AdapterError(f"adapters {layer.merged_adapters} are merged into {module_name}: unmerge them first")
+    if getattr(layer, "fan_in_fan_out", False):
+        raise AdapterError(f"{module_name} uses fan_in_fan_out (Conv1D), which LoRazor does not support")
+    variants = [a for a in present if a in getattr(layer, "lora_variant", {})]
+    if variants:
+        raise AdapterError(f"adapter {variants[0]!r} is a LoRA variant (DoRA/aLoRA/...) at {module_name}")
+
+
+class AdapterBank:
+    """All adapters of a PeftModel, stacked per target module, and the adapter name -> slot map.
+
+    Args:
+        names: adapter names, slot i holds `names[i]`.
+        modules: module qualified name -> `ModuleLoRA`.
+        num_slots: L, slots per module (>= len(names)).
+    """
+
+    def __init__(self, names: list[str], modules: dict[str, ModuleLoRA], num_slots: int):
+        self.names = list(names)
+        self.slot_of = {n: i for i, n in enumerate(self.names)}
+        self.modules = modules
+        self.num_slots = num_slots
+
+    @classmethod
+    def from_peft(
+        cls, peft_model: nn.Module, max_loras: int | None = None, max_lora_rank: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> "AdapterBank":
+        """Read and validate every LoRA adapter of `peft_model` (a `peft.PeftModel`).
+
+        Raises:
+            AdapterError: DoRA or other variants, non-Linear targets (embeddings, conv), lm_head,
+                merged adapters, modules_to_save, lora_bias; more adapters than `max_loras`;
+                a rank above `max_lora_rank`.
+        """
+        configs = getattr(peft_model, "peft_config", None)
+        if not configs:
+            raise AdapterError(f"expected a peft.PeftModel with LoRA adapters, got {type(peft_model).__name__}")
+        names = list(configs)
+        for name in names:
+            _check_adapter_config(name, configs[name])
+        if max_loras is not None and len(names) > max_loras:
+            raise AdapterError(f"{len(names)} adapters ({names}) exceed max_loras={max_loras}")
+        layers = find_lora_layers(peft_model)
+        ranks = {}
+        for module_name, layer in layers.items():
+            _check_layer(module_name, layer, names)
+            for a in names:
+                if a in layer.lora_A:
+                    ranks[a] = max(ranks.get(a, 0), layer.r[a])
+        for a, r in ranks.items():
+            if max_lora_rank is not None and r > max_lora_rank:
+                raise AdapterError(f"adapter {a!r} has rank {r} > max_lora_rank={max_lora_rank}")
+        r_max = max_lora_rank or max(ranks.values(), default=1)
+        num_slots = max_loras or len(names)
+        modules = {}
+        for module_name, layer in layers.items():
+            base = layer.get_base_layer()
+            if not any(a in layer.lora_A for a in names):
+                continue
+            w_dtype = dtype or base.weight.dtype
+            device = base.weight.device
+            lora_a = torch.zeros(num_slots, r_max, base.in_features, dtype=w_dtype, device=device)
+            lora_b = torch.zeros(num_slots, base.out_features, r_max, dtype=w_dtype, device=device)
+            scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
+            rank = torch.zeros(num_slots, dtype=torch.int32, device=device)
+            for slot, a in enumerate(names):
+                if a not in layer.lora_A:
+                    continue
+                r = layer.r[a]
+                lora_a[slot, :r] = layer.lora_A[a].weight.detach().to(w_dtype)
+                lora_b[slot, :, :r] = layer.lora_B[a].weight.detach().to(w_dtype)
+                scaling[slot] = float(layer.scaling[a])
+                rank[slot] = r
+            modules[module_name] = ModuleLoRA(lora_a, lora_b, scaling, rank)
+        return cls(names, modules, num_slots)
+
+    def slots_for(self, adapter_ids, device: torch.device | None = None) -> torch.Tensor:
+        """Adapter names (None: backbone) -> `[B]` int32 slot tensor; unknown names raise KeyError."""
+        slots = []
+        for i, a in enumerate(adapter_ids):
+            if a is None:
+                slots.append(NO_ADAPTER)
+            elif a in self.slot_of:
+                slots.append(self.slot_of[a])
+            else:
+                raise KeyError(f"unknown adapter {a!r} at row {i}; loaded adapters: {self.names}")
+        return torch.tensor(slots, dtype=torch.int32, device=device)

@@ -1,0 +1,38 @@
+"""Attention over LoRazor's KV cache, registered with transformers' AttentionInterface as "lorazor".
+
+The HF attention module computes q/k/v and RoPE, calls `KVCache.update`, then this function with the
+`[B, 1, q, S]` bool mask LoRazor passed as `attention_mask` (a 4-D mask reaches attention untouched).
+Decode with GQA folds each KV head's query group into the query-length axis, so SDPA reads every key
+and value once and never materializes repeated KV heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "lorazor"
+
+
+def lorazor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query `[B, H, q, D]`, key/value `[B, H_kv, S, D]`, bool mask `[B, 1, q, S]` -> `[B, q, H, D]`."""
+    if attention_mask is None or attention_mask.dtype != torch.bool:
+        raise RuntimeError("lorazor attention needs the bool mask built by LoRazor's KV cache")
+    B, H, q_len, D = query.shape
+    h_kv = key.shape[1]
+    if q_len == 1 and H != h_kv:
+        q = query.reshape(B, h_kv, H // h_kv, D)
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+        out = out.reshape(B, H, 1, D)
+    else:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=H != h_kv
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Make "lorazor" a valid `attn_implementation` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, lorazor_attention)

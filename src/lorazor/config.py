@@ -1,0 +1,90 @@
+"""LoRazorConfig: how a LoRazorModel is built and run. Frozen, validated, JSON round-trip."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from lorazor_kernels import GRID_MODES
+
+BACKENDS = ("auto", "triton", "reference")
+RELEASE_MODES = ("none", "profiled", "learned")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoRazorConfig:
+    """Configuration of a `LoRazorModel`.
+
+    Attributes:
+        grid: LoRA kernel grid mode: "exact" (default: a device-built tile table, no host sync),
+            "full" (vLLM/Punica baseline), "active_rows" or "two_class" (the paper's GridTrim).
+        release: default release policy when `generate` gets none: "none" (keep adapters to the
+            end), "profiled" or "learned" (loaded beside each adapter, see `lorazor.policies`).
+        max_batch_size: the largest batch `generate` accepts (sizes buffers and graphs).
+        max_loras: adapter slots in the bank; None: exactly the adapters of the PeftModel.
+        max_lora_rank: the largest rank a slot can hold; None: the largest rank loaded.
+        dtype: "float32", "float16" or "bfloat16" to cast the model and adapters; None keeps them.
+        cuda_graphs: capture and replay the decode step as a CUDA graph on the GPU.
+        backend: "auto" (Triton kernels on the GPU, the pure-torch reference on the CPU),
+            "triton" or "reference".
+        block_m: row-tile height of the LoRA kernels (a power of two >= 16).
+        max_cache_len: KV-cache length per row; None sizes it per call as prompt + max_new_tokens.
+    """
+
+    grid: str = "exact"
+    release: str = "none"
+    max_batch_size: int = 256
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    dtype: str | None = None
+    cuda_graphs: bool = True
+    backend: str = "auto"
+    block_m: int = 16
+    max_cache_len: int | None = None
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.grid not in GRID_MODES:
+            raise ValueError(f"grid must be one of {GRID_MODES}, got {self.grid!r}")
+        if self.release not in RELEASE_MODES:
+            raise ValueError(f"release must be one of {RELEASE_MODES}, got {self.release!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
+        for name in ("max_batch_size", "max_loras", "max_lora_rank", "max_cache_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.block_m < 16 or self.block_m & (self.block_m - 1):
+            raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return DTYPES[self.dtype] if self.dtype else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """Serialize to a JSON string, and write it to `path` when given."""
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "LoRazorConfig":
+        """Load from a JSON string or a path to a JSON file; unknown keys are an error."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text_or_path).read_text()
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown LoRazorConfig keys {unknown}")
+        return cls(**data)

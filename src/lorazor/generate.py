@@ -1,0 +1,166 @@
+"""The batched decode loop: one forward per step for the whole batch, HF generation semantics.
+
+Prefill runs every row's prompt with its adapter; each decode step asks the release policy which
+rows keep their adapter, runs one forward over the new tokens with that row -> slot map, and picks
+the next tokens through HF's logits processors (greedy or seeded sampling). Finished rows emit the
+pad token. Stopping is checked on the host only every `STOP_CHECK_EVERY` steps; trailing all-finished
+columns are trimmed at the end, so outputs have HF's length.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .policies.base import ReleasePolicy, ReleaseState
+
+# Check "all rows finished" on the host once every this many steps (one sync each, not per step).
+STOP_CHECK_EVERY = 16
+
+
+@dataclass
+class LoRazorOutput:
+    """What `LoRazorModel.generate` returns.
+
+    Attributes:
+        sequences: `[B, T + n]` prompt followed by the generated tokens (pad after EOS).
+        release_steps: `[B]` decode step at which each row released its adapter (it used it in
+            prefill and decode forwards 0..k-1); -1 if it never released or had no adapter.
+        decode_steps: `[B]` decode forwards each row needed (generated tokens - 1).
+        lora_decode_steps: `[B]` of those, how many ran with the row's adapter.
+    """
+
+    sequences: torch.Tensor
+    release_steps: torch.Tensor
+    decode_steps: torch.Tensor
+    lora_decode_steps: torch.Tensor
+
+    @property
+    def skip_fraction(self) -> float:
+        """Decode LoRA calls skipped over calls needed, weighted by decode length (paper A.4)."""
+        total = int(self.decode_steps.sum())
+        return 0.0 if total == 0 else 1.0 - int(self.lora_decode_steps.sum()) / total
+
+
+def resolve_generation_config(default: GenerationConfig | None, given: GenerationConfig | None, kwargs: dict):
+    """HF precedence: explicit config (or the model's) updated by kwargs; unknown kwargs are an error."""
+    cfg = copy.deepcopy(given if given is not None else (default or GenerationConfig()))
+    unused = cfg.update(**kwargs)
+    if unused:
+        raise TypeError(f"unknown generation arguments {sorted(unused)}")
+    if cfg.num_beams not in (None, 1):
+        raise NotImplementedError(f"beam search is not supported (num_beams={cfg.num_beams})")
+    return cfg
+
+
+def eos_ids(cfg: GenerationConfig) -> list[int]:
+    eos = cfg.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def build_logits_processors(cfg: GenerationConfig, prompt_len: int, device, extra=None) -> LogitsProcessorList:
+    """The processors HF's `generate` applies for these settings, in HF's order."""
+    procs = LogitsProcessorList()
+    eos = eos_ids(cfg)
+    if cfg.repetition_penalty is not None and cfg.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
+    if eos and cfg.min_length:
+        procs.append(MinLengthLogitsProcessor(cfg.min_length, eos, device=device))
+    if eos and cfg.min_new_tokens:
+        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, cfg.min_new_tokens, eos, device=device))
+    if extra:
+        procs.extend(extra)
+    if cfg.do_sample:
+        if cfg.temperature is not None and cfg.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(cfg.temperature))
+        if cfg.top_k:
+            procs.append(TopKLogitsWarper(top_k=cfg.top_k, min_tokens_to_keep=1))
+        if cfg.top_p is not None and cfg.top_p < 1.0:
+            procs.append(TopPLogitsWarper(top_p=cfg.top_p, min_tokens_to_keep=1))
+    return procs
+
+
+def next_tokens(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
+    if not do_sample:
+        return scores.argmax(-1)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def decode_loop(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    row_slot: torch.Tensor,
+    cfg: GenerationConfig,
+    max_new_tokens: int,
+    policy: ReleasePolicy | None,
+    release_overrides=None,
+    generator: torch.Generator | None = None,
+    logits_processor=None,
+) -> LoRazorOutput:
+    """Run prefill + decode for a validated, left-padded batch. See `LoRazorModel.generate`."""
+    B, T = input_ids.shape
+    device = input_ids.device
+    eos = eos_ids(cfg)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+    procs = build_logits_processors(cfg, T, device, logits_processor)
+    state = ReleaseState.create(row_slot, release_overrides)
+    if policy is not None:
+        policy.bind(model.bank.names, model.bank.num_slots, device)
+
+    tokens = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=device)
+    tokens[:, :T] = input_ids
+    unfinished = torch.ones(B, dtype=torch.bool, device=device)
+    gen_len = torch.zeros(B, dtype=torch.long, device=device)
+    lora_steps = torch.zeros(B, dtype=torch.long, device=device)
+    done_at = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+    next_pos = attention_mask.sum(-1)
+
+    cache = model.new_cache(B, T + max_new_tokens, device)
+    hidden, logits = model.prefill(input_ids, attention_mask, cache, row_slot)
+    steps_run = max_new_tokens
+    for t in range(max_new_tokens):
+        scores = procs(tokens[:, : T + t], logits.float())
+        tok = torch.where(unfinished, next_tokens(scores, cfg.do_sample, generator), pad)
+        tokens[:, T + t] = tok
+        gen_len += unfinished.long()
+        if eos:
+            newly = unfinished & torch.isin(tok, eos_t)
+            done_at.masked_fill_(newly, t)
+            unfinished &= ~newly
+        if t == max_new_tokens - 1:
+            break
+        if (t + 1) % STOP_CHECK_EVERY == 0 and not bool(unfinished.any()):
+            break
+        keep = policy.keep(t, hidden, state) if policy is not None else None
+        step_slot = state.advance(t, keep)
+        lora_steps += (step_slot >= 0) & unfinished
+        write_pos = torch.full((B,), T + t, dtype=torch.long, device=device)
+        hidden, logits = model.decode_step(tok, next_pos, write_pos, cache, step_slot)
+        next_pos = next_pos + 1
+    # HF stops right after the step where every row finished.
+    if eos:
+        all_done = int(done_at.max())
+        steps_run = min(max_new_tokens, all_done + 1)
+    sequences = tokens[:, : T + steps_run]
+    decode_steps = (gen_len - 1).clamp(min=0) * (row_slot >= 0)
+    lora_decode = torch.minimum(lora_steps, decode_steps)
+    return LoRazorOutput(sequences, state.release_step, decode_steps, lora_decode)
+
+
+def accepts_kwarg(fn, name: str) -> bool:
+    return name in inspect.signature(fn).parameters

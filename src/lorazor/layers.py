@@ -1,0 +1,83 @@
+"""BatchedLoRALinear: a PEFT LoRA linear replaced by base(x) + the batched LoRA delta of each row's slot.
+
+`patch_lora_layers` swaps every PEFT LoRA layer of a model for one of these (sharing the base weights,
+no copy) and returns what `unpatch_lora_layers` needs to put the PEFT layers back.
+"""
+
+from __future__ import annotations
+
+import torch
+from lorazor_kernels import add_batched_lora_
+from torch import nn
+
+from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
+from .step import StepContext
+
+
+class BatchedLoRALinear(nn.Module):
+    """`y = base(x) + delta`, delta[m] = scaling[s] * B[s] A[s] x[m] for the slot s of row m.
+
+    Args:
+        base_layer: the frozen `nn.Linear` (shared with the PEFT model, not copied).
+        lora: this module's stacked slot weights.
+        context: the model's shared `StepContext`; outside a step the layer is the base layer.
+    """
+
+    def __init__(self, base_layer: nn.Linear, lora: ModuleLoRA, context: StepContext):
+        super().__init__()
+        self.base_layer = base_layer
+        self.lora = lora
+        self.context = context
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        meta = self.context.meta
+        if meta is None or meta.has_lora is False:
+            return y
+        if x.numel() // x.shape[-1] != meta.num_rows:
+            raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
+        lora = self.lora
+        add_batched_lora_(
+            y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora.lora_a, lora.lora_b, lora.scaling,
+            lora.rank, meta, backend=self.context.backend,
+        )
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, slots={self.lora.lora_a.shape[0]}"
+
+
+def _parent_and_attr(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, attr = name.rpartition(".")
+    return (root.get_submodule(parent_name) if parent_name else root), attr
+
+
+def patch_lora_layers(root: nn.Module, bank: AdapterBank, context: StepContext) -> list[tuple[str, nn.Module]]:
+    """Replace every PEFT LoRA layer under `root` by a `BatchedLoRALinear` (in place).
+
+    Layers no adapter targets become their plain base layer. Returns `(name, peft_layer)` pairs for
+    `unpatch_lora_layers`.
+    """
+    replaced = []
+    for name, layer in find_lora_layers(root).items():
+        parent, attr = _parent_and_attr(root, name)
+        base = layer.get_base_layer()
+        new = BatchedLoRALinear(base, bank.modules[name], context) if name in bank.modules else base
+        setattr(parent, attr, new)
+        replaced.append((name, layer))
+    return replaced
+
+
+def unpatch_lora_layers(root: nn.Module, replaced: list[tuple[str, nn.Module]]) -> None:
+    """Put the PEFT layers saved by `patch_lora_layers` back."""
+    for name, layer in replaced:
+        parent, attr = _parent_and_attr(root, name)
+        setattr(parent, attr, layer)

@@ -1,0 +1,213 @@
+"""LoRazorModel: many LoRA adapters on one Hugging Face backbone, mixed in one batch.
+
+    model = LoRazorModel.from_peft(peft_model, LoRazorConfig(grid="exact"))
+    out = model.generate(input_ids, attention_mask=mask, adapter_ids=["math", None, "sql"], max_new_tokens=64)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .adapters import AdapterBank
+from .attention import ATTENTION_NAME, register_attention
+from .config import LoRazorConfig
+from .generate import LoRazorOutput, accepts_kwarg, decode_loop, resolve_generation_config
+from .kv_cache import KVCache
+from .layers import patch_lora_layers, unpatch_lora_layers
+from .policies.base import ReleasePolicy
+from .step import StepContext
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+class LoRazorModel(nn.Module):
+    """A causal LM whose LoRA layers serve a different adapter per row. Build with `from_peft`.
+
+    Attributes:
+        model: the Hugging Face causal LM, its PEFT LoRA layers replaced by `BatchedLoRALinear`.
+        bank: the `AdapterBank` (adapter names, slots, stacked weights).
+        config: the `LoRazorConfig`.
+    """
+
+    def __init__(self, peft_model: nn.Module, bank: AdapterBank, config: LoRazorConfig):
+        super().__init__()
+        self.peft_model = peft_model
+        self.model = peft_model.get_base_model()
+        self.bank = bank
+        self.config = config
+        backend = config.backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "reference"
+        self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
+        self._replaced = patch_lora_layers(peft_model, bank, self.context)
+        self._decoder = self.model.get_decoder()
+        self._lm_head = self.model.get_output_embeddings()
+        self._previous_attn = self.model.config._attn_implementation
+        register_attention()
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        # transformers 5.24 renamed the cache argument; 5.17 only knows `past_key_values`.
+        self._cache_kwarg = "cache" if accepts_kwarg(self._decoder.forward, "cache") else "past_key_values"
+
+    @classmethod
+    def from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None = None) -> "LoRazorModel":
+        """Build from a multi-adapter `peft.PeftModel` (its LoRA layers are replaced in place).
+
+        Adapters may differ in rank, alpha, rsLoRA and target modules. The PEFT model's layers are
+        restored by `unpatch()`.
+
+        Raises:
+            AdapterError: an adapter LoRazor cannot serve (DoRA, embedding/conv targets, merged,
+                modules_to_save, rank above `max_lora_rank`, more than `max_loras` adapters).
+            NotImplementedError: an unsupported architecture.
+        """
+        config = config or LoRazorConfig()
+        model_type = peft_model.get_base_model().config.model_type
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise NotImplementedError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+        if config.torch_dtype is not None:
+            peft_model.to(config.torch_dtype)
+        peft_model.eval()
+        bank = AdapterBank.from_peft(peft_model, config.max_loras, config.max_lora_rank, config.torch_dtype)
+        return cls(peft_model, bank, config)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.peft_model.parameters()).device
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.bank.names)
+
+    def unpatch(self) -> nn.Module:
+        """Put the PEFT LoRA layers and attention back; returns the PeftModel. This object is then unusable."""
+        unpatch_lora_layers(self.peft_model, self._replaced)
+        self.model.set_attn_implementation(self._previous_attn)
+        self._replaced = []
+        return self.peft_model
+
+    # ---- forwards -------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device) -> KVCache:
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and getattr(cfg, "use_sliding_window", True) and max_len > window:
+            raise NotImplementedError(f"cache length {max_len} exceeds the sliding window {window}")
+        dtype = self._lm_head.weight.dtype
+        return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, head_dim, dtype, device)
+
+    def _decoder_forward(self, input_ids, position_ids, mask, cache, row_slot, tokens_per_row):
+        with torch.inference_mode(), self.context.step(row_slot, tokens_per_row):
+            out = self._decoder(
+                input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                **{self._cache_kwarg: cache},
+            )
+        return out.last_hidden_state
+
+    def prefill(self, input_ids, attention_mask, cache: KVCache, row_slot):
+        """Prompt forward with adapters. Returns (last hidden `[B, H]`, last logits `[B, V]`)."""
+        mask4d = cache.begin_prefill(attention_mask)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        hidden = self._decoder_forward(input_ids, position_ids, mask4d, cache, row_slot, input_ids.shape[1])
+        last = hidden[:, -1]
+        with torch.inference_mode():
+            return last, self._lm_head(last)
+
+    def decode_step(self, tokens, positions, write_pos, cache: KVCache, row_slot):
+        """One decode forward for every row: token `[B]` at position `[B]` written at `write_pos [B]`."""
+        mask4d = cache.begin_decode(write_pos)
+        hidden = self._decoder_forward(tokens[:, None], positions[:, None], mask4d, cache, row_slot, 1)
+        last = hidden[:, -1]
+        with torch.inference_mode():
+            return last, self._lm_head(last)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, adapter_ids=None):
+        """Logits `[B, T, V]` of one full forward with per-row adapters (left or no padding).
+
+        Matches PEFT's `model(input_ids, attention_mask, adapter_names=...)` on the real tokens.
+        """
+        attention_mask = self._check_batch(input_ids, attention_mask, adapter_ids)
+        row_slot = self._row_slot(input_ids, adapter_ids)
+        cache = self.new_cache(input_ids.shape[0], input_ids.shape[1], input_ids.device)
+        mask4d = cache.begin_prefill(attention_mask)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        hidden = self._decoder_forward(input_ids, position_ids, mask4d, cache, row_slot, input_ids.shape[1])
+        with torch.inference_mode():
+            return self._lm_head(hidden)
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _check_batch(self, input_ids, attention_mask, adapter_ids) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if B == 0:
+            raise ValueError("empty batch: input_ids has 0 rows")
+        if T == 0:
+            raise ValueError("empty prompt: input_ids has 0 columns")
+        if B > self.config.max_batch_size:
+            raise ValueError(f"batch size {B} exceeds max_batch_size={self.config.max_batch_size}")
+        if adapter_ids is None:
+            raise ValueError("adapter_ids is required: one adapter name (or None for the backbone) per row")
+        if len(adapter_ids) != B:
+            raise ValueError(f"adapter_ids has {len(adapter_ids)} entries but the batch has {B} rows")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if not bool(attention_mask[:, -1].all()):
+            raise ValueError("right padding is not supported: pad on the left (tokenizer.padding_side='left')")
+        return attention_mask.to(input_ids.device)
+
+    def _row_slot(self, input_ids, adapter_ids) -> torch.Tensor:
+        return self.bank.slots_for(adapter_ids, device=input_ids.device)
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        adapter_ids=None,
+        generation_config=None,
+        release_policy: ReleasePolicy | None = None,
+        release=None,
+        generator: torch.Generator | None = None,
+        logits_processor=None,
+        **kwargs,
+    ) -> LoRazorOutput:
+        """Generate for a mixed-adapter batch, one forward per step for the whole batch.
+
+        Args:
+            input_ids: `[B, T]` left-padded prompts.
+            attention_mask: `[B, T]` (1 = token, 0 = left padding); None means no padding.
+            adapter_ids: `B` adapter names, None for a backbone-only row.
+            generation_config: a `transformers.GenerationConfig`; kwargs override its fields
+                (`max_new_tokens`, `min_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`,
+                `repetition_penalty`, `eos_token_id`, `pad_token_id`, ...).
+            release_policy: a StepTrim policy (`ProfiledRelease`, `LearnedRelease`); None keeps
+                every adapter to the end.
+            release: per-row overrides: None (policy), "never", or a fixed release length k.
+            generator: a seeded `torch.Generator` for sampling.
+            logits_processor: extra HF logits processors, applied after HF's own.
+
+        Returns:
+            `LoRazorOutput` with `sequences [B, T + n]` and per-row `release_steps`.
+        """
+        attention_mask = self._check_batch(input_ids, attention_mask, adapter_ids)
+        row_slot = self._row_slot(input_ids, adapter_ids)
+        cfg = resolve_generation_config(self.model.generation_config, generation_config, kwargs)
+        B, T = input_ids.shape
+        max_new = cfg.max_new_tokens if cfg.max_new_tokens is not None else max(cfg.max_length - T, 0)
+        if max_new < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
+        limit = self.config.max_cache_len
+        if limit is not None and T + max_new > limit:
+            raise ValueError(f"prompt length {T} + max_new_tokens {max_new} exceeds max_cache_len={limit}")
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if max_pos is not None and T + max_new > max_pos:
+            raise ValueError(f"prompt length {T} + max_new_tokens {max_new} exceeds max_position_embeddings={max_pos}")
+        if max_new == 0:
+            empty = torch.zeros(B, dtype=torch.long, device=input_ids.device)
+            return LoRazorOutput(input_ids.clone(), empty - 1, empty, empty)
+        return decode_loop(
+            self, input_ids, attention_mask, row_slot, cfg, max_new, release_policy, release, generator,
+            logits_processor,
+        )

@@ -1,0 +1,7 @@
+"""StepTrim release policies: when a request stops using its adapter, for good."""
+
+from .base import NEVER, ReleasePolicy, ReleaseState
+from .learned import LearnedRelease
+from .profiled import ProfiledRelease
+
+__all__ = ["NEVER", "LearnedRelease", "ProfiledRelease", "ReleasePolicy", "ReleaseState"]

@@ -1,0 +1,88 @@
+"""Release-policy interface and the one-way per-row release state (StepTrim, paper 3.2).
+
+A policy is called once per decode step, in the spirit of a `LogitsProcessor`, with the decode
+step index d, the final hidden state of each row (before the LM head) from the forward that just
+ran, and the per-row state. It returns which rows may keep their adapter for decode forward d.
+Everything stays on the device: no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEVER = "never"
+# A release step no generation reaches: "keep the adapter to the end".
+NEVER_STEP = 2**62
+
+
+@dataclass
+class ReleaseState:
+    """Per-row adapter state of one `generate` call (all `[B]`, on the model's device).
+
+    Attributes:
+        slot: the row's adapter slot (-1: backbone row).
+        active: whether the row still holds its adapter. Release is one-way.
+        release_step: the decode step at which the row released (-1: not released).
+        override_k: per-request fixed release length (NEVER_STEP: never), used where `use_override`.
+        use_override: rows whose `release=` request overrides the policy.
+    """
+
+    slot: torch.Tensor
+    active: torch.Tensor
+    release_step: torch.Tensor
+    override_k: torch.Tensor
+    use_override: torch.Tensor
+
+    @classmethod
+    def create(cls, slot: torch.Tensor, overrides=None) -> "ReleaseState":
+        """`overrides`: None, or one entry per row: None (policy), "never", or an int k >= 0."""
+        B, device = slot.shape[0], slot.device
+        override_k = torch.full((B,), NEVER_STEP, dtype=torch.long)
+        use_override = torch.zeros(B, dtype=torch.bool)
+        if overrides is not None:
+            if len(overrides) != B:
+                raise ValueError(f"release has {len(overrides)} entries but the batch has {B} rows")
+            for i, o in enumerate(overrides):
+                if o is None:
+                    continue
+                if o == NEVER:
+                    use_override[i] = True
+                elif isinstance(o, int) and not isinstance(o, bool) and o >= 0:
+                    use_override[i], override_k[i] = True, o
+                else:
+                    raise ValueError(f"release[{i}] must be None, 'never' or an int >= 0, got {o!r}")
+        return cls(
+            slot=slot,
+            active=slot >= 0,
+            release_step=torch.full((B,), -1, dtype=torch.long, device=device),
+            override_k=override_k.to(device),
+            use_override=use_override.to(device),
+        )
+
+    def advance(self, step: int, policy_keep: torch.Tensor | None) -> torch.Tensor:
+        """Apply the decision for decode step `step`; returns the step's row -> slot map `[B]`."""
+        forced = step < self.override_k
+        keep = forced if policy_keep is None else torch.where(self.use_override, forced, policy_keep)
+        released = self.active & ~keep
+        self.release_step.masked_fill_(released, step)
+        self.active &= keep
+        return torch.where(self.active, self.slot, -1)
+
+
+class ReleasePolicy:
+    """Base class. Subclasses implement `keep`; `bind` resolves adapter names to slots once per call."""
+
+    def bind(self, adapter_names: list[str], num_slots: int, device: torch.device) -> None:
+        """Called once per `generate` with the bank's slot order; build per-slot tensors here."""
+
+    def keep(self, step: int, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
+        """Rows `[B]` bool that keep their adapter for decode forward `step`.
+
+        Args:
+            step: decode forward index d (0 is the first forward after prefill).
+            hidden: `[B, H]` final hidden state (before the LM head) of the forward that just ran.
+            state: the per-row `ReleaseState` (read-only here).
+        """
+        raise NotImplementedError

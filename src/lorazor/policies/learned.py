@@ -1,0 +1,53 @@
+"""LearnedRelease: a linear risk head per adapter on the final hidden state (paper 3.2.2).
+
+s = w_a . h + b_a for each row's adapter a; the row releases when s < tau_a. All heads of a batch are
+evaluated in one batched op: each row gathers its adapter's (w, b, tau) by slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ReleasePolicy, ReleaseState
+
+
+class LearnedRelease(ReleasePolicy):
+    """Release a row once its adapter's risk score falls below the adapter's threshold.
+
+    Args:
+        heads: adapter name -> (weight `[H]`, bias float, tau float). Adapters without a head never
+            release. tau = -inf never releases; tau = +inf releases right after prefill.
+    """
+
+    kind = "learned"
+
+    def __init__(self, heads: dict[str, tuple[torch.Tensor, float, float]]):
+        self.heads = dict(heads)
+        self._w = self._b = self._tau = None
+
+    def bind(self, adapter_names, num_slots, device) -> None:
+        unknown = sorted(set(self.heads) - set(adapter_names))
+        if unknown:
+            raise KeyError(f"heads given for unknown adapters {unknown}; loaded: {list(adapter_names)}")
+        sizes = {tuple(w.shape) for w, _, _ in self.heads.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"all heads must have the same hidden size, got shapes {sorted(sizes)}")
+        hidden = sizes.pop()[0] if sizes else 1
+        # Row L (slot -1, backbone rows) and adapters without heads: w = 0, b = 0, tau = -inf (keep).
+        w = torch.zeros(num_slots + 1, hidden, dtype=torch.float32)
+        b = torch.zeros(num_slots + 1, dtype=torch.float32)
+        tau = torch.full((num_slots + 1,), float("-inf"), dtype=torch.float32)
+        for slot, name in enumerate(adapter_names):
+            if name in self.heads:
+                hw, hb, ht = self.heads[name]
+                w[slot], b[slot], tau[slot] = hw.float(), float(hb), float(ht)
+        self._w, self._b, self._tau = w.to(device), b.to(device), tau.to(device)
+
+    def scores(self, hidden: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """`[B]` risk scores w_a . h + b_a, one batched gather + dot for all rows."""
+        idx = slot.long()
+        return (hidden.float() * self._w[idx]).sum(-1) + self._b[idx]
+
+    def keep(self, step: int, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
+        idx = state.slot.long()
+        return self.scores(hidden, state.slot) >= self._tau[idx]

@@ -1,0 +1,52 @@
+"""ProfiledRelease: a fixed release length k per adapter (paper 3.2.1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .base import NEVER_STEP, ReleasePolicy, ReleaseState
+
+
+class ProfiledRelease(ReleasePolicy):
+    """Keep the adapter for prefill and the first k decode forwards, then release it for good.
+
+    Args:
+        lengths: adapter name -> k (0: prefill only; None: never release). Adapters not listed never
+            release.
+
+    Example:
+        `ProfiledRelease({"math": 3, "sql": 0})`: math rows use LoRA in prefill and decode forwards
+        0, 1, 2; sql rows only in prefill.
+    """
+
+    kind = "profiled"
+
+    def __init__(self, lengths: dict[str, int | None]):
+        for name, k in lengths.items():
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+                raise ValueError(f"release length for adapter {name!r} must be None or an int >= 0, got {k!r}")
+        self.lengths = dict(lengths)
+        self._k_of_slot: torch.Tensor | None = None
+
+    def bind(self, adapter_names, num_slots, device) -> None:
+        unknown = sorted(set(self.lengths) - set(adapter_names))
+        if unknown:
+            raise KeyError(f"release lengths given for unknown adapters {unknown}; loaded: {list(adapter_names)}")
+        k = torch.full((num_slots + 1,), NEVER_STEP, dtype=torch.long)
+        for slot, name in enumerate(adapter_names):
+            if self.lengths.get(name) is not None:
+                k[slot] = self.lengths[name]
+        self._k_of_slot = k.to(device)
+
+    def keep(self, step: int, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
+        # slot -1 (backbone rows) reads the last entry, which never releases (they hold nothing).
+        return step < self._k_of_slot[state.slot.long()]
+
+    def save(self, adapter_dir: str | Path, adapter_name: str) -> Path:
+        """Write `release_policy.json` for one adapter into its directory."""
+        path = Path(adapter_dir) / "release_policy.json"
+        path.write_text(json.dumps({"kind": self.kind, "k": self.lengths.get(adapter_name)}, indent=2))
+        return path

@@ -1,0 +1,41 @@
+"""StepContext: the per-step LoRA metadata shared by every BatchedLoRALinear of a model.
+
+`begin(row_slot)` builds the kernels' `LoRABatchMeta` once per forward (per step, never per layer);
+each layer reads `context.meta`. The build is device-only for the `exact` and `full` grids, so it can
+sit inside a captured CUDA graph and is replayed with the graph.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from lorazor_kernels import LoRABatchMeta, build_batch_meta
+
+
+class StepContext:
+    """Holds the metadata of the forward in flight.
+
+    Args:
+        num_slots: L, slots in the adapter bank.
+        grid: kernel grid mode.
+        backend: "triton" or "reference".
+        block_m: row-tile height of the kernels.
+    """
+
+    def __init__(self, num_slots: int, grid: str, backend: str, block_m: int = 16):
+        self.num_slots = num_slots
+        self.grid = grid
+        self.backend = backend
+        self.block_m = block_m
+        self.meta: LoRABatchMeta | None = None
+
+    @contextmanager
+    def step(self, row_slot: torch.Tensor, tokens_per_row: int = 1):
+        """Run one forward with `row_slot` `[B]` (int, -1 = no LoRA) repeated over each row's tokens."""
+        token_slot = row_slot if tokens_per_row == 1 else row_slot.repeat_interleave(tokens_per_row)
+        self.meta = build_batch_meta(token_slot, self.num_slots, self.grid, self.block_m)
+        try:
+            yield self.meta
+        finally:
+            self.meta = None

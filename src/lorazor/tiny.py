@@ -1,0 +1,76 @@
+"""Tiny random Llama / Mistral / Qwen2 models with several LoRA adapters, built from configs.
+
+Used by `lorazor demo`, the tests and the docs: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One LoRA adapter of a tiny model."""
+
+    name: str
+    r: int
+    alpha: float
+    targets: tuple[str, ...]
+    rslora: bool = False
+
+
+DEFAULT_ADAPTERS = (
+    AdapterSpec("math", 8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    AdapterSpec("sql", 4, 8, ("q_proj", "v_proj")),
+    AdapterSpec("med", 16, 8, ("q_proj", "o_proj", "down_proj"), rslora=True),
+)
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 96, tie_embeddings: bool = False):
+    """A 2-layer model config of the given architecture, with GQA (4 heads, 2 KV heads)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=tie_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    if arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+
+
+def tiny_peft_model(
+    arch: str = "llama",
+    adapters: tuple[AdapterSpec, ...] = DEFAULT_ADAPTERS,
+    seed: int = 0,
+    tie_embeddings: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
+    """A random tiny causal LM wrapped in a PeftModel holding `adapters` (non-zero LoRA B)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(tiny_config(arch, tie_embeddings=tie_embeddings), dtype=dtype)
+    base.eval()
+    peft_model = None
+    for spec in adapters:
+        cfg = LoraConfig(
+            r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets), use_rslora=spec.rslora,
+            init_lora_weights=False, lora_dropout=0.0,
+        )
+        if peft_model is None:
+            peft_model = get_peft_model(base, cfg, adapter_name=spec.name)
+        else:
+            peft_model.add_adapter(spec.name, cfg)
+    peft_model.eval()
+    return peft_model
