@@ -1,0 +1,145 @@
+"""Per-layer LoRA kernel time (7 projections) for every grid mode, against the memory floor.
+
+    python benchmarks/bench_kernels.py --out benchmarks/results [--sweep]
+
+M = 256 decode rows spread uniformly over L adapters (L in 4..128), rank 8, bf16, plus a mixed
+case (192 prefill rows of one adapter + 64 decode rows over the others). Each layer's 7 LoRA ops
+are captured in one CUDA graph over a pool of distinct layers (so weights come from HBM, not L2)
+and replayed; the step metadata is built once outside, as in a model step.
+Floor = (active adapters' A and B bytes + x read once + y read and written) / measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SHAPES, copy_bandwidth, environment, projections, time_graph, write_results  # noqa: E402
+from lorazor_kernels import GRID_MODES, KernelConfig, add_batched_lora_, build_batch_meta, get_kernel_config  # noqa: E402
+
+RANK = 8
+M = 256
+L2_BYTES = 60e6
+
+
+def slot_map(case: str, L: int, gen: torch.Generator) -> torch.Tensor:
+    if case == "decode":
+        slots = torch.arange(M) % L
+    else:  # mixed: 192 prefill rows of slot 0, 64 decode rows over the other slots
+        slots = torch.cat([torch.zeros(192, dtype=torch.long), 1 + torch.arange(64) % (L - 1)])
+    return slots[torch.randperm(M, generator=gen)].cuda()
+
+
+def layer_pool(shape: dict, L: int):
+    """Enough distinct layers that the pool is ~3x the L2, each with 7 projections' weights."""
+    per_layer = sum(L * RANK * (k + n) * 2 for k, n in projections(shape).values())
+    n_layers = max(2, min(16, math.ceil(3 * L2_BYTES / per_layer)))
+    layers = []
+    for _ in range(n_layers):
+        projs = {}
+        for name, (k, n) in projections(shape).items():
+            projs[name] = dict(
+                a=torch.randn(L, RANK, k, device="cuda", dtype=torch.bfloat16) / k**0.5,
+                b=torch.randn(L, n, RANK, device="cuda", dtype=torch.bfloat16) / RANK**0.5,
+                s=torch.ones(L, device="cuda"), r=torch.full((L,), RANK, dtype=torch.int32, device="cuda"),
+                x=torch.randn(M, k, device="cuda", dtype=torch.bfloat16),
+                y=torch.randn(M, n, device="cuda", dtype=torch.bfloat16),
+            )
+        layers.append(projs)
+    return layers
+
+
+def floor_us(shape: dict, active: int, bandwidth: float) -> float:
+    total = 0
+    for k, n in projections(shape).values():
+        total += active * RANK * (k + n) * 2 + M * k * 2 + 2 * M * n * 2
+    return total / bandwidth * 1e6
+
+
+def time_mode(layers, meta, cfg) -> float:
+    def run():
+        for projs in layers:
+            for p in projs.values():
+                add_batched_lora_(p["y"], p["x"], p["a"], p["b"], p["s"], p["r"], meta, cfg=cfg)
+    return time_graph(run) * 1e3 / len(layers)
+
+
+def time_backbone(shape: dict) -> float:
+    ws = [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), torch.randn(M, k, device="cuda", dtype=torch.bfloat16))
+          for k, n in projections(shape).values()]
+    return time_graph(lambda: [x @ w.T for w, x in ws]) * 1e3
+
+
+def sweep(shape: dict, gen) -> KernelConfig:
+    """Small search over launch parameters for `exact`, scored at L = 8 and L = 128."""
+    best, best_t = None, float("inf")
+    cands = []
+    for bk in (64, 128, 256):
+        for tp in (2, 4, 8):
+            for bn in (64, 128, 256):
+                for sw in (2, 4):
+                    cands.append(KernelConfig(shrink_block_k=bk, target_programs_per_sm=tp, expand_block_n=bn,
+                                              shrink_num_warps=sw, expand_num_warps=4))
+    pools = {L: (layer_pool(shape, L)[:2], build_batch_meta(slot_map("decode", L, gen), L, "exact")) for L in (8, 128)}
+    for cfg in cands:
+        t = sum(time_mode(layers, meta, cfg) for layers, meta in pools.values())
+        print(f"sweep {cfg} -> {t:.1f} us (L=8 + L=128)", flush=True)
+        if t < best_t:
+            best, best_t = cfg, t
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--sweep", action="store_true", help="tune launch parameters first and use the best")
+    ap.add_argument("--models", default="llama-3.2-3b,mistral-7b")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    bw = copy_bandwidth()
+    cfg = get_kernel_config(torch.device("cuda"))
+    if args.sweep:
+        cfg = sweep(SHAPES["llama-3.2-3b"], gen)
+        (args.out / "tuned_kernel_config.json").parent.mkdir(parents=True, exist_ok=True)
+        (args.out / "tuned_kernel_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    rows = []
+    for model in args.models.split(","):
+        shape = SHAPES[model]
+        gemm = time_backbone(shape)
+        for case, Ls in (("decode", (4, 8, 16, 32, 64, 128)), ("mixed", (128,))):
+            for L in Ls:
+                layers = layer_pool(shape, L)
+                slots = slot_map(case, L, gen)
+                row = dict(model=model, case=case, L=L, floor_us=floor_us(shape, L, bw), backbone_gemm_us=gemm)
+                for grid in GRID_MODES:
+                    meta = build_batch_meta(slots, L, grid)
+                    row[f"{grid}_us"] = time_mode(layers, meta, cfg)
+                row["exact_over_full"] = row["exact_us"] / row["full_us"]
+                row["exact_over_floor"] = row["exact_us"] / row["floor_us"]
+                rows.append(row)
+                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+                del layers
+                torch.cuda.empty_cache()
+    meta = dict(environment(), command=" ".join(sys.argv), copy_bandwidth_TBps=bw / 1e12, rank=RANK, rows_M=M,
+                kernel_config=dataclasses.asdict(cfg), date=time.strftime("%Y-%m-%d"))
+    head = "| model | case | L | full us | active_rows us | two_class us | exact us | floor us | exact/full | exact/floor | backbone GEMMs us |\n"
+    head += "|---|---|---|---|---|---|---|---|---|---|---|\n"
+    body = "".join(
+        f"| {r['model']} | {r['case']} | {r['L']} | {r['full_us']:.1f} | {r['active_rows_us']:.1f} | {r['two_class_us']:.1f} | "
+        f"{r['exact_us']:.1f} | {r['floor_us']:.1f} | {r['exact_over_full']:.2f} | {r['exact_over_floor']:.2f} | {r['backbone_gemm_us']:.1f} |\n"
+        for r in rows)
+    table = f"# LoRA kernel time per layer (7 projections, rank {RANK}, M={M}, bf16)\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
+    write_results(args.out, "kernels", rows, meta, table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Shared benchmark helpers: shapes registry, environment record, timing, bandwidth."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+# (K, N) of the 7 LoRA-targeted projections of one decoder layer.
+SHAPES = {
+    "llama-3.2-3b": dict(hidden=3072, inter=8192, heads=24, kv_heads=8, head_dim=128, layers=28, vocab=128256),
+    "mistral-7b": dict(hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128, layers=32, vocab=32768),
+}
+
+
+def projections(shape: dict) -> dict[str, tuple[int, int]]:
+    h, i = shape["hidden"], shape["inter"]
+    q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def environment() -> dict:
+    """Commit, GPU and package versions, recorded with every result."""
+    import transformers
+    import triton
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        sha = "unknown"
+    env = {"commit": sha or "unknown", "python": platform.python_version(), "torch": torch.__version__,
+           "triton": triton.__version__, "transformers": transformers.__version__}
+    try:
+        import peft
+
+        env["peft"] = peft.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def time_graph(fn, warmup: int = 3, iters: int = 50) -> float:
+    """Median milliseconds of `fn` captured in a CUDA graph and replayed (launch gaps removed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Measured device copy bandwidth in bytes/s (bytes read + written), a 4 GB copy."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.float16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = time_graph(lambda: dst.copy_(src), iters=20)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def write_results(out_dir: Path, name: str, rows: list[dict], meta: dict, table: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out_dir / f"{name}.md").write_text(table)

@@ -1,0 +1,159 @@
+"""Every grid mode of the Triton LoRA kernels against the pure-torch reference."""
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA, KERNEL_DTYPES, TOL
+from lorazor_kernels import GRID_MODES, batched_lora, build_batch_meta, lora_delta_reference, row_bound
+
+
+def make_case(M, K, N, r, L, dtype, seed, frac_base=0.3, ranks=None, row_slot=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    a = torch.randn(L, r, K, generator=g) / K**0.5
+    b = torch.randn(L, N, r, generator=g) / r**0.5  # non-zero B: a missing delta fails the test
+    scaling = torch.rand(L, generator=g) + 0.5
+    if row_slot is None:
+        row_slot = torch.randint(0, L, (M,), generator=g)
+        row_slot[torch.rand(M, generator=g) < frac_base] = -1
+        if frac_base < 1.0:
+            row_slot[0] = L - 1  # at least one row with an adapter
+    rank = torch.full((L,), r, dtype=torch.int32) if ranks is None else ranks
+    to = dict(device=DEVICE)
+    return (x.to(dtype=dtype, **to), a.to(dtype=dtype, **to), b.to(dtype=dtype, **to), scaling.to(**to),
+            row_slot.to(**to), rank.to(**to))
+
+
+def check(case, grid, dtype):
+    x, a, b, s, slot, rank = case
+    out = batched_lora(x, a, b, s, slot, grid=grid, lora_rank=rank)
+    ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), slot, rank)
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+    # Rows without an adapter (or with a rank-0 slot) must be exactly zero.
+    none = (slot < 0) | (rank[slot.clamp(min=0).long()] == 0)
+    assert torch.all(out[none] == 0)
+    assert ref.abs().max() > 0.1, "the case must have a non-trivial delta"
+
+
+SHAPES = [
+    # M, K, N, r, L
+    (1, 64, 48, 8, 1),
+    (7, 100, 257, 8, 3),
+    (33, 257, 100, 4, 5),
+    (40, 96, 80, 16, 12),
+    (19, 128, 64, 1, 4),
+]
+
+
+@pytest.mark.parametrize("grid", GRID_MODES)
+@pytest.mark.parametrize("M, K, N, r, L", SHAPES)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_grid_modes_match_reference(grid, M, K, N, r, L, dtype):
+    check(make_case(M, K, N, r, L, dtype, seed=M * 7 + L), grid, dtype)
+
+
+@pytest.mark.parametrize("grid", GRID_MODES)
+def test_every_row_with_an_adapter(grid):
+    check(make_case(21, 64, 40, 8, 3, torch.float32, seed=3, frac_base=0.0), grid, torch.float32)
+
+
+@pytest.mark.parametrize("grid", GRID_MODES)
+def test_no_row_with_an_adapter_gets_exact_zero(grid):
+    x, a, b, s, slot, rank = make_case(21, 64, 40, 8, 3, torch.float32, seed=3, frac_base=1.0)
+    out = batched_lora(x, a, b, s, slot, grid=grid, lora_rank=rank)
+    assert torch.all(out == 0)
+
+
+@pytest.mark.parametrize("grid", GRID_MODES)
+def test_all_rows_on_one_adapter(grid):
+    slot = torch.full((37,), 2)
+    check(make_case(37, 96, 72, 8, 4, torch.float32, seed=5, row_slot=slot), grid, torch.float32)
+
+
+@pytest.mark.parametrize("grid", GRID_MODES)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_mixed_ranks_and_absent_slots(grid, dtype):
+    # rank 0 = the adapter does not target this module: its rows must get no delta.
+    ranks = torch.tensor([1, 4, 0, 16, 8, 13], dtype=torch.int32)
+    check(make_case(45, 80, 66, 16, 6, dtype, seed=11, ranks=ranks), grid, dtype)
+
+
+@pytest.mark.parametrize("grid", GRID_MODES)
+def test_prefill_group_beside_decode_rows(grid):
+    # One 200-row prefill group plus 12 small decode groups: enables the two-class expand.
+    g = torch.Generator().manual_seed(2)
+    decode = torch.randint(1, 13, (40,), generator=g)
+    slot = torch.cat([torch.zeros(200, dtype=torch.long), decode, torch.tensor([-1, -1, 5])])
+    slot = slot[torch.randperm(slot.numel(), generator=g)]
+    case = make_case(slot.numel(), 64, 48, 8, 13, torch.float32, seed=2, row_slot=slot)
+    if grid == "two_class":
+        meta = build_batch_meta(case[4], 13, "two_class")
+        assert meta.class_split and meta.row_bound == slot.numel()  # 16*2^k >= 200 exceeds M: R = M
+    check(case, grid, torch.float32)
+
+
+@pytest.mark.parametrize("L", [1, 16, 128])
+def test_many_slots(L):
+    for grid in GRID_MODES:
+        check(make_case(64, 64, 32, 4, L, torch.float32, seed=L), grid, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid", GRID_MODES)
+@pytest.mark.parametrize("r", [1, 4, 8, 16, 64])
+@pytest.mark.parametrize("M, K, N, L", [(256, 3072, 3072, 128), (256, 3072, 8192, 32), (300, 8192, 3072, 7)])
+def test_gpu_bf16_model_shapes(grid, r, M, K, N, L):
+    check(make_case(M, K, N, r, L, torch.bfloat16, seed=r + L), grid, torch.bfloat16)
+
+
+def test_exact_tile_table_covers_every_row_once():
+    g = torch.Generator().manual_seed(0)
+    for M, L in [(1, 1), (50, 7), (256, 128), (300, 3)]:
+        slot = torch.randint(-1, L, (M,), generator=g)
+        meta = build_batch_meta(slot, L, "exact", block_m=16)
+        seen = torch.zeros(M, dtype=torch.long)
+        for t in range(meta.num_tiles):
+            s = int(meta.tile_slot[t])
+            if s < 0:
+                continue
+            lo = int(meta.tile_row[t])
+            hi = min(lo + 16, int(meta.slot_start[s + 1]))
+            rows = meta.sorted_rows[lo:hi]
+            assert torch.all(slot[rows] == s)
+            seen[rows] += 1
+        assert torch.equal(seen, (slot >= 0).long())
+
+
+def test_row_bound_buckets():
+    assert [row_bound(m, 256) for m in (1, 16, 17, 100, 129, 256)] == [16, 16, 32, 128, 256, 256]
+    assert row_bound(5, 8) == 8
+
+
+def test_bad_arguments_are_named():
+    x, a, b, s, slot, rank = make_case(4, 32, 16, 4, 2, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="grid must be one of"):
+        batched_lora(x, a, b, s, slot, grid="fast")
+    with pytest.raises(ValueError, match="lora_a has K=32 but x has K=31"):
+        batched_lora(x[:, :31], a, b, s, slot)
+    with pytest.raises(ValueError, match="row_slot must be"):
+        batched_lora(x, a, b, s, slot[:3])
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        build_batch_meta(slot, 2, "exact", block_m=24)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="graph capture needs CUDA")
+@pytest.mark.gpu
+def test_exact_graph_replay_follows_new_slot_map():
+    x, a, b, s, slot, rank = make_case(256, 512, 384, 8, 32, torch.bfloat16, seed=9)
+    static_slot = slot.clone()
+    out = torch.zeros(256, 384, dtype=torch.bfloat16, device=DEVICE)
+    batched_lora(x, a, b, s, static_slot, lora_rank=rank)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(batched_lora(x, a, b, s, static_slot, lora_rank=rank))
+    for seed in range(3):
+        g = torch.Generator().manual_seed(100 + seed)
+        new = torch.randint(-1, 32 if seed < 2 else 2, (256,), generator=g).to(DEVICE)
+        static_slot.copy_(new)
+        graph.replay()
+        ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), new, rank)
+        torch.testing.assert_close(out.double(), ref, **TOL[torch.bfloat16])
