@@ -82,12 +82,10 @@ def sweep(shape: dict, gen) -> KernelConfig:
     """Small search over launch parameters for `exact`, scored at L = 8 and L = 128."""
     best, best_t = None, float("inf")
     cands = []
-    for bk in (64, 128, 256):
+    for bk in (128, 256):
         for tp in (2, 4, 8):
             for bn in (64, 128, 256):
-                for sw in (2, 4):
-                    cands.append(KernelConfig(shrink_block_k=bk, target_programs_per_sm=tp, expand_block_n=bn,
-                                              shrink_num_warps=sw, expand_num_warps=4))
+                cands.append(KernelConfig(shrink_block_k=bk, target_programs_per_sm=tp, expand_block_n=bn))
     pools = {L: (layer_pool(shape, L)[:2], build_batch_meta(slot_map("decode", L, gen), L, "exact")) for L in (8, 128)}
     for cfg in cands:
         t = sum(time_mode(layers, meta, cfg) for layers, meta in pools.values())
