@@ -83,9 +83,11 @@ def sweep(shape: dict, gen) -> KernelConfig:
     best, best_t = None, float("inf")
     cands = []
     for bk in (128, 256):
-        for tp in (2, 4, 8):
-            for bn in (64, 128, 256):
-                cands.append(KernelConfig(shrink_block_k=bk, target_programs_per_sm=tp, expand_block_n=bn))
+        for tp in (1, 2):
+            for bn in (64, 128):
+                for epp in (2, 4, 8):
+                    cands.append(KernelConfig(shrink_block_k=bk, target_programs_per_sm=tp, expand_block_n=bn,
+                                              expand_programs_per_sm=epp))
     pools = {L: (layer_pool(shape, L)[:2], build_batch_meta(slot_map("decode", L, gen), L, "exact")) for L in (8, 128)}
     for cfg in cands:
         t = sum(time_mode(layers, meta, cfg) for layers, meta in pools.values())

@@ -22,7 +22,8 @@ class KernelConfig:
         target_programs_per_sm: with `shrink_split_k == 0`, split K until the shrink launch has
             about this many programs per multiprocessor.
         shrink_num_warps / shrink_num_stages: Triton launch options of shrink.
-        expand_block_n: output columns per expand program.
+        expand_block_n: output columns per expand loop iteration.
+        expand_programs_per_sm: split N over about this many expand programs per multiprocessor.
         expand_num_warps / expand_num_stages: Triton launch options of expand.
     """
 
@@ -32,6 +33,7 @@ class KernelConfig:
     shrink_num_warps: int = 4
     shrink_num_stages: int = 3
     expand_block_n: int = 128
+    expand_programs_per_sm: int = 8
     expand_num_warps: int = 4
     expand_num_stages: int = 2
 

@@ -33,16 +33,18 @@ BLOCK_R = 16
 
 @triton.jit
 def _tile_rows(
-    pid, slot_start_ptr, tile_slot_ptr, tile_row_ptr, slot_list_ptr, tiles_per_slot,
+    pid, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr, tiles_per_slot,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """Map a program id to (slot, first, end) positions in sorted_rows; slot < 0 means exit."""
+    """Map a program id to (slot, rows [BM] int64, row mask [BM]); slot < 0 means exit."""
+    lanes = tl.arange(0, BLOCK_M)
     if TILE_TABLE:
+        # Both loads depend only on pid: the exact grid reaches its rows in one memory round trip.
         slot = tl.load(tile_slot_ptr + pid)
-        safe = tl.maximum(slot, 0)
-        row_lo = tl.load(tile_row_ptr + pid)
-        row_hi = tl.minimum(row_lo + BLOCK_M, tl.load(slot_start_ptr + safe + 1))
+        rows = tl.load(tile_rows_ptr + pid * BLOCK_M + lanes)
+        mask_m = rows >= 0
+        rows = tl.maximum(rows, 0).to(tl.int64)
     else:
         slot_idx = pid // tiles_per_slot
         j = pid % tiles_per_slot
@@ -54,17 +56,19 @@ def _tile_rows(
         group_lo = tl.load(slot_start_ptr + safe)
         group_hi = tl.load(slot_start_ptr + safe + 1)
         row_lo = group_lo + j * BLOCK_M
-        row_hi = tl.minimum(row_lo + BLOCK_M, group_hi)
         if CLASS_MAX_ROWS > 0:
             slot = tl.where(group_hi - group_lo > CLASS_MAX_ROWS, -1, slot)
-        slot = tl.where(row_lo < row_hi, slot, -1)
-    return slot, row_lo, row_hi
+        slot = tl.where(row_lo < group_hi, slot, -1)
+        offs = row_lo + lanes
+        mask_m = offs < group_hi
+        rows = tl.load(sorted_rows_ptr + offs, mask=mask_m, other=0).to(tl.int64)
+    return slot, rows, mask_m
 
 
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, u_ptr, rank_ptr,
-    sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_row_ptr, slot_list_ptr,
+    sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
     K, tiles_per_slot, k_per_split,
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
@@ -73,8 +77,8 @@ def _lora_shrink_kernel(
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_r = tl.program_id(2)
-    slot, row_lo, row_hi = _tile_rows(
-        pid, slot_start_ptr, tile_slot_ptr, tile_row_ptr, slot_list_ptr, tiles_per_slot,
+    slot, rows, mask_m = _tile_rows(
+        pid, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr, tiles_per_slot,
         TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, BLOCK_M,
     )
     if slot < 0:
@@ -82,9 +86,6 @@ def _lora_shrink_kernel(
     rank = tl.load(rank_ptr + slot)
     if pid_r * BLOCK_R >= rank:
         return
-    offs_m = row_lo + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < row_hi
-    rows = tl.load(sorted_rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
@@ -106,8 +107,8 @@ def _lora_shrink_kernel(
 @triton.jit
 def _lora_expand_kernel(
     u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
-    sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_row_ptr, slot_list_ptr,
-    N, tiles_per_slot,
+    sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
+    N, tiles_per_slot, n_per_program,
     stride_us, stride_um, stride_ur, stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -115,8 +116,8 @@ def _lora_expand_kernel(
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot, row_lo, row_hi = _tile_rows(
-        pid, slot_start_ptr, tile_slot_ptr, tile_row_ptr, slot_list_ptr, tiles_per_slot,
+    slot, rows, mask_m = _tile_rows(
+        pid, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr, tiles_per_slot,
         TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, BLOCK_M,
     )
     if slot < 0:
@@ -124,29 +125,34 @@ def _lora_expand_kernel(
     rank = tl.load(rank_ptr + slot)
     if rank == 0:
         return
-    offs_m = row_lo + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < row_hi
-    rows = tl.load(sorted_rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[:, None] * stride_bn  # [BN, 1]
+    scale = tl.load(scaling_ptr + slot).to(tl.float32)
     u_rows = u_ptr + rows[:, None] * stride_um  # [BM, 1]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        u_mask = mask_m[:, None] & mask_r[None, :]
-        u_tile = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for split in tl.static_range(SPLIT_K):
-            u_tile += tl.load(u_rows + split * stride_us + offs_r[None, :] * stride_ur, mask=u_mask, other=0.0)
-        b_tile = tl.load(b_rows + offs_r[None, :] * stride_br, mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        # [BM, BR] @ [BR, BN]
-        acc += tl.dot(u_tile.to(b_tile.dtype), tl.trans(b_tile), input_precision=DOT_PRECISION)
-    acc = acc * tl.load(scaling_ptr + slot).to(tl.float32)
-    y_tile = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    mask = mask_m[:, None] & mask_n[None, :]
-    y_old = tl.load(y_tile, mask=mask, other=0.0)
-    tl.store(y_tile, (y_old.to(tl.float32) + acc).to(y_old.dtype), mask=mask)
+    y_rows = y_ptr + rows[:, None] * stride_ym  # [BM, 1]
+    b_slot = b_ptr + slot.to(tl.int64) * stride_bl
+    # A program covers n_per_program columns in BLOCK_N steps: fewer, longer programs amortize the
+    # tile lookup and keep several independent B loads in flight.
+    n_lo = pid_n * n_per_program
+    for n0 in range(n_lo, tl.minimum(n_lo + n_per_program, N), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            mask_r = offs_r < rank
+            u_mask = mask_m[:, None] & mask_r[None, :]
+            u_tile = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                u_tile += tl.load(u_rows + split * stride_us + offs_r[None, :] * stride_ur, mask=u_mask, other=0.0)
+            b_tile = tl.load(
+                b_slot + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                mask=mask_n[:, None] & mask_r[None, :], other=0.0,
+            )
+            # [BM, BR] @ [BR, BN]
+            acc += tl.dot(u_tile.to(b_tile.dtype), tl.trans(b_tile), input_precision=DOT_PRECISION)
+        y_tile = y_rows + offs_n[None, :] * stride_yn
+        mask = mask_m[:, None] & mask_n[None, :]
+        y_old = tl.load(y_tile, mask=mask, other=0.0)
+        tl.store(y_tile, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=mask)
 
 
 def _launches(meta: LoRABatchMeta, expand: bool):
@@ -179,6 +185,16 @@ def _split_k(meta: LoRABatchMeta, K: int, rank_blocks: int, cfg: KernelConfig, d
     return max(1, min(max_splits, triton.cdiv(cfg.target_programs_per_sm * sms, max(programs, 1))))
 
 
+def _columns_per_program(programs: int, N: int, block_n: int, cfg: KernelConfig, device: torch.device) -> int:
+    """Expand columns per program: split N only as far as needed to fill the GPU."""
+    n_blocks = triton.cdiv(N, block_n)
+    if device.type != "cuda":
+        return n_blocks * block_n
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(n_blocks, triton.cdiv(cfg.expand_programs_per_sm * sms, max(programs, 1))))
+    return triton.cdiv(n_blocks, splits) * block_n
+
+
 def lora_shrink(
     x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tensor, meta: LoRABatchMeta,
     cfg: KernelConfig | None = None,
@@ -208,7 +224,7 @@ def lora_shrink(
             x, lora_a, u, lora_rank,
             meta.sorted_rows, meta.slot_start,
             meta.tile_slot if table else meta.slot_start,
-            meta.tile_row if table else meta.slot_start,
+            meta.tile_rows if table else meta.slot_start,
             slot_list if slot_list is not None else meta.slot_start,
             K, tiles_per_slot, k_per_split,
             x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
@@ -241,14 +257,16 @@ def lora_expand(
     cfg = cfg or get_kernel_config(y.device)
     N = lora_b.shape[1]
     block_n = min(cfg.expand_block_n, max(16, triton.next_power_of_2(N)))
-    for programs, tiles_per_slot, table, slot_list, class_rows in _launches(meta, expand=True):
-        _lora_expand_kernel[(programs, triton.cdiv(N, block_n))](
+    launches = _launches(meta, expand=True)
+    n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, cfg, y.device)
+    for programs, tiles_per_slot, table, slot_list, class_rows in launches:
+        _lora_expand_kernel[(programs, triton.cdiv(N, n_per_program))](
             u, lora_b, y, scaling, lora_rank,
             meta.sorted_rows, meta.slot_start,
             meta.tile_slot if table else meta.slot_start,
-            meta.tile_row if table else meta.slot_start,
+            meta.tile_rows if table else meta.slot_start,
             slot_list if slot_list is not None else meta.slot_start,
-            N, tiles_per_slot,
+            N, tiles_per_slot, n_per_program,
             u.stride(0), u.stride(1), u.stride(2),
             lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows,

@@ -9,8 +9,9 @@ Semantics (what the kernels read):
     key            = where(row_slot >= 0, row_slot, L)      # no-adapter rows sort last
     sorted_rows    = stable argsort(key)                      # [M] rows grouped by slot
     slot_start[s]  = first position of slot s in sorted_rows  # [L + 1], slot_start[L] = rows with LoRA
-    exact tiles:   tile t covers sorted_rows[tile_row[t] : min(tile_row[t] + BM, slot_start[s + 1])]
-                   for slot s = tile_slot[t]; tile_slot[t] = -1 past the last real tile.
+    exact tiles:   tile t holds the rows tile_rows[t, :] (-1: empty lane) of slot s = tile_slot[t],
+                   at most BM rows of one slot; tile_slot[t] = -1 past the last real tile. Rows are
+                   stored per tile so a kernel program reaches its rows in one load.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class LoRABatchMeta:
         sorted_rows: `[M]` int64 row indices grouped by slot, no-adapter rows last.
         slot_start: `[L + 1]` int64 start of each slot's group in `sorted_rows`.
         tile_slot: `[T]` int32 slot of each exact tile (-1: exits), `exact` only.
-        tile_row: `[T]` int64 first position in `sorted_rows` of each exact tile, `exact` only.
+        tile_rows: `[T, BM]` int32 rows of each exact tile (-1: empty lane), `exact` only.
         row_bound: R, the shared row bound (`full`: M; `active_rows`/`two_class`: 16 * 2^k).
         large_slots: `[C]` int32 compact list of large-class slots (-1 padded), `two_class` only.
         class_split: whether this step runs the two-class expand (`two_class` only).
@@ -66,7 +67,7 @@ class LoRABatchMeta:
     slot_start: torch.Tensor
     row_slot: torch.Tensor
     tile_slot: torch.Tensor | None = None
-    tile_row: torch.Tensor | None = None
+    tile_rows: torch.Tensor | None = None
     row_bound: int = 0
     large_slots: torch.Tensor | None = None
     class_split: bool = False
@@ -114,7 +115,10 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
         valid = slot_of_tile < num_slots
         slot_c = slot_of_tile.clamp(max=num_slots - 1)
         first_tile = tile_end[slot_c] - tiles[slot_c]
-        meta.tile_row = slot_start[slot_c] + (t - first_tile) * block_m
+        pos = (slot_start[slot_c] + (t - first_tile) * block_m)[:, None] + torch.arange(block_m, device=device)
+        in_tile = valid[:, None] & (pos < slot_start[slot_c + 1][:, None])
+        rows = sorted_rows[pos.clamp(max=max(num_rows - 1, 0))]
+        meta.tile_rows = torch.where(in_tile, rows, -1).to(torch.int32)
         meta.tile_slot = torch.where(valid, slot_of_tile, -1).to(torch.int32)
     elif grid == "full":
         meta.row_bound = max(num_rows, 1)
