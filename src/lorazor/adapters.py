@@ -62,7 +62,7 @@ def _check_adapter_config(name: str, cfg) -> None:
 
 def _check_layer(module_name: str, layer: nn.Module, adapters: list[str]) -> None:
     _, lora_linear = _lora_layer_types()
-    present = [a for a in adapters if a in layer.lora_A]
+    present = [a for a in adapters if a in layer.r]
     if not present:
         return
     if not isinstance(layer, lora_linear) or not isinstance(layer.get_base_layer(), nn.Linear):

@@ -54,15 +54,26 @@ class LoRazorOutput:
         return 0.0 if total == 0 else 1.0 - int(self.lora_decode_steps.sum()) / total
 
 
-def resolve_generation_config(default: GenerationConfig | None, given: GenerationConfig | None, kwargs: dict):
-    """HF precedence: explicit config (or the model's) updated by kwargs; unknown kwargs are an error."""
+def resolve_generation_config(
+    default: GenerationConfig | None, given: GenerationConfig | None, kwargs: dict, prompt_len: int
+) -> tuple[GenerationConfig, int]:
+    """HF precedence: explicit config (or the model's) updated by kwargs; unknown kwargs are an error.
+
+    Returns the config and max_new_tokens (0 is allowed here; HF's config rejects it).
+    """
     cfg = copy.deepcopy(given if given is not None else (default or GenerationConfig()))
+    kwargs = dict(kwargs)
+    max_new = kwargs.pop("max_new_tokens", None)
     unused = cfg.update(**kwargs)
     if unused:
         raise TypeError(f"unknown generation arguments {sorted(unused)}")
     if cfg.num_beams not in (None, 1):
         raise NotImplementedError(f"beam search is not supported (num_beams={cfg.num_beams})")
-    return cfg
+    if max_new is None:
+        max_new = cfg.max_new_tokens if cfg.max_new_tokens is not None else max(cfg.max_length - prompt_len, 0)
+    if not isinstance(max_new, int) or max_new < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new!r}")
+    return cfg, max_new
 
 
 def eos_ids(cfg: GenerationConfig) -> list[int]:

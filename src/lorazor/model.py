@@ -193,11 +193,8 @@ class LoRazorModel(nn.Module):
         """
         attention_mask = self._check_batch(input_ids, attention_mask, adapter_ids)
         row_slot = self._row_slot(input_ids, adapter_ids)
-        cfg = resolve_generation_config(self.model.generation_config, generation_config, kwargs)
         B, T = input_ids.shape
-        max_new = cfg.max_new_tokens if cfg.max_new_tokens is not None else max(cfg.max_length - T, 0)
-        if max_new < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
+        cfg, max_new = resolve_generation_config(self.model.generation_config, generation_config, kwargs, T)
         limit = self.config.max_cache_len
         if limit is not None and T + max_new > limit:
             raise ValueError(f"prompt length {T} + max_new_tokens {max_new} exceeds max_cache_len={limit}")

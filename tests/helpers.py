@@ -1,0 +1,38 @@
+"""Shared builders for model-level tests: tiny PEFT models, batches and PEFT oracles."""
+
+import copy
+
+import torch
+from lorazor import LoRazorConfig, LoRazorModel
+from lorazor.tiny import tiny_peft_model
+
+PAD, EOS = 0, 2
+
+
+def make_batch(B, T, seed=0, pad_rows=(), vocab=96):
+    """Random prompts; rows in `pad_rows` get i+1 left-padding tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    for j, i in enumerate(pad_rows):
+        mask[i, : j + 1] = 0
+    ids[mask == 0] = PAD
+    return ids, mask
+
+
+def peft_names(adapter_ids):
+    return ["__base__" if a is None else a for a in adapter_ids]
+
+
+def build_pair(arch="llama", config=None, dtype=torch.float32, **kw):
+    """(LoRazorModel, untouched PEFT copy) built from the same random weights."""
+    peft_model = tiny_peft_model(arch, dtype=dtype, **kw)
+    oracle = copy.deepcopy(peft_model)
+    model = LoRazorModel.from_peft(peft_model, config or LoRazorConfig())
+    return model, oracle
+
+
+def peft_generate(oracle, ids, mask, adapter_ids, **gen):
+    with torch.no_grad():
+        return oracle.generate(input_ids=ids, attention_mask=mask, adapter_names=peft_names(adapter_ids),
+                               pad_token_id=PAD, eos_token_id=EOS, do_sample=False, **gen)
