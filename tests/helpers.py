@@ -3,6 +3,7 @@
 import copy
 
 import torch
+from conftest import DEVICE
 from lorazor import LoRazorConfig, LoRazorModel
 from lorazor.tiny import tiny_peft_model
 
@@ -17,7 +18,7 @@ def make_batch(B, T, seed=0, pad_rows=(), vocab=96):
     for j, i in enumerate(pad_rows):
         mask[i, : j + 1] = 0
     ids[mask == 0] = PAD
-    return ids, mask
+    return ids.to(DEVICE), mask.to(DEVICE)
 
 
 def peft_names(adapter_ids):
@@ -26,7 +27,7 @@ def peft_names(adapter_ids):
 
 def build_pair(arch="llama", config=None, dtype=torch.float32, **kw):
     """(LoRazorModel, untouched PEFT copy) built from the same random weights."""
-    peft_model = tiny_peft_model(arch, dtype=dtype, **kw)
+    peft_model = tiny_peft_model(arch, dtype=dtype, **kw).to(DEVICE)
     oracle = copy.deepcopy(peft_model)
     model = LoRazorModel.from_peft(peft_model, config or LoRazorConfig())
     return model, oracle

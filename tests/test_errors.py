@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import DEVICE
 from helpers import build_pair, make_batch
 from lorazor import AdapterError, LoRazorConfig, LoRazorModel
 from lorazor.adapters import AdapterBank
@@ -28,7 +29,7 @@ def test_adapter_ids_length(model):
 
 def test_empty_batch(model):
     with pytest.raises(ValueError, match="empty batch"):
-        model.generate(torch.zeros(0, 4, dtype=torch.long), adapter_ids=[], max_new_tokens=2)
+        model.generate(torch.zeros(0, 4, dtype=torch.long, device=DEVICE), adapter_ids=[], max_new_tokens=2)
 
 
 def test_negative_max_new_tokens(model):

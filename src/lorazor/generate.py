@@ -121,8 +121,14 @@ def decode_loop(
     release_overrides=None,
     generator: torch.Generator | None = None,
     logits_processor=None,
+    cache_len: int | None = None,
+    real_rows: int | None = None,
 ) -> LoRazorOutput:
-    """Run prefill + decode for a validated, left-padded batch. See `LoRazorModel.generate`."""
+    """Run prefill + decode for a validated, left-padded batch. See `LoRazorModel.generate`.
+
+    `cache_len`: KV-cache length (>= T + max_new_tokens). `real_rows`: rows past this index are
+    bucket padding: they never count as unfinished.
+    """
     B, T = input_ids.shape
     device = input_ids.device
     eos = eos_ids(cfg)
@@ -132,16 +138,20 @@ def decode_loop(
     state = ReleaseState.create(row_slot, release_overrides)
     if policy is not None:
         policy.bind(model.bank.names, model.bank.num_slots, device)
+    # One host check per call: a batch without adapters skips LoRA entirely (no kernel launches).
+    model.context.enabled = bool((row_slot >= 0).any())
 
     tokens = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=device)
     tokens[:, :T] = input_ids
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
+    if real_rows is not None:
+        unfinished[real_rows:] = False
     gen_len = torch.zeros(B, dtype=torch.long, device=device)
     lora_steps = torch.zeros(B, dtype=torch.long, device=device)
     done_at = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     next_pos = attention_mask.sum(-1)
 
-    cache = model.new_cache(B, T + max_new_tokens, device)
+    cache = model.cache_for(B, cache_len or T + max_new_tokens, device)
     hidden, logits = model.prefill(input_ids, attention_mask, cache, row_slot)
     steps_run = max_new_tokens
     for t in range(max_new_tokens):
@@ -161,11 +171,11 @@ def decode_loop(
         step_slot = state.advance(t, keep)
         lora_steps += (step_slot >= 0) & unfinished
         write_pos = torch.full((B,), T + t, dtype=torch.long, device=device)
-        hidden, logits = model.decode_step(tok, next_pos, write_pos, cache, step_slot)
+        hidden, logits = model.run_decode_step(tok, next_pos, write_pos, cache, step_slot)
         next_pos = next_pos + 1
     # HF stops right after the step where every row finished.
     if eos:
-        all_done = int(done_at.max())
+        all_done = int(done_at[:real_rows].max())
         steps_run = min(max_new_tokens, all_done + 1)
     sequences = tokens[:, : T + steps_run]
     decode_steps = (gen_len - 1).clamp(min=0) * (row_slot >= 0)

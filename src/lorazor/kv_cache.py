@@ -30,6 +30,7 @@ class KVCache:
         self.batch_size = batch_size
         self.max_len = max_len
         self._rows = torch.arange(batch_size, device=device)
+        self._true = torch.ones(batch_size, dtype=torch.bool, device=device)
         self._prefill_len: int | None = None
 
     def begin_prefill(self, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -56,7 +57,8 @@ class KVCache:
         """
         self._prefill_len = None
         self.write_pos.copy_(write_pos)
-        self.key_valid[self._rows, self.write_pos] = True
+        # A tensor value (not a Python True) keeps this a pure device op inside a CUDA graph.
+        self.key_valid.index_put_((self._rows, self.write_pos), self._true)
         return self.key_valid[:, None, None, :]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):

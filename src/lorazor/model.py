@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -13,6 +15,7 @@ from .adapters import AdapterBank
 from .attention import ATTENTION_NAME, register_attention
 from .config import LoRazorConfig
 from .generate import LoRazorOutput, accepts_kwarg, decode_loop, resolve_generation_config
+from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .kv_cache import KVCache
 from .layers import patch_lora_layers, unpatch_lora_layers
 from .policies.base import ReleasePolicy
@@ -48,6 +51,7 @@ class LoRazorModel(nn.Module):
         self.model.set_attn_implementation(ATTENTION_NAME)
         # transformers 5.24 renamed the cache argument; 5.17 only knows `past_key_values`.
         self._cache_kwarg = "cache" if accepts_kwarg(self._decoder.forward, "cache") else "past_key_values"
+        self.graphs: DecodeGraphs | None = None
 
     @classmethod
     def from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None = None) -> "LoRazorModel":
@@ -79,6 +83,14 @@ class LoRazorModel(nn.Module):
     def adapter_names(self) -> list[str]:
         return list(self.bank.names)
 
+    def set_grid(self, grid: str) -> None:
+        """Switch the LoRA kernels' grid mode (drops captured graphs, keeps the KV caches)."""
+        self.config = dataclasses.replace(self.config, grid=grid)
+        self.context.grid = grid
+        if self.graphs is not None:
+            for bucket in self.graphs.buckets.values():
+                bucket.graphs.clear()
+
     def unpatch(self) -> nn.Module:
         """Put the PEFT LoRA layers and attention back; returns the PeftModel. This object is then unusable."""
         unpatch_lora_layers(self.peft_model, self._replaced)
@@ -96,8 +108,26 @@ class LoRazorModel(nn.Module):
         dtype = self._lm_head.weight.dtype
         return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, head_dim, dtype, device)
 
-    def _decoder_forward(self, input_ids, position_ids, mask, cache, row_slot, tokens_per_row):
-        with torch.inference_mode(), self.context.step(row_slot, tokens_per_row):
+    @property
+    def uses_graphs(self) -> bool:
+        return self.config.cuda_graphs and self.device.type == "cuda"
+
+    def cache_for(self, batch_size: int, max_len: int, device: torch.device) -> KVCache:
+        """A fresh cache, or with CUDA graphs the persistent cache of the graph bucket."""
+        if not self.uses_graphs:
+            return self.new_cache(batch_size, max_len, device)
+        if self.graphs is None:
+            self.graphs = DecodeGraphs(self)
+        return self.graphs.cache(batch_size, max_len, device)
+
+    def run_decode_step(self, tokens, positions, write_pos, cache: KVCache, row_slot):
+        """A decode step, replayed from a CUDA graph when graphs are on; returns (hidden, logits)."""
+        if self.graphs is not None and self.uses_graphs:
+            return self.graphs.step(tokens, positions, write_pos, cache, row_slot)
+        return self.decode_step(tokens, positions, write_pos, cache, row_slot)
+
+    def _decoder_forward(self, input_ids, position_ids, mask, cache, row_slot, tokens_per_row, meta=None):
+        with torch.inference_mode(), self.context.step(row_slot, tokens_per_row, meta):
             out = self._decoder(
                 input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                 **{self._cache_kwarg: cache},
@@ -113,10 +143,10 @@ class LoRazorModel(nn.Module):
         with torch.inference_mode():
             return last, self._lm_head(last)
 
-    def decode_step(self, tokens, positions, write_pos, cache: KVCache, row_slot):
+    def decode_step(self, tokens, positions, write_pos, cache: KVCache, row_slot, meta=None):
         """One decode forward for every row: token `[B]` at position `[B]` written at `write_pos [B]`."""
         mask4d = cache.begin_decode(write_pos)
-        hidden = self._decoder_forward(tokens[:, None], positions[:, None], mask4d, cache, row_slot, 1)
+        hidden = self._decoder_forward(tokens[:, None], positions[:, None], mask4d, cache, row_slot, 1, meta)
         last = hidden[:, -1]
         with torch.inference_mode():
             return last, self._lm_head(last)
@@ -128,6 +158,7 @@ class LoRazorModel(nn.Module):
         """
         attention_mask = self._check_batch(input_ids, attention_mask, adapter_ids)
         row_slot = self._row_slot(input_ids, adapter_ids)
+        self.context.enabled = bool((row_slot >= 0).any())
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1], input_ids.device)
         mask4d = cache.begin_prefill(attention_mask)
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
@@ -204,7 +235,26 @@ class LoRazorModel(nn.Module):
         if max_new == 0:
             empty = torch.zeros(B, dtype=torch.long, device=input_ids.device)
             return LoRazorOutput(input_ids.clone(), empty - 1, empty, empty)
-        return decode_loop(
+        cache_len = T + max_new
+        if self.uses_graphs:
+            # Pad the batch to its graph bucket with backbone rows of one token; sliced off below.
+            bucket = batch_bucket(B)
+            if bucket > self.config.max_batch_size:
+                bucket = B
+            cache_len = cache_bucket(cache_len)
+            if bucket > B:
+                extra = bucket - B
+                input_ids = torch.cat([input_ids, input_ids.new_zeros(extra, T)])
+                attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(extra, T)])
+                attention_mask[B:, -1] = 1
+                row_slot = torch.cat([row_slot, row_slot.new_full((extra,), -1)])
+                if release is not None:
+                    release = list(release) + [None] * extra
+        out = decode_loop(
             self, input_ids, attention_mask, row_slot, cfg, max_new, release_policy, release, generator,
-            logits_processor,
+            logits_processor, cache_len=cache_len, real_rows=B,
         )
+        if out.sequences.shape[0] != B:
+            out = LoRazorOutput(out.sequences[:B], out.release_steps[:B], out.decode_steps[:B],
+                                out.lora_decode_steps[:B])
+        return out

@@ -29,12 +29,28 @@ class StepContext:
         self.backend = backend
         self.block_m = block_m
         self.meta: LoRABatchMeta | None = None
+        # False when no row of the batch has an adapter: the layers then run the backbone alone.
+        self.enabled = True
+
+    @property
+    def meta_on_device(self) -> bool:
+        """Whether building the metadata needs no host sync (so it can be captured in a graph)."""
+        return self.grid in ("exact", "full") or self.backend == "reference"
+
+    def build(self, row_slot: torch.Tensor, tokens_per_row: int = 1) -> LoRABatchMeta:
+        token_slot = row_slot if tokens_per_row == 1 else row_slot.repeat_interleave(tokens_per_row)
+        return build_batch_meta(token_slot, self.num_slots, self.grid, self.block_m)
 
     @contextmanager
-    def step(self, row_slot: torch.Tensor, tokens_per_row: int = 1):
-        """Run one forward with `row_slot` `[B]` (int, -1 = no LoRA) repeated over each row's tokens."""
-        token_slot = row_slot if tokens_per_row == 1 else row_slot.repeat_interleave(tokens_per_row)
-        self.meta = build_batch_meta(token_slot, self.num_slots, self.grid, self.block_m)
+    def step(self, row_slot: torch.Tensor, tokens_per_row: int = 1, meta: LoRABatchMeta | None = None):
+        """Run one forward with `row_slot` `[B]` (int, -1 = no LoRA) repeated over each row's tokens.
+
+        `meta`: metadata prepared by the caller (the graph runner's static buffers); built here if None.
+        """
+        if not self.enabled:
+            self.meta = None
+        else:
+            self.meta = meta if meta is not None else self.build(row_slot, tokens_per_row)
         try:
             yield self.meta
         finally:
