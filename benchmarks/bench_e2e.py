@@ -1,0 +1,207 @@
+"""End-to-end static-batch decode on the GPU: backbone, LoRazor per grid mode, PEFT, HF compiled.
+
+    python benchmarks/bench_e2e.py --model llama-3.2-3b --out benchmarks/results [--hf-compile] [--peft 1,8,32]
+
+Random-weight model built from its config (no download), bf16, rank-8 LoRA on all 7 projections,
+batch 256, prompt 128, 128 new tokens with EOS ignored, requests spread uniformly over L distinct
+adapters. Decode throughput = B * (new - 1) / (time(new) - time(1)): the prefill and first token
+are timed separately and taken out. Every number comes from this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SHAPES, environment, write_results  # noqa: E402
+
+RANK = 8
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_base(name: str):
+    from transformers import LlamaConfig, MistralConfig
+
+    s = SHAPES[name]
+    cls = LlamaConfig if name.startswith("llama") else MistralConfig
+    extra = dict(rope_scaling=None, tie_word_embeddings=True) if name.startswith("llama") else dict(sliding_window=None)
+    cfg = cls(hidden_size=s["hidden"], intermediate_size=s["inter"], num_attention_heads=s["heads"],
+              num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], num_hidden_layers=s["layers"],
+              vocab_size=s["vocab"], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, **extra)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def assign(B: int, L: int, names: list[str]) -> list[str]:
+    g = torch.Generator().manual_seed(L)
+    order = torch.randperm(B, generator=g).tolist()
+    return [names[order[i] % L] for i in range(B)]
+
+
+def decode_rate(gen, B: int, new: int, warm_new: bool = True) -> dict:
+    """Time gen(1) and gen(new) (after a warm-up; of gen(new) too if warm_new) -> decode tok/s, ms/step."""
+    gen(1)
+    t1 = timed(lambda: gen(1))
+    if warm_new:
+        gen(new)
+    tn = timed(lambda: gen(new))
+    step = (tn - t1) / (new - 1)
+    return dict(decode_tok_s=B / step, step_ms=step * 1e3, total_new_tok_s=B * new / tn, prefill_s=t1)
+
+
+def fill_random_adapters(model, first: int, count: int, seed: int = 0) -> list[str]:
+    """Benchmark only: write random rank-8 adapters into free bank slots [first, first + count)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bank = model.bank
+    names = []
+    for slot in range(first, first + count):
+        name = f"rand{slot}"
+        for mod in bank.modules.values():
+            k, n = mod.lora_a.shape[2], mod.lora_b.shape[1]
+            mod.lora_a[slot, :RANK] = torch.randn(RANK, k, generator=g, device="cuda", dtype=mod.lora_a.dtype) / k**0.5
+            mod.lora_b[slot, :, :RANK] = torch.randn(n, RANK, generator=g, device="cuda", dtype=mod.lora_b.dtype) * 0.01
+            mod.scaling[slot] = 2.0
+            mod.rank[slot] = RANK
+        bank.names.append(name)
+        bank.slot_of[name] = slot
+        names.append(name)
+    return names
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-3b", choices=sorted(SHAPES))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--adapters", default="1,4,8,16,32,64,128")
+    ap.add_argument("--grids", default="full,active_rows,two_class,exact")
+    ap.add_argument("--peft", default="1,8,32", help="adapter counts for the PEFT baseline ('' to skip)")
+    ap.add_argument("--peft-new", type=int, default=16, help="new tokens for PEFT (it is slow)")
+    ap.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
+    args = ap.parse_args()
+    from peft import LoraConfig, get_peft_model
+
+    from lorazor import LoRazorConfig, LoRazorModel
+
+    B, T, NEW = args.batch, args.prompt, args.new
+    base = build_base(args.model)
+    vocab = base.config.vocab_size
+    ids = torch.randint(3, vocab, (B, T), device="cuda")
+    mask = torch.ones_like(ids)
+    rows = []
+
+    def record(system, L, grid, r):
+        row = dict(model=args.model, system=system, L=L, grid=grid, **{k: round(v, 4) for k, v in r.items()})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    if args.hf_compile:
+        gen = lambda n: base.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,  # noqa: E731
+                                      cache_implementation="static", pad_token_id=0)
+        try:
+            t_first = timed(lambda: gen(NEW))
+            t = timed(lambda: gen(NEW))
+            record("hf_static_compile", 0, "-", dict(total_new_tok_s=B * NEW / t, first_call_s=t_first))
+        except Exception as exc:  # a baseline failing must not cost the rest of the run
+            print(f"hf_static_compile failed: {exc!r}", flush=True)
+
+    peft_counts = [int(x) for x in args.peft.split(",") if x]
+    n_peft = max(peft_counts + [1])
+    cfg = LoraConfig(r=RANK, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
+    peft_model = get_peft_model(base, cfg, adapter_name="a0")
+    for i in range(1, n_peft):
+        peft_model.add_adapter(f"a{i}", cfg)
+    peft_model.eval()
+    for L in peft_counts:
+        names = assign(B, L, [f"a{i}" for i in range(L)])
+        gen = lambda n: peft_model.generate(input_ids=ids, attention_mask=mask, adapter_names=names,  # noqa: E731
+                                            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        record("peft", L, "-", decode_rate(gen, B, args.peft_new, warm_new=False))
+
+    max_l = max(int(x) for x in args.adapters.split(","))
+    model = LoRazorModel.from_peft(peft_model, LoRazorConfig(max_loras=max(max_l, n_peft), max_batch_size=B))
+    names = list(model.bank.names) + fill_random_adapters(model, n_peft, max(max_l, n_peft) - n_peft)
+
+    def lorazor(adapter_ids):
+        return lambda n: model.generate(ids, attention_mask=mask, adapter_ids=adapter_ids, max_new_tokens=n,
+                                        min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    r = decode_rate(lorazor([None] * B), B, NEW)
+    backbone = r["decode_tok_s"]
+    record("lorazor_backbone", 0, "-", r)
+    for grid in args.grids.split(","):
+        model.set_grid(grid)
+        for L in (int(x) for x in args.adapters.split(",")):
+            r = decode_rate(lorazor(assign(B, L, names)), B, NEW)
+            r["vs_backbone"] = r["decode_tok_s"] / backbone
+            record("lorazor", L, grid, r)
+    graphs = model.graphs
+    meta = dict(environment(), command=" ".join(sys.argv), batch=B, prompt=T, new_tokens=NEW, rank=RANK,
+                peft_new_tokens=args.peft_new, graphs=graphs.num_graphs(),
+                graph_capture_s=round(graphs.capture_seconds, 2), graph_capture_GB=round(graphs.capture_bytes / 1e9, 3),
+                date=time.strftime("%Y-%m-%d"))
+    head = "| system | grid | L | decode tok/s | step ms | vs backbone | total new tok/s |\n|---|---|---|---|---|---|---|\n"
+    body = "".join(f"| {r['system']} | {r['grid']} | {r['L']} | {r.get('decode_tok_s', float('nan')):.0f} | "
+                   f"{r.get('step_ms', float('nan')):.2f} | {r.get('vs_backbone', float('nan')):.2f} | "
+                   f"{r.get('total_new_tok_s', float('nan')):.0f} |\n" for r in rows)
+    table = f"# End-to-end decode, {args.model}, batch {B}, prompt {T}, {NEW} new tokens\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
+    write_results(args.out, f"e2e_{args.model}", rows, meta, table)
+    plot(rows, args.out / f"e2e_{args.model}.png", args.model)
+    print(table)
+
+
+def plot(rows, path: Path, model: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    grids = sorted({r["grid"] for r in rows if r["system"] == "lorazor"})
+    for grid in grids:
+        rs = [r for r in rows if r["system"] == "lorazor" and r["grid"] == grid]
+        ax1.plot([r["L"] for r in rs], [r["step_ms"] for r in rs], marker="o", label=f"LoRazor {grid}")
+        ax2.plot([r["L"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=f"LoRazor {grid}")
+    pe = [r for r in rows if r["system"] == "peft"]
+    if pe:
+        ax1.plot([r["L"] for r in pe], [r["step_ms"] for r in pe], marker="x", label="PEFT adapter_names")
+        ax2.plot([r["L"] for r in pe], [r["decode_tok_s"] for r in pe], marker="x", label="PEFT adapter_names")
+    bb = [r for r in rows if r["system"] == "lorazor_backbone"]
+    if bb:
+        for ax, key in ((ax1, "step_ms"), (ax2, "decode_tok_s")):
+            ax.axhline(bb[0][key], color="k", ls="--", label="LoRazor backbone only")
+    for ax, label in ((ax1, "per-step latency (ms)"), (ax2, "decode tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("distinct adapters in the batch")
+        ax.set_ylabel(label)
+    ax1.set_yscale("log")
+    ax2.set_yscale("log")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"{model}: batch 256, rank 8 on 7 projections (H200)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
