@@ -47,10 +47,22 @@ def test_graph_replay_equals_eager_across_adapter_mixes(grid):
         a = gen(eager, ids, mask, adapters)
         b = gen(graph, ids, mask, adapters)
         assert torch.equal(a.sequences, b.sequences), f"mix {adapters[:4]}..."
-    # One bucket; the device-metadata grids need a single graph for every mix.
+    # One bucket; the device-metadata grids need one graph for every adapter mix (plus one for the
+    # all-backbone batch, which skips LoRA).
     assert len(graph.graphs.buckets) == 1
     if grid in ("exact", "full"):
-        assert graph.graphs.num_graphs() == 1
+        assert set(next(iter(graph.graphs.buckets.values())).graphs) == {"device", "backbone"}
+
+
+def test_set_grid_recaptures():
+    eager, graph, _ = models("exact")
+    ids, mask = make_batch(16, 7, seed=5)
+    before = gen(graph, ids, mask, ADAPTERS16)
+    for grid in ("full", "two_class", "exact"):
+        graph.set_grid(grid)
+        eager.set_grid(grid)
+        assert torch.equal(gen(graph, ids, mask, ADAPTERS16).sequences, gen(eager, ids, mask, ADAPTERS16).sequences)
+    assert torch.equal(gen(graph, ids, mask, ADAPTERS16).sequences, before.sequences)
 
 
 def test_graph_with_release_and_bucket_padding():

@@ -131,5 +131,12 @@ class DecodeGraphs:
         graph.replay()
         return hidden, logits
 
+    def clear(self) -> None:
+        """Drop every captured graph (the KV caches stay); the next step recaptures."""
+        for bucket in self.buckets.values():
+            bucket.graphs.clear()
+        # A pool whose graphs are all gone cannot take new captures: start a fresh one.
+        self.pool = torch.cuda.graph_pool_handle()
+
     def num_graphs(self) -> int:
         return sum(len(b.graphs) for b in self.buckets.values())

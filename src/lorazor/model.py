@@ -88,8 +88,7 @@ class LoRazorModel(nn.Module):
         self.config = dataclasses.replace(self.config, grid=grid)
         self.context.grid = grid
         if self.graphs is not None:
-            for bucket in self.graphs.buckets.values():
-                bucket.graphs.clear()
+            self.graphs.clear()
 
     def unpatch(self) -> nn.Module:
         """Put the PEFT LoRA layers and attention back; returns the PeftModel. This object is then unusable."""
