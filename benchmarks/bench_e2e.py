@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--peft", default="1,8,32", help="adapter counts for the PEFT baseline ('' to skip)")
     ap.add_argument("--peft-new", type=int, default=16, help="new tokens for PEFT (it is slow)")
     ap.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
+    ap.add_argument("--compile", action="store_true", help="LoRazorConfig(compile=True) for the decode step")
+    ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
     from peft import LoraConfig, get_peft_model
 
@@ -138,7 +140,8 @@ def main() -> None:
         record("peft", L, "-", decode_rate(gen, B, args.peft_new, warm_new=False))
 
     max_l = max(int(x) for x in args.adapters.split(","))
-    model = LoRazorModel.from_peft(peft_model, LoRazorConfig(max_loras=max(max_l, n_peft), max_batch_size=B))
+    model = LoRazorModel.from_peft(peft_model, LoRazorConfig(max_loras=max(max_l, n_peft), max_batch_size=B,
+                                                                  compile=args.compile))
     names = list(model.bank.names) + fill_random_adapters(model, n_peft, max(max_l, n_peft) - n_peft)
 
     def lorazor(adapter_ids):
@@ -156,6 +159,7 @@ def main() -> None:
             record("lorazor", L, grid, r)
     graphs = model.graphs
     meta = dict(environment(), command=" ".join(sys.argv), batch=B, prompt=T, new_tokens=NEW, rank=RANK,
+                compile=args.compile,
                 peft_new_tokens=args.peft_new, graphs=graphs.num_graphs(),
                 graph_capture_s=round(graphs.capture_seconds, 2), graph_capture_GB=round(graphs.capture_bytes / 1e9, 3),
                 date=time.strftime("%Y-%m-%d"))
@@ -164,8 +168,9 @@ def main() -> None:
                    f"{r.get('step_ms', float('nan')):.2f} | {r.get('vs_backbone', float('nan')):.2f} | "
                    f"{r.get('total_new_tok_s', float('nan')):.0f} |\n" for r in rows)
     table = f"# End-to-end decode, {args.model}, batch {B}, prompt {T}, {NEW} new tokens\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
-    write_results(args.out, f"e2e_{args.model}", rows, meta, table)
-    plot(rows, args.out / f"e2e_{args.model}.png", args.model)
+    name = f"e2e_{args.model}{args.tag}"
+    write_results(args.out, name, rows, meta, table)
+    plot(rows, args.out / f"{name}.png", args.model)
     print(table)
 
 

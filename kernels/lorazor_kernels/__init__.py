@@ -6,7 +6,7 @@ This package takes tensors and step metadata; it knows nothing about models.
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_kernels import lora_expand, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound
-from .ops import add_batched_lora_, batched_lora
+from .ops import add_batched_lora_, add_lora_op_, batched_lora
 from .reference import NO_ADAPTER, lora_delta_reference
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "LoRABatchMeta",
     "NO_ADAPTER",
     "add_batched_lora_",
+    "add_lora_op_",
     "batched_lora",
     "build_batch_meta",
     "get_kernel_config",

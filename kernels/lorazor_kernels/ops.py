@@ -57,6 +57,40 @@ def add_batched_lora_(
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg)
 
 
+@torch.library.custom_op("lorazor::add_lora_", mutates_args=("y",))
+def _add_lora_op(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor,
+    lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor, slot_start: torch.Tensor,
+    tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None, large_slots: torch.Tensor | None,
+    grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool, backend: str,
+) -> None:
+    meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
+                         tile_rows, row_bound, large_slots, class_split)
+    add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend)
+
+
+@_add_lora_op.register_fake
+def _(y, x, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
+      large_slots, grid, num_slots, block_m, row_bound, class_split, backend) -> None:
+    return None
+
+
+def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton"):
+    """`add_batched_lora_` as the registered custom op `lorazor::add_lora_`.
+
+    torch.compile treats the op as opaque (its fake implementation only declares that `y` is
+    mutated), so compiled model code calls the Triton kernels as they are.
+    """
+    if meta.has_lora is False:
+        return y
+    torch.ops.lorazor.add_lora_(
+        y, x, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
+        meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
+        meta.row_bound, meta.class_split, backend,
+    )
+    return y
+
+
 def batched_lora(
     x: torch.Tensor,
     lora_a: torch.Tensor,

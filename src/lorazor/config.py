@@ -28,6 +28,8 @@ class LoRazorConfig:
         max_lora_rank: the largest rank a slot can hold; None: the largest rank loaded.
         dtype: "float32", "float16" or "bfloat16" to cast the model and adapters; None keeps them.
         cuda_graphs: capture and replay the decode step as a CUDA graph on the GPU.
+        compile: run the decode step through torch.compile (fuses the backbone's elementwise ops;
+            the LoRA kernels stay opaque custom ops). Costs a compile per batch bucket.
         backend: "auto" (Triton kernels on the GPU, the pure-torch reference on the CPU),
             "triton" or "reference".
         block_m: row-tile height of the LoRA kernels (a power of two >= 16).
@@ -41,6 +43,7 @@ class LoRazorConfig:
     max_lora_rank: int | None = None
     dtype: str | None = None
     cuda_graphs: bool = True
+    compile: bool = False
     backend: str = "auto"
     block_m: int = 16
     max_cache_len: int | None = None

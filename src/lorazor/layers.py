@@ -7,7 +7,7 @@ no copy) and returns what `unpatch_lora_layers` needs to put the PEFT layers bac
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import add_batched_lora_
+from lorazor_kernels import add_lora_op_
 from torch import nn
 
 from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
@@ -45,7 +45,7 @@ class BatchedLoRALinear(nn.Module):
         if x.numel() // x.shape[-1] != meta.num_rows:
             raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
         lora = self.lora
-        add_batched_lora_(
+        add_lora_op_(
             y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora.lora_a, lora.lora_b, lora.scaling,
             lora.rank, meta, backend=self.context.backend,
         )

@@ -52,6 +52,7 @@ class LoRazorModel(nn.Module):
         # transformers 5.24 renamed the cache argument; 5.17 only knows `past_key_values`.
         self._cache_kwarg = "cache" if accepts_kwarg(self._decoder.forward, "cache") else "past_key_values"
         self.graphs: DecodeGraphs | None = None
+        self._compiled_core = None
 
     @classmethod
     def from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None = None) -> "LoRazorModel":
@@ -142,13 +143,30 @@ class LoRazorModel(nn.Module):
         with torch.inference_mode():
             return last, self._lm_head(last)
 
-    def decode_step(self, tokens, positions, write_pos, cache: KVCache, row_slot, meta=None):
-        """One decode forward for every row: token `[B]` at position `[B]` written at `write_pos [B]`."""
+    def _decode_core(self, tokens, positions, write_pos, cache: KVCache, row_slot, meta=None):
+        # Straight-line code (no context managers) so torch.compile traces it whole.
         mask4d = cache.begin_decode(write_pos)
-        hidden = self._decoder_forward(tokens[:, None], positions[:, None], mask4d, cache, row_slot, 1, meta)
-        last = hidden[:, -1]
+        self.context.begin(row_slot, 1, meta)
+        out = self._decoder(
+            input_ids=tokens[:, None], attention_mask=mask4d, position_ids=positions[:, None], use_cache=True,
+            **{self._cache_kwarg: cache},
+        )
+        self.context.meta = None
+        last = out.last_hidden_state[:, -1]
+        return last, self._lm_head(last)
+
+    def decode_step(self, tokens, positions, write_pos, cache: KVCache, row_slot, meta=None):
+        """One decode forward for every row: token `[B]` at position `[B]` written at `write_pos [B]`.
+
+        With `LoRazorConfig(compile=True)` the step runs through torch.compile (elementwise ops
+        fused; the LoRA kernels stay opaque custom ops). Returns (last hidden `[B, H]`, logits `[B, V]`).
+        """
         with torch.inference_mode():
-            return last, self._lm_head(last)
+            if self.config.compile:
+                if self._compiled_core is None:
+                    self._compiled_core = torch.compile(self._decode_core, dynamic=False)
+                return self._compiled_core(tokens, positions, write_pos, cache, row_slot, meta)
+            return self._decode_core(tokens, positions, write_pos, cache, row_slot, meta)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, adapter_ids=None):
         """Logits `[B, T, V]` of one full forward with per-row adapters (left or no padding).

@@ -41,16 +41,20 @@ class StepContext:
         token_slot = row_slot if tokens_per_row == 1 else row_slot.repeat_interleave(tokens_per_row)
         return build_batch_meta(token_slot, self.num_slots, self.grid, self.block_m)
 
+    def begin(self, row_slot: torch.Tensor, tokens_per_row: int = 1, meta: LoRABatchMeta | None = None) -> None:
+        """Set the metadata of the forward about to run (no context manager: torch.compile-friendly)."""
+        if not self.enabled:
+            self.meta = None
+        else:
+            self.meta = meta if meta is not None else self.build(row_slot, tokens_per_row)
+
     @contextmanager
     def step(self, row_slot: torch.Tensor, tokens_per_row: int = 1, meta: LoRABatchMeta | None = None):
         """Run one forward with `row_slot` `[B]` (int, -1 = no LoRA) repeated over each row's tokens.
 
         `meta`: metadata prepared by the caller (the graph runner's static buffers); built here if None.
         """
-        if not self.enabled:
-            self.meta = None
-        else:
-            self.meta = meta if meta is not None else self.build(row_slot, tokens_per_row)
+        self.begin(row_slot, tokens_per_row, meta)
         try:
             yield self.meta
         finally:
