@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import DEVICE
 from helpers import EOS, PAD, build_pair, make_batch, peft_generate, peft_names
 from lorazor import LoRazorConfig
 from lorazor.tiny import AdapterSpec
@@ -102,11 +103,11 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     ids, mask = make_batch(4, 5, seed=2)
     adapters = ["math", None, "sql", "med"]
     kw = dict(attention_mask=mask, adapter_ids=adapters, max_new_tokens=8, pad_token_id=PAD, eos_token_id=EOS)
-    a = model.generate(ids, do_sample=True, temperature=0.9, top_p=0.9, generator=torch.Generator().manual_seed(5), **kw)
-    b = model.generate(ids, do_sample=True, temperature=0.9, top_p=0.9, generator=torch.Generator().manual_seed(5), **kw)
+    a = model.generate(ids, do_sample=True, temperature=0.9, top_p=0.9, generator=torch.Generator(device=DEVICE).manual_seed(5), **kw)
+    b = model.generate(ids, do_sample=True, temperature=0.9, top_p=0.9, generator=torch.Generator(device=DEVICE).manual_seed(5), **kw)
     assert torch.equal(a.sequences, b.sequences)
     greedy = model.generate(ids, **kw)
-    top1 = model.generate(ids, do_sample=True, top_k=1, generator=torch.Generator().manual_seed(1), **kw)
+    top1 = model.generate(ids, do_sample=True, top_k=1, generator=torch.Generator(device=DEVICE).manual_seed(1), **kw)
     assert torch.equal(greedy.sequences, top1.sequences)
 
 
