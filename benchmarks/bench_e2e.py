@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--peft", default="1,8,32", help="adapter counts for the PEFT baseline ('' to skip)")
     ap.add_argument("--peft-new", type=int, default=16, help="new tokens for PEFT (it is slow)")
     ap.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
-    ap.add_argument("--compile", action="store_true", help="LoRazorConfig(compile=True) for the decode step")
+    ap.add_argument("--compile", action="store_true", help="also run backbone + exact with a compiled decode step")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
     from peft import LoraConfig, get_peft_model
@@ -140,23 +140,29 @@ def main() -> None:
         record("peft", L, "-", decode_rate(gen, B, args.peft_new, warm_new=False))
 
     max_l = max(int(x) for x in args.adapters.split(","))
-    model = LoRazorModel.from_peft(peft_model, LoRazorConfig(max_loras=max(max_l, n_peft), max_batch_size=B,
-                                                                  compile=args.compile))
+    model = LoRazorModel.from_peft(peft_model, LoRazorConfig(max_loras=max(max_l, n_peft), max_batch_size=B))
     names = list(model.bank.names) + fill_random_adapters(model, n_peft, max(max_l, n_peft) - n_peft)
 
     def lorazor(adapter_ids):
         return lambda n: model.generate(ids, attention_mask=mask, adapter_ids=adapter_ids, max_new_tokens=n,
                                         min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    r = decode_rate(lorazor([None] * B), B, NEW)
-    backbone = r["decode_tok_s"]
-    record("lorazor_backbone", 0, "-", r)
-    for grid in args.grids.split(","):
-        model.set_grid(grid)
-        for L in (int(x) for x in args.adapters.split(",")):
-            r = decode_rate(lorazor(assign(B, L, names)), B, NEW)
-            r["vs_backbone"] = r["decode_tok_s"] / backbone
-            record("lorazor", L, grid, r)
+    def sweep(compile_step: bool, grids: list[str]):
+        model.reconfigure(grid=grids[0], compile=compile_step)
+        r = decode_rate(lorazor([None] * B), B, NEW)
+        backbone = r["decode_tok_s"]
+        record("lorazor_backbone", 0, f"compile={compile_step}", r)
+        for grid in grids:
+            model.reconfigure(grid=grid, compile=compile_step)
+            for L in (int(x) for x in args.adapters.split(",")):
+                r = decode_rate(lorazor(assign(B, L, names)), B, NEW)
+                r["vs_backbone"] = r["decode_tok_s"] / backbone
+                record("lorazor" + ("_compiled" if compile_step else ""), L, grid, r)
+
+    # Every grid mode on the same (uncompiled) backbone, then the best setup: exact + compile.
+    sweep(False, args.grids.split(","))
+    if args.compile:
+        sweep(True, ["exact"])
     graphs = model.graphs
     meta = dict(environment(), command=" ".join(sys.argv), batch=B, prompt=T, new_tokens=NEW, rank=RANK,
                 compile=args.compile,
@@ -183,19 +189,19 @@ def plot(rows, path: Path, model: str) -> None:
     except ImportError:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    grids = sorted({r["grid"] for r in rows if r["system"] == "lorazor"})
-    for grid in grids:
-        rs = [r for r in rows if r["system"] == "lorazor" and r["grid"] == grid]
-        ax1.plot([r["L"] for r in rs], [r["step_ms"] for r in rs], marker="o", label=f"LoRazor {grid}")
-        ax2.plot([r["L"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=f"LoRazor {grid}")
+    series = sorted({(r["system"], r["grid"]) for r in rows if r["system"].startswith("lorazor") and r["L"] > 0})
+    for system, grid in series:
+        rs = [r for r in rows if r["system"] == system and r["grid"] == grid]
+        label = f"LoRazor {grid}" + (" +compile" if "compiled" in system else "")
+        ax1.plot([r["L"] for r in rs], [r["step_ms"] for r in rs], marker="o", label=label)
+        ax2.plot([r["L"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=label)
     pe = [r for r in rows if r["system"] == "peft"]
     if pe:
         ax1.plot([r["L"] for r in pe], [r["step_ms"] for r in pe], marker="x", label="PEFT adapter_names")
         ax2.plot([r["L"] for r in pe], [r["decode_tok_s"] for r in pe], marker="x", label="PEFT adapter_names")
-    bb = [r for r in rows if r["system"] == "lorazor_backbone"]
-    if bb:
+    for r, style in zip([r for r in rows if r["system"] == "lorazor_backbone"], ("--", ":")):
         for ax, key in ((ax1, "step_ms"), (ax2, "decode_tok_s")):
-            ax.axhline(bb[0][key], color="k", ls="--", label="LoRazor backbone only")
+            ax.axhline(r[key], color="k", ls=style, label=f"LoRazor backbone only ({r['grid']})")
     for ax, label in ((ax1, "per-step latency (ms)"), (ax2, "decode tokens/s")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("distinct adapters in the batch")

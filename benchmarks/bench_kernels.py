@@ -48,7 +48,8 @@ def layer_pool(shape: dict, L: int):
         for name, (k, n) in projections(shape).items():
             projs[name] = dict(
                 a=torch.randn(L, RANK, k, device="cuda", dtype=torch.bfloat16) / k**0.5,
-                b=torch.randn(L, n, RANK, device="cuda", dtype=torch.bfloat16) / RANK**0.5,
+                # The bank's layout: stored [L, r, N], used as a [L, N, r] view.
+                b=(torch.randn(L, RANK, n, device="cuda", dtype=torch.bfloat16) / RANK**0.5).transpose(1, 2),
                 s=torch.ones(L, device="cuda"), r=torch.full((L,), RANK, dtype=torch.int32, device="cuda"),
                 x=torch.randn(M, k, device="cuda", dtype=torch.bfloat16),
                 y=torch.randn(M, n, device="cuda", dtype=torch.bfloat16),

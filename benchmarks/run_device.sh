@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$W/g
 for step in "$@"; do
   start=$(date +%s)
   case $step in
-    tests) timeout 200 python3 -m pytest tests -q -x -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
+    tests) timeout 150 python3 -m pytest tests -q -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
     kernels) timeout 200 python3 benchmarks/bench_kernels.py --out "$W" --sweep > "$W/kernels.log" 2>&1 ;;
     e2e-llama) timeout 330 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --hf-compile > "$W/e2e_llama.log" 2>&1 ;;
     explore) timeout 150 python3 benchmarks/profile_step.py > "$W/profile_eager.log" 2>&1

@@ -11,6 +11,8 @@ def make_case(M, K, N, r, L, dtype, seed, frac_base=0.3, ranks=None, row_slot=No
     x = torch.randn(M, K, generator=g)
     a = torch.randn(L, r, K, generator=g) / K**0.5
     b = torch.randn(L, N, r, generator=g) / r**0.5  # non-zero B: a missing delta fails the test
+    if (M + L) % 2:
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)  # the bank's [L, r, N] storage, as a view
     scaling = torch.rand(L, generator=g) + 0.5
     if row_slot is None:
         row_slot = torch.randint(0, L, (M,), generator=g)

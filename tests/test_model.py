@@ -112,15 +112,22 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
 
 
 @pytest.mark.parametrize("grid", ["exact", "two_class"])
-def test_triton_backend_matches_peft(grid):
-    """The Triton kernels (interpreter on CPU) inside the model give PEFT's tokens."""
-    model, oracle = build_pair("llama", LoRazorConfig(backend="triton", grid=grid))
+def test_triton_backend_matches_peft(grid, monkeypatch):
+    """The Triton kernels (LoRA and decode attention; interpreter on CPU) inside the model give PEFT's tokens."""
+    import lorazor.attention
+
+    model, oracle = build_pair("llama", LoRazorConfig(backend="triton", grid=grid, attention="triton"))
+    calls = []
+    kernel = lorazor.attention.decode_attention
+    monkeypatch.setattr(lorazor.attention, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     ids, mask = make_batch(5, 5, seed=6, pad_rows=(1,))
     adapters = ["math", "sql", None, "med", "sql"]
     ref = peft_generate(oracle, ids, mask, adapters, max_new_tokens=5)
     out = model.generate(ids, attention_mask=mask, adapter_ids=adapters, max_new_tokens=5,
                          pad_token_id=PAD, eos_token_id=EOS)
     assert torch.equal(out.sequences, ref)
+    # 4 decode steps x 2 layers went through the decode-attention kernel (the kwarg reached it).
+    assert len(calls) == 8
 
 
 def test_generation_config_object_and_kwargs():

@@ -3,6 +3,7 @@
 This package takes tensors and step metadata; it knows nothing about models.
 """
 
+from .decode_attention import decode_attention, decode_attention_op, decode_attention_reference
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_kernels import lora_expand, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound
@@ -18,6 +19,9 @@ __all__ = [
     "add_lora_op_",
     "batched_lora",
     "build_batch_meta",
+    "decode_attention",
+    "decode_attention_op",
+    "decode_attention_reference",
     "get_kernel_config",
     "lora_delta_reference",
     "lora_expand",

@@ -143,12 +143,13 @@ def _lora_expand_kernel(
             u_tile = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):
                 u_tile += tl.load(u_rows + split * stride_us + offs_r[None, :] * stride_ur, mask=u_mask, other=0.0)
+            # [BR, BN]: contiguous along N when B is stored [L, r, N] (stride_bn == 1).
             b_tile = tl.load(
-                b_slot + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                mask=mask_n[:, None] & mask_r[None, :], other=0.0,
+                b_slot + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+                mask=mask_r[:, None] & mask_n[None, :], other=0.0,
             )
             # [BM, BR] @ [BR, BN]
-            acc += tl.dot(u_tile.to(b_tile.dtype), tl.trans(b_tile), input_precision=DOT_PRECISION)
+            acc += tl.dot(u_tile.to(b_tile.dtype), b_tile, input_precision=DOT_PRECISION)
         y_tile = y_rows + offs_n[None, :] * stride_yn
         mask = mask_m[:, None] & mask_n[None, :]
         y_old = tl.load(y_tile, mask=mask, other=0.0)

@@ -136,7 +136,9 @@ class AdapterBank:
             w_dtype = dtype or base.weight.dtype
             device = base.weight.device
             lora_a = torch.zeros(num_slots, r_max, base.in_features, dtype=w_dtype, device=device)
-            lora_b = torch.zeros(num_slots, base.out_features, r_max, dtype=w_dtype, device=device)
+            # Stored [L, r, N] (N contiguous) and used through a [L, N, r] view: the expand kernel then
+            # loads B along N in full vectors while masking only whole rank rows.
+            lora_b = torch.zeros(num_slots, r_max, base.out_features, dtype=w_dtype, device=device).transpose(1, 2)
             scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
             rank = torch.zeros(num_slots, dtype=torch.int32, device=device)
             for slot, a in enumerate(names):

@@ -10,16 +10,28 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from lorazor_kernels import decode_attention_op as decode_attention
 
 ATTENTION_NAME = "lorazor"
+# Keyword argument through which LoRazor hands the cache's per-row key ranges to decode attention.
+KV_RANGE_KWARG = "lorazor_kv_range"
 
 
 def lorazor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query `[B, H, q, D]`, key/value `[B, H_kv, S, D]`, bool mask `[B, 1, q, S]` -> `[B, q, H, D]`."""
+    """query `[B, H, q, D]`, key/value `[B, H_kv, S, D]`, bool mask `[B, 1, q, S]` -> `[B, q, H, D]`.
+
+    With one query token and the `lorazor_kv_range` kwarg (start, end per row), the Triton decode
+    kernel reads only each row's valid keys; otherwise SDPA runs over the masked cache.
+    """
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise RuntimeError("lorazor attention needs the bool mask built by LoRazor's KV cache")
     B, H, q_len, D = query.shape
     h_kv = key.shape[1]
+    kv_range = kwargs.get(KV_RANGE_KWARG)
+    if q_len == 1 and kv_range is not None:
+        scale = scaling if scaling is not None else D**-0.5
+        out = decode_attention(query[:, :, 0], key, value, kv_range[0], kv_range[1], scale)
+        return out[:, None], None
     if q_len == 1 and H != h_kv:
         q = query.reshape(B, h_kv, H // h_kv, D)
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)

@@ -32,6 +32,8 @@ class LoRazorConfig:
             the LoRA kernels stay opaque custom ops). Costs a compile per batch bucket.
         backend: "auto" (Triton kernels on the GPU, the pure-torch reference on the CPU),
             "triton" or "reference".
+        attention: decode attention: "auto" (the Triton kernel that reads only each row's valid
+            keys, on the GPU; SDPA over the masked cache elsewhere), "triton" or "sdpa".
         block_m: row-tile height of the LoRA kernels (a power of two >= 16).
         max_cache_len: KV-cache length per row; None sizes it per call as prompt + max_new_tokens.
     """
@@ -45,6 +47,7 @@ class LoRazorConfig:
     cuda_graphs: bool = True
     compile: bool = False
     backend: str = "auto"
+    attention: str = "auto"
     block_m: int = 16
     max_cache_len: int | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
@@ -54,6 +57,8 @@ class LoRazorConfig:
             raise ValueError(f"grid must be one of {GRID_MODES}, got {self.grid!r}")
         if self.release not in RELEASE_MODES:
             raise ValueError(f"release must be one of {RELEASE_MODES}, got {self.release!r}")
+        if self.attention not in ("auto", "triton", "sdpa"):
+            raise ValueError(f"attention must be 'auto', 'triton' or 'sdpa', got {self.attention!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.dtype is not None and self.dtype not in DTYPES:

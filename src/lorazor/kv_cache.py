@@ -27,6 +27,10 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.key_valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.write_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # Valid keys of row b are exactly [key_start[b], key_end[b]): left padding comes first and
+        # decode writes one position per step after the prompt.
+        self.key_start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.key_end = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.batch_size = batch_size
         self.max_len = max_len
         self._rows = torch.arange(batch_size, device=device)
@@ -45,6 +49,8 @@ class KVCache:
         self._prefill_len = T
         self.key_valid.zero_()
         self.key_valid[:, :T] = attention_mask.bool()
+        self.key_start.copy_(T - attention_mask.long().sum(-1))
+        self.key_end.fill_(T)
         causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
         mask = causal[None] & self.key_valid[:, None, :T]
         mask |= torch.eye(T, dtype=torch.bool, device=attention_mask.device)[None]
@@ -57,6 +63,7 @@ class KVCache:
         """
         self._prefill_len = None
         self.write_pos.copy_(write_pos)
+        torch.add(self.write_pos, 1, out=self.key_end)
         # A tensor value (not a Python True) keeps this a pure device op inside a CUDA graph.
         self.key_valid.index_put_((self._rows, self.write_pos), self._true)
         return self.key_valid[:, None, None, :]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .adapters import AdapterBank
-from .attention import ATTENTION_NAME, register_attention
+from .attention import ATTENTION_NAME, KV_RANGE_KWARG, register_attention
 from .config import LoRazorConfig
 from .generate import LoRazorOutput, accepts_kwarg, decode_loop, resolve_generation_config
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
@@ -53,6 +53,12 @@ class LoRazorModel(nn.Module):
         self._cache_kwarg = "cache" if accepts_kwarg(self._decoder.forward, "cache") else "past_key_values"
         self.graphs: DecodeGraphs | None = None
         self._compiled_core = None
+        head_dim = getattr(self.model.config, "head_dim", None) or (
+            self.model.config.hidden_size // self.model.config.num_attention_heads)
+        attention = config.attention
+        if attention == "auto":
+            attention = "triton" if self.device.type == "cuda" and head_dim >= 16 and not head_dim & (head_dim - 1) else "sdpa"
+        self._triton_attention = attention == "triton"
 
     @classmethod
     def from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None = None) -> "LoRazorModel":
@@ -84,12 +90,18 @@ class LoRazorModel(nn.Module):
     def adapter_names(self) -> list[str]:
         return list(self.bank.names)
 
-    def set_grid(self, grid: str) -> None:
-        """Switch the LoRA kernels' grid mode (drops captured graphs, keeps the KV caches)."""
-        self.config = dataclasses.replace(self.config, grid=grid)
-        self.context.grid = grid
+    def reconfigure(self, grid: str | None = None, compile: bool | None = None) -> None:
+        """Switch the grid mode and/or torch.compile of the decode step (drops captured graphs)."""
+        changes = {k: v for k, v in (("grid", grid), ("compile", compile)) if v is not None}
+        self.config = dataclasses.replace(self.config, **changes)
+        self.context.grid = self.config.grid
+        self._compiled_core = None
         if self.graphs is not None:
             self.graphs.clear()
+
+    def set_grid(self, grid: str) -> None:
+        """Switch the LoRA kernels' grid mode (drops captured graphs, keeps the KV caches)."""
+        self.reconfigure(grid=grid)
 
     def unpatch(self) -> nn.Module:
         """Put the PEFT LoRA layers and attention back; returns the PeftModel. This object is then unusable."""
@@ -147,9 +159,10 @@ class LoRazorModel(nn.Module):
         # Straight-line code (no context managers) so torch.compile traces it whole.
         mask4d = cache.begin_decode(write_pos)
         self.context.begin(row_slot, 1, meta)
+        extra = {KV_RANGE_KWARG: (cache.key_start, cache.key_end)} if self._triton_attention else {}
         out = self._decoder(
             input_ids=tokens[:, None], attention_mask=mask4d, position_ids=positions[:, None], use_cache=True,
-            **{self._cache_kwarg: cache},
+            **{self._cache_kwarg: cache}, **extra,
         )
         self.context.meta = None
         last = out.last_hidden_state[:, -1]
