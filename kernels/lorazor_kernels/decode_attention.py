@@ -25,6 +25,7 @@ def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, end_ptr, scale,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -44,14 +45,14 @@ def _decode_attention_kernel(
         s = s0 + tl.arange(0, BLOCK_S)
         mask_s = s < end
         k = tl.load(k_base + s[:, None] * stride_ks + d[None, :], mask=mask_s[:, None], other=0.0)  # [BS, D]
-        scores = tl.dot(q, tl.trans(k)) * scale  # [GP, BS]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GP, BS]
         scores = tl.where(mask_s[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + s[:, None] * stride_vs + d[None, :], mask=mask_s[:, None], other=0.0)  # [BS, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -87,6 +88,8 @@ def decode_attention(
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_S=block_s,
+        # fp32 dots default to tf32 on the GPU; keep fp32 exact (the fp32 parity tests need it).
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4,
     )
     return out
