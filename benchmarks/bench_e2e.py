@@ -99,7 +99,14 @@ def main() -> None:
     ap.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
     ap.add_argument("--compile", action="store_true", help="also run backbone + exact with a compiled decode step")
     ap.add_argument("--tag", default="", help="suffix of the result files")
+    ap.add_argument("--from-log", type=Path, nargs="*", help="render tables/plot from logged JSON rows instead")
+    ap.add_argument("--meta", default="{}", help="with --from-log: JSON metadata of the run(s)")
     args = ap.parse_args()
+    if args.from_log:
+        rows = [json.loads(line) for log in args.from_log for line in log.read_text().splitlines()
+                if line.startswith('{"model"')]
+        render(rows, json.loads(args.meta), args.out, f"e2e_{rows[0]['model']}{args.tag}")
+        return
     from peft import LoraConfig, get_peft_model
 
     from lorazor import LoRazorConfig, LoRazorModel
@@ -165,18 +172,21 @@ def main() -> None:
         sweep(True, ["exact"])
     graphs = model.graphs
     meta = dict(environment(), command=" ".join(sys.argv), batch=B, prompt=T, new_tokens=NEW, rank=RANK,
-                compile=args.compile,
-                peft_new_tokens=args.peft_new, graphs=graphs.num_graphs(),
+                compile=args.compile, peft_new_tokens=args.peft_new, graphs=graphs.num_graphs(),
                 graph_capture_s=round(graphs.capture_seconds, 2), graph_capture_GB=round(graphs.capture_bytes / 1e9, 3),
                 date=time.strftime("%Y-%m-%d"))
+    render(rows, meta, args.out, f"e2e_{args.model}{args.tag}")
+
+
+def render(rows: list[dict], meta: dict, out: Path, name: str) -> None:
+    """Results table (markdown + JSON) and the latency/throughput plot."""
     head = "| system | grid | L | decode tok/s | step ms | vs backbone | total new tok/s |\n|---|---|---|---|---|---|---|\n"
     body = "".join(f"| {r['system']} | {r['grid']} | {r['L']} | {r.get('decode_tok_s', float('nan')):.0f} | "
                    f"{r.get('step_ms', float('nan')):.2f} | {r.get('vs_backbone', float('nan')):.2f} | "
                    f"{r.get('total_new_tok_s', float('nan')):.0f} |\n" for r in rows)
-    table = f"# End-to-end decode, {args.model}, batch {B}, prompt {T}, {NEW} new tokens\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
-    name = f"e2e_{args.model}{args.tag}"
-    write_results(args.out, name, rows, meta, table)
-    plot(rows, args.out / f"{name}.png", args.model)
+    table = f"# End-to-end decode, {rows[0]['model']}\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
+    write_results(out, name, rows, meta, table)
+    plot(rows, out / f"{name}.png", rows[0]["model"])
     print(table)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -28,10 +29,13 @@ def environment() -> dict:
     import transformers
     import triton
 
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        sha = "unknown"
+    # The device gets a copy of the tree without .git: pass LORAZOR_COMMIT=<sha> there.
+    sha = os.environ.get("LORAZOR_COMMIT", "")
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            sha = "unknown"
     env = {"commit": sha or "unknown", "python": platform.python_version(), "torch": torch.__version__,
            "triton": triton.__version__, "transformers": transformers.__version__}
     try:
