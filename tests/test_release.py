@@ -168,3 +168,38 @@ def test_bad_policy_arguments(pair, batch):
         generate(model, batch, release_policy=ProfiledRelease({"physics": 1}))
     with pytest.raises(ValueError, match="release\\[1\\] must be None, 'never' or an int >= 0, got 'soon'"):
         generate(model, batch, release_policy=ProfiledRelease({}), release=[None, "soon", None, None, None, None])
+
+
+def test_policies_save_and_load_beside_adapters(pair, batch, tmp_path):
+    from lorazor import LoRazorConfig, load_release_policy, save_release_policy
+
+    model, oracle = pair
+    profiled = ProfiledRelease({"math": 2, "sql": 0, "med": None})
+    save_release_policy(profiled, tmp_path / "p")
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["math", "med", "sql"]
+    loaded = load_release_policy(tmp_path / "p")
+    assert loaded.lengths == profiled.lengths
+    learned = LearnedRelease(_heads(model, 0.0, seed=3))
+    save_release_policy(learned, tmp_path / "l")
+    assert not list((tmp_path / "l").rglob("*.pt")) and not list((tmp_path / "l").rglob("*.bin"))
+    again = load_release_policy(tmp_path / "l")
+    a = generate(model, batch, release_policy=learned)
+    b = generate(model, batch, release_policy=again)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.release_steps, b.release_steps)
+    # A loaded policy becomes the model's default when the config asks for release.
+    model.config = LoRazorConfig(release="profiled")
+    try:
+        model.load_release_policy(tmp_path / "p")
+        out = generate(model, batch)
+        ks = [2, 0, None, None, 2, 0]
+        assert torch.equal(out.sequences, peft_release_reference(oracle, *batch, ADAPTERS, ks))
+    finally:
+        model.config = LoRazorConfig()
+        model.release_policy = None
+
+
+def test_loading_a_missing_policy_names_the_path(tmp_path):
+    from lorazor import load_release_policy
+
+    with pytest.raises(FileNotFoundError, match="no \\*/release_policy.json under"):
+        load_release_policy(tmp_path)

@@ -4,7 +4,7 @@ from .adapters import AdapterBank, AdapterError
 from .config import LoRazorConfig
 from .generate import LoRazorOutput
 from .model import LoRazorModel
-from .policies import LearnedRelease, ProfiledRelease, ReleasePolicy
+from .policies import LearnedRelease, ProfiledRelease, ReleasePolicy, load_release_policy, save_release_policy
 
 __version__ = "0.1.0"
 
@@ -17,4 +17,6 @@ __all__ = [
     "LoRazorOutput",
     "ProfiledRelease",
     "ReleasePolicy",
+    "load_release_policy",
+    "save_release_policy",
 ]

@@ -53,6 +53,8 @@ class LoRazorModel(nn.Module):
         self._cache_kwarg = "cache" if accepts_kwarg(self._decoder.forward, "cache") else "past_key_values"
         self.graphs: DecodeGraphs | None = None
         self._compiled_core = None
+        # The default StepTrim policy (LoRazorConfig.release != "none"), see `load_release_policy`.
+        self.release_policy: ReleasePolicy | None = None
         head_dim = getattr(self.model.config, "head_dim", None) or (
             self.model.config.hidden_size // self.model.config.num_attention_heads)
         attention = config.attention
@@ -98,6 +100,16 @@ class LoRazorModel(nn.Module):
         self._compiled_core = None
         if self.graphs is not None:
             self.graphs.clear()
+
+    def load_release_policy(self, root) -> ReleasePolicy:
+        """Load the policies saved beside the adapters under `root/<adapter>/` as the default policy."""
+        from .policies import load_release_policy
+
+        policy = load_release_policy(root)
+        if self.config.release not in ("none", policy.kind):
+            raise ValueError(f"config.release={self.config.release!r} but {root} holds {policy.kind!r} policies")
+        self.release_policy = policy
+        return policy
 
     def set_grid(self, grid: str) -> None:
         """Switch the LoRA kernels' grid mode (drops captured graphs, keeps the KV caches)."""
@@ -243,8 +255,9 @@ class LoRazorModel(nn.Module):
             generation_config: a `transformers.GenerationConfig`; kwargs override its fields
                 (`max_new_tokens`, `min_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`,
                 `repetition_penalty`, `eos_token_id`, `pad_token_id`, ...).
-            release_policy: a StepTrim policy (`ProfiledRelease`, `LearnedRelease`); None keeps
-                every adapter to the end.
+            release_policy: a StepTrim policy (`ProfiledRelease`, `LearnedRelease`); None uses the
+                model's default (`load_release_policy`, when `config.release` is not "none"), else
+                every adapter is kept to the end.
             release: per-row overrides: None (policy), "never", or a fixed release length k.
             generator: a seeded `torch.Generator` for sampling.
             logits_processor: extra HF logits processors, applied after HF's own.
@@ -254,6 +267,11 @@ class LoRazorModel(nn.Module):
         """
         attention_mask = self._check_batch(input_ids, attention_mask, adapter_ids)
         row_slot = self._row_slot(input_ids, adapter_ids)
+        if release_policy is None and self.config.release != "none":
+            if self.release_policy is None:
+                raise ValueError(f"config.release={self.config.release!r} but no policy is loaded: "
+                                 "call model.load_release_policy(path) or pass release_policy=")
+            release_policy = self.release_policy
         B, T = input_ids.shape
         cfg, max_new = resolve_generation_config(self.model.generation_config, generation_config, kwargs, T)
         limit = self.config.max_cache_len

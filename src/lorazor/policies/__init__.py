@@ -2,6 +2,10 @@
 
 from .base import NEVER, ReleasePolicy, ReleaseState
 from .learned import LearnedRelease
+from .io import load_release_policy, save_release_policy
 from .profiled import ProfiledRelease
 
-__all__ = ["NEVER", "LearnedRelease", "ProfiledRelease", "ReleasePolicy", "ReleaseState"]
+__all__ = [
+    "NEVER", "LearnedRelease", "ProfiledRelease", "ReleasePolicy", "ReleaseState", "load_release_policy",
+    "save_release_policy",
+]

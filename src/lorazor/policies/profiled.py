@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from .base import NEVER_STEP, ReleasePolicy, ReleaseState
@@ -44,9 +41,3 @@ class ProfiledRelease(ReleasePolicy):
     def keep(self, step: int, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
         # slot -1 (backbone rows) reads the last entry, which never releases (they hold nothing).
         return step < self._k_of_slot[state.slot.long()]
-
-    def save(self, adapter_dir: str | Path, adapter_name: str) -> Path:
-        """Write `release_policy.json` for one adapter into its directory."""
-        path = Path(adapter_dir) / "release_policy.json"
-        path.write_text(json.dumps({"kind": self.kind, "k": self.lengths.get(adapter_name)}, indent=2))
-        return path
