@@ -91,7 +91,6 @@ class DecodeGraphs:
 
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        reserved = torch.cuda.memory_reserved()
         start.record()
         # Warm up on a side stream (Triton compiles, cuBLAS picks algorithms) before capturing.
         side = torch.cuda.Stream()
@@ -100,6 +99,10 @@ class DecodeGraphs:
             for _ in range(2):
                 step()
         torch.cuda.current_stream().wait_stream(side)
+        # Release what the warm-up cached, so the reserved-memory delta is the graph's own pool.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden, logits = step()
