@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, kernel benchmark, end-to-end benchmarks. Everything lands in
 # $OUT/all.tgz (the device returns at most 8 files). Usage on the device:
-#   bash benchmarks/run_device.sh tests kernels e2e-llama [e2e-mistral] [explore]
+#   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh tests kernels e2e-llama [e2e-mistral] [release] [explore]
 set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -16,6 +16,7 @@ for step in "$@"; do
     kernels-sweep) timeout 200 python3 benchmarks/bench_kernels.py --out "$W" --sweep > "$W/kernels.log" 2>&1 ;;
     e2e-llama) timeout 360 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --hf-compile --compile > "$W/e2e_llama.log" 2>&1 ;;
     e2e-mistral) timeout 300 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1,8 --grids exact --compile > "$W/e2e_mistral.log" 2>&1 ;;
+    release) timeout 300 python3 benchmarks/bench_release.py --out "$W" > "$W/release.log" 2>&1 ;;
     explore) timeout 150 python3 benchmarks/profile_step.py > "$W/profile_eager.log" 2>&1
              timeout 200 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
   esac
@@ -25,4 +26,5 @@ tar czf "$OUT/all.tgz" -C "$W" .
 tail -4 "$W"/tests.log 2>/dev/null
 grep '^|' "$W"/kernels.log 2>/dev/null | tail -16
 for f in "$W"/profile_*.log; do [ -f "$f" ] && head -20 "$f" | cut -c1-150 && tail -1 "$f"; done
+grep '^|' "$W"/release.log 2>/dev/null
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done
