@@ -1,0 +1,169 @@
+"""Four seeded task families mirroring the paper's fields, each with splits and an exact evaluator.
+
+    math     word problems: a scratchpad, then "Answer: <number>"            (like GSM8K)
+    sql      text-to-SQL over a small schema, scored by executing the query (like Spider)
+    mcq      four-option multiple choice, answered with one letter          (like MedQA-4)
+    explain  a few sentences of explanation, then "Answer: <letter>"        (like ScienceQA)
+
+Examples are generated from a seed per split, so every machine builds the same data.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .sql import DEPARTMENTS, build_database, same_result
+
+SPLITS = {"train": (0, 2000), "validation": (1, 200), "test": (2, 300)}  # split -> (seed, size)
+LETTERS = "ABCD"
+NAMES = ["Tom", "Ann", "Raj", "Lea", "Kai", "Zoe", "Max", "Uma"]
+ITEMS = ["apples", "books", "coins", "pens", "cards", "shells"]
+
+
+def _final_answer(text: str) -> str | None:
+    match = re.search(r"Answer:\s*([^\s.]+)", text)
+    return match.group(1) if match else None
+
+
+def _math(rng: random.Random) -> dict:
+    who, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b, c = rng.randrange(2, 30), rng.randrange(2, 30), rng.randrange(1, 10)
+    total = a + b
+    kind = rng.randrange(3)
+    if kind == 0:
+        q = f"{who} has {a} {item} and gets {b} more. Then {who} gives away {c}. How many {item} are left?"
+        steps, ans = f"{a} + {b} = {total}. {total} - {c} = {total - c}.", total - c
+    elif kind == 1:
+        q = f"{who} buys {c} boxes with {a} {item} in each box and already had {b}. How many {item} now?"
+        steps, ans = f"{c} * {a} = {c * a}. {c * a} + {b} = {c * a + b}.", c * a + b
+    else:
+        q = f"{who} shares {a * c} {item} equally among {c} friends and keeps none. How many does each friend get?"
+        steps, ans = f"{a * c} / {c} = {a}.", a
+    return {"prompt": f"Question: {q}\nSolution:", "reference": f" {steps} Answer: {ans}", "answer": str(ans)}
+
+
+SQL_TEMPLATES = [
+    ("How many employees work in {dept}?", "SELECT COUNT(*) FROM employees WHERE dept = '{dept}'"),
+    ("What is the highest salary in {dept}?", "SELECT MAX(salary) FROM employees WHERE dept = '{dept}'"),
+    ("List the names of employees in {dept} older than {age}.",
+     "SELECT name FROM employees WHERE dept = '{dept}' AND age > {age}"),
+    ("How many employees work in departments located in {city}?",
+     "SELECT COUNT(*) FROM employees JOIN departments ON employees.dept = departments.name WHERE city = '{city}'"),
+    ("What is the average age of employees earning more than {salary}?",
+     "SELECT AVG(age) FROM employees WHERE salary > {salary}"),
+]
+
+
+def _sql(rng: random.Random) -> dict:
+    question, query = rng.choice(SQL_TEMPLATES)
+    dept, city = rng.choice(DEPARTMENTS)
+    values = dict(dept=dept, city=city, age=rng.randrange(25, 55), salary=rng.randrange(40, 140) * 1000)
+    return {"prompt": f"Question: {question.format(**values)}\nSQL:", "reference": f" {query.format(**values)}"}
+
+
+FACTS = [  # (question, right answer, distractors)
+    ("Which organ pumps blood through the body?", "heart", ["lung", "liver", "kidney"]),
+    ("Which organ exchanges oxygen with the air?", "lung", ["heart", "stomach", "skin"]),
+    ("Which vitamin does sunlight help the skin make?", "vitamin D", ["vitamin C", "vitamin A", "vitamin K"]),
+    ("Which cells carry oxygen in the blood?", "red cells", ["white cells", "platelets", "neurons"]),
+    ("Which organ filters the blood to make urine?", "kidney", ["liver", "heart", "spleen"]),
+    ("Which gland makes insulin?", "pancreas", ["thyroid", "adrenal", "pituitary"]),
+    ("What state of matter has a fixed shape?", "solid", ["liquid", "gas", "plasma"]),
+    ("What force pulls objects toward the Earth?", "gravity", ["friction", "magnetism", "tension"]),
+    ("What do plants take in to make food?", "carbon dioxide", ["oxygen", "nitrogen", "helium"]),
+    ("What is the boiling point of water in Celsius?", "100", ["50", "0", "212"]),
+    ("Which planet is closest to the Sun?", "Mercury", ["Venus", "Mars", "Earth"]),
+    ("What kind of energy does a moving car have?", "kinetic", ["potential", "chemical", "nuclear"]),
+]
+WHY = {
+    "heart": "The heart is a muscle that contracts to push blood.",
+    "lung": "The lungs hold air sacs where oxygen enters the blood.",
+    "vitamin D": "Skin makes vitamin D when sunlight reaches it.",
+    "red cells": "Red cells contain hemoglobin, which binds oxygen.",
+    "kidney": "The kidneys remove waste from blood as urine.",
+    "pancreas": "The pancreas releases insulin to control sugar.",
+    "solid": "Particles in a solid are held in fixed places.",
+    "gravity": "Gravity attracts masses toward each other.",
+    "carbon dioxide": "Photosynthesis turns carbon dioxide and water into sugar.",
+    "100": "At sea level water boils at one hundred degrees.",
+    "Mercury": "Mercury has the smallest orbit of all planets.",
+    "kinetic": "Kinetic energy is the energy of motion.",
+}
+
+
+def _choices(rng: random.Random) -> tuple[str, str, str]:
+    question, right, wrong = rng.choice(FACTS)
+    options = [right] + rng.sample(wrong, 3)
+    rng.shuffle(options)
+    letter = LETTERS[options.index(right)]
+    listing = " ".join(f"({LETTERS[i]}) {o}" for i, o in enumerate(options))
+    return f"Question: {question} {listing}", letter, right
+
+
+def _mcq(rng: random.Random) -> dict:
+    stem, letter, _ = _choices(rng)
+    return {"prompt": f"{stem}\nAnswer:", "reference": f" {letter}", "answer": letter}
+
+
+def _explain(rng: random.Random) -> dict:
+    stem, letter, right = _choices(rng)
+    return {"prompt": f"{stem}\nExplain, then answer.\n", "reference": f"{WHY[right]} So the answer is {right}. "
+            f"Answer: {letter}", "answer": letter}
+
+
+@dataclass
+class Task:
+    """A task family: `split(name)` examples with `prompt` and `reference`, and an exact `score`."""
+
+    name: str
+    make: Callable[[random.Random], dict]
+    scorer: Callable[[str, dict], bool]
+    max_new_tokens: int
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def split(self, name: str) -> list[dict]:
+        """The deterministic examples of split `name` ("train", "validation" or "test")."""
+        if name not in SPLITS:
+            raise KeyError(f"unknown split {name!r}; splits: {sorted(SPLITS)}")
+        if name not in self._cache:
+            seed, size = SPLITS[name]
+            rng = random.Random(f"{self.name}-{seed}")
+            self._cache[name] = [self.make(rng) for _ in range(size)]
+        return self._cache[name]
+
+    def score(self, prediction: str, example: dict) -> bool:
+        """Whether a model's continuation of `example["prompt"]` is correct."""
+        return self.scorer(prediction, example)
+
+
+_DB = None
+
+
+def _score_sql(prediction: str, example: dict) -> bool:
+    global _DB
+    if _DB is None:
+        _DB = build_database()
+    query = prediction.strip().split("\n")[0]
+    return same_result(_DB, query, example["reference"].strip())
+
+
+def _score_letter_first(prediction: str, example: dict) -> bool:
+    match = re.match(r"\s*\(?([ABCD])\b", prediction)
+    return bool(match) and match.group(1) == example["answer"]
+
+
+def _score_final(prediction: str, example: dict) -> bool:
+    return _final_answer(prediction) == example["answer"]
+
+
+def make_tasks() -> dict[str, Task]:
+    """The four testbed tasks, by adapter name."""
+    return {
+        "math": Task("math", _math, _score_final, 48),
+        "sql": Task("sql", _sql, _score_sql, 64),
+        "mcq": Task("mcq", _mcq, _score_letter_first, 4),
+        "explain": Task("explain", _explain, _score_final, 64),
+    }

@@ -1,0 +1,57 @@
+"""Testbed tasks: deterministic splits, evaluators that accept right and reject wrong answers, safe SQL."""
+
+import pytest
+from lorazor.testbed import make_tasks
+from lorazor.testbed.sql import build_database, run_query
+
+TASKS = make_tasks()
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_splits_are_deterministic_and_disjoint_in_seed(name):
+    task = TASKS[name]
+    test = task.split("test")
+    again = make_tasks()[name].split("test")
+    assert test == again and len(test) == 300
+    assert all(set(ex) >= {"prompt", "reference"} for ex in test)
+    assert task.split("train")[:20] != test[:20]
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_reference_answers_score_true(name):
+    task = TASKS[name]
+    examples = task.split("validation")
+    assert all(task.score(ex["reference"], ex) for ex in examples)
+
+
+@pytest.mark.parametrize(
+    "name, wrong",
+    [
+        ("math", lambda ex: ex["reference"].replace(f"Answer: {ex['answer']}", f"Answer: {int(ex['answer']) + 1}")),
+        ("math", lambda ex: " I do not know."),
+        ("sql", lambda ex: " SELECT COUNT(*) FROM departments"),
+        ("sql", lambda ex: " DROP TABLE employees"),
+        ("mcq", lambda ex: " " + "ABCD"[("ABCD".index(ex["answer"]) + 1) % 4]),
+        ("explain", lambda ex: ex["reference"][: ex["reference"].rindex("Answer:")] + "Answer: "
+         + "ABCD"[("ABCD".index(ex["answer"]) + 1) % 4]),
+    ],
+)
+def test_wrong_answers_score_false(name, wrong):
+    task = TASKS[name]
+    examples = task.split("validation")[:50]
+    assert not any(task.score(wrong(ex), ex) for ex in examples)
+
+
+def test_sql_executor_is_read_only_and_time_limited():
+    db = build_database()
+    assert run_query(db, "SELECT COUNT(*) FROM employees") == [(60,)]
+    assert run_query(db, "DELETE FROM employees") is None
+    assert run_query(db, "SELECT 1; DROP TABLE employees") is None
+    assert run_query(db, "SELECT COUNT(*) FROM employees") == [(60,)]
+    slow = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT COUNT(*) FROM r"
+    assert run_query(db, slow, time_limit_s=0.05) is None
+
+
+def test_unknown_split():
+    with pytest.raises(KeyError, match="unknown split 'dev'"):
+        TASKS["math"].split("dev")
