@@ -55,3 +55,29 @@ def test_sql_executor_is_read_only_and_time_limited():
 def test_unknown_split():
     with pytest.raises(KeyError, match="unknown split 'dev'"):
         TASKS["math"].split("dev")
+
+
+def test_train_load_and_evaluate_pipeline(tmp_path):
+    """A few training steps through the real scripts, then load() and one evaluation pass."""
+    import torch
+    from lorazor import LoRazorModel
+    from lorazor.testbed import load
+    from lorazor.testbed.evaluate import run_task
+    from lorazor.testbed.train import main as train
+
+    train(["--out", str(tmp_path), "--pretrain-steps", "2", "--adapter-steps", "1", "--batch", "2", "--seq", "32"])
+    peft_model, tokenizer, tasks = load(tmp_path)
+    assert sorted(tasks) == ["explain", "math", "mcq", "sql"]
+    assert sorted(peft_model.peft_config) == sorted(tasks)
+    assert tokenizer.decode(tokenizer("Answer: 42")["input_ids"]) == "Answer: 42"
+    model = LoRazorModel.from_peft(peft_model)
+    accuracy, skip = run_task(model, tokenizer, tasks["mcq"], "mcq", 0, limit=3)
+    assert 0.0 <= accuracy <= 1.0 and skip == 1.0
+    assert all(p.dtype == torch.float32 for p in model.model.parameters())
+
+
+def test_load_without_weights_names_the_folder(tmp_path):
+    from lorazor.testbed import load
+
+    with pytest.raises(FileNotFoundError, match="no testbed weights in"):
+        load(tmp_path)

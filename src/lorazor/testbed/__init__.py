@@ -1,8 +1,45 @@
-"""Testbed: four seeded task families with exact evaluators (issue: testbed).
+"""Testbed: a tiny Llama backbone, four task adapters, and the tasks with their exact evaluators.
 
-The tiny backbone and its four task adapters are not trained yet; `make_tasks()` gives the tasks.
+    peft_model, tokenizer, tasks = lorazor.testbed.load()
+
+Tasks and evaluators (`make_tasks`) are plain code; the weights come from `lorazor.testbed.train`
+and live in `assets/` (backbone, tokenizer, PEFT adapters named after the tasks).
 """
+
+from __future__ import annotations
+
+from pathlib import Path
 
 from .tasks import Task, make_tasks
 
-__all__ = ["Task", "make_tasks"]
+ASSETS = Path(__file__).parent / "assets"
+
+
+def load(assets: str | Path | None = None):
+    """(PeftModel with the four task adapters, tokenizer, {name: Task}), on the CPU in float32.
+
+    Raises:
+        FileNotFoundError: the weights are not in `assets` (train them with
+            `python -m lorazor.testbed.train --out <dir>`).
+    """
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = Path(assets) if assets is not None else ASSETS
+    if not (root / "backbone" / "model.safetensors").exists():
+        raise FileNotFoundError(f"no testbed weights in {root}: run `python -m lorazor.testbed.train --out {root}`")
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    tokenizer.padding_side = "left"
+    base = AutoModelForCausalLM.from_pretrained(root / "backbone", dtype=torch.float32)
+    tasks = make_tasks()
+    names = [n for n in tasks if (root / "adapters" / n / "adapter_config.json").exists()]
+    if not names:
+        raise FileNotFoundError(f"no adapters under {root / 'adapters'}")
+    model = PeftModel.from_pretrained(base, root / "adapters" / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(root / "adapters" / name, adapter_name=name)
+    return model.eval(), tokenizer, {n: tasks[n] for n in names}
+
+
+__all__ = ["ASSETS", "Task", "load", "make_tasks"]

@@ -1,0 +1,108 @@
+"""Accuracy of the testbed tasks under full LoRA, backbone only, prefill only and release at k.
+
+    python -m lorazor.testbed.evaluate --out benchmarks/results [--assets DIR] [--limit 300]
+
+Writes `testbed_accuracy.md/.json` and `testbed_release_curve.png`: the paper's Fig. 2 for the
+testbed (accuracy change against release position k, with the decode-skip % at each k, per task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RELEASE_POSITIONS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def run_task(model, tokenizer, task, name: str, mode, split: str = "test", limit: int | None = None,
+             batch: int = 100) -> tuple[float, float]:
+    """(accuracy, decode-skip fraction) of one task. mode: "full", "backbone", or an int k (release)."""
+    from lorazor import ProfiledRelease
+
+    examples = task.split(split)[:limit]
+    correct, lora_calls, needed = 0, 0, 0
+    for i in range(0, len(examples), batch):
+        chunk = examples[i : i + batch]
+        enc = tokenizer([ex["prompt"] for ex in chunk], return_tensors="pt", padding=True)
+        adapters = [None if mode == "backbone" else name] * len(chunk)
+        policy = ProfiledRelease({name: mode}) if isinstance(mode, int) else None
+        out = model.generate(enc["input_ids"].to(model.device), attention_mask=enc["attention_mask"].to(model.device),
+                             adapter_ids=adapters, max_new_tokens=task.max_new_tokens, release_policy=policy,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(out.sequences[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(task.score(t, ex) for t, ex in zip(texts, chunk))
+        lora_calls += int(out.lora_decode_steps.sum())
+        needed += int(out.decode_steps.sum())
+    skip = 0.0 if needed == 0 or mode == "full" else 1.0 - lora_calls / needed
+    return correct / len(examples), (1.0 if mode == "backbone" else skip)
+
+
+def main(argv=None) -> None:
+    from lorazor import LoRazorConfig, LoRazorModel
+    from lorazor.testbed import load
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--assets", type=Path, default=None)
+    ap.add_argument("--limit", type=int, default=None, help="examples per task (default: the whole test split)")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    peft_model, tokenizer, tasks = load(args.assets)
+    model = LoRazorModel.from_peft(peft_model.to(args.device), LoRazorConfig())
+    rows, start = [], time.time()
+    for name, task in tasks.items():
+        full, _ = run_task(model, tokenizer, task, name, "full", limit=args.limit)
+        base, _ = run_task(model, tokenizer, task, name, "backbone", limit=args.limit)
+        curve = {k: run_task(model, tokenizer, task, name, k, limit=args.limit) for k in RELEASE_POSITIONS}
+        rows.append(dict(task=name, full=full, backbone=base, prefill_only=curve[0][0],
+                         curve={k: dict(accuracy=a, skip=s) for k, (a, s) in curve.items()}))
+        print(json.dumps(rows[-1]), flush=True)
+    meta = dict(command=" ".join(sys.argv), seconds=round(time.time() - start, 1), torch=torch.__version__,
+                limit=args.limit, date=time.strftime("%Y-%m-%d"))
+    table = "# Testbed accuracy (test split, greedy)\n\n```\n" + json.dumps(meta, indent=2) + "\n```\n\n"
+    table += "| task | full LoRA | backbone only | prefill only | full - backbone (points) |\n|---|---|---|---|---|\n"
+    table += "".join(f"| {r['task']} | {r['full']:.1%} | {r['backbone']:.1%} | {r['prefill_only']:.1%} | "
+                     f"{100 * (r['full'] - r['backbone']):+.1f} |\n" for r in rows)
+    table += "\nAccuracy change against full LoRA (points) / decode LoRA calls skipped, by release position k:\n\n"
+    table += "| task | " + " | ".join(f"k={k}" for k in RELEASE_POSITIONS) + " |\n|---|" + "---|" * len(RELEASE_POSITIONS) + "\n"
+    for r in rows:
+        cells = [f"{100 * (r['curve'][k]['accuracy'] - r['full']):+.1f} / {r['curve'][k]['skip']:.0%}"
+                 for k in RELEASE_POSITIONS]
+        table += f"| {r['task']} | " + " | ".join(cells) + " |\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "testbed_accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (args.out / "testbed_accuracy.md").write_text(table)
+    plot(rows, args.out / "testbed_release_curve.png")
+    print(table)
+
+
+def plot(rows, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3), sharey=True)
+    for ax, r in zip(axes, rows):
+        ks = list(RELEASE_POSITIONS)
+        ax.plot(range(len(ks)), [100 * (r["curve"][k]["accuracy"] - r["full"]) for k in ks], marker="o")
+        ax.axhline(100 * (r["backbone"] - r["full"]), color="k", ls="--", lw=0.8, label="backbone only")
+        ax.set_xticks(range(len(ks)), [f"{k}\n{r['curve'][k]['skip']:.0%}" for k in ks], fontsize=7)
+        ax.set_title(r["task"])
+        ax.set_xlabel("release k / decode skip")
+    axes[0].set_ylabel("accuracy change vs full LoRA (points)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

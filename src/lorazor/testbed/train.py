@@ -1,0 +1,147 @@
+"""Train the testbed: a tiny Llama backbone on domain prose, then one rank-8 LoRA per task with PEFT.
+
+    python -m lorazor.testbed.train --out src/lorazor/testbed/assets [--device cuda] [--steps 600]
+
+Writes `backbone/` (config + safetensors), `tokenizer/`, `adapters/<task>/` (PEFT format) and
+`train_log.json` (command, seeds, steps, losses, seconds). Everything is seeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .corpus import pretraining_text
+from .tasks import make_tasks
+from .tokenizer import build_tokenizer
+
+BACKBONE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
+                num_key_value_heads=2, max_position_embeddings=512)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def backbone_config(tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       tie_word_embeddings=True, **BACKBONE)
+
+
+def _lr(step: int, steps: int, peak: float) -> float:
+    warm = max(1, steps // 20)
+    return peak * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
+
+
+def pretrain(model, tokenizer, steps: int, batch: int, seq: int, device, seed: int, log: dict) -> None:
+    ids = torch.tensor(tokenizer(pretraining_text(steps * batch * seq // 4 + seq * batch, seed))["input_ids"])
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    model.train()
+    for step in range(steps):
+        starts = torch.randint(0, ids.numel() - seq - 1, (batch,), generator=g)
+        x = torch.stack([ids[s : s + seq] for s in starts]).to(device)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, 3e-3)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            log.setdefault("pretrain_loss", []).append((step, round(loss.item(), 4)))
+            print(f"pretrain {step}/{steps} loss {loss.item():.3f}", flush=True)
+    model.eval()
+
+
+def task_batches(task, tokenizer, batch: int, g: torch.Generator):
+    """Left-padded prompt + reference + eos; the loss covers the reference and eos only."""
+    examples = task.split("train")
+    while True:
+        picks = torch.randint(0, len(examples), (batch,), generator=g).tolist()
+        seqs, labels = [], []
+        for i in picks:
+            p = tokenizer(examples[i]["prompt"])["input_ids"]
+            r = tokenizer(examples[i]["reference"])["input_ids"] + [tokenizer.eos_token_id]
+            seqs.append(p + r)
+            labels.append([-100] * len(p) + r)
+        width = max(map(len, seqs))
+        ids = torch.full((batch, width), tokenizer.pad_token_id)
+        lab = torch.full((batch, width), -100)
+        mask = torch.zeros(batch, width, dtype=torch.long)
+        for j, (s, lb) in enumerate(zip(seqs, labels)):
+            ids[j, width - len(s):] = torch.tensor(s)
+            lab[j, width - len(s):] = torch.tensor(lb)
+            mask[j, width - len(s):] = 1
+        yield ids, lab, mask
+
+
+def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, device, seed: int, log: dict):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    model = get_peft_model(base, cfg, adapter_name=name)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    batches = task_batches(task, tokenizer, batch, torch.Generator().manual_seed(seed))
+    model.train()
+    for step in range(steps):
+        ids, lab, mask = next(batches)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, 3e-3)
+        loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
+                     labels=lab.to(device)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            log.setdefault(f"{name}_loss", []).append((step, round(loss.item(), 4)))
+            print(f"{name} {step}/{steps} loss {loss.item():.3f}", flush=True)
+    model.eval()
+    return model
+
+
+def main(argv=None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "assets")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--pretrain-steps", type=int, default=600)
+    ap.add_argument("--adapter-steps", type=int, default=400)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=192)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    start = time.time()
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    tokenizer = build_tokenizer()
+    log = {"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
+           "torch": torch.__version__, "device": str(device)}
+    base = AutoModelForCausalLM.from_config(backbone_config(tokenizer)).to(device)
+    log["backbone_parameters"] = sum(p.numel() for p in base.parameters())
+    pretrain(base, tokenizer, args.pretrain_steps, args.batch, args.seq, device, args.seed, log)
+    log["pretrain_seconds"] = round(time.time() - start, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    base.half().save_pretrained(args.out / "backbone")
+    tokenizer.save_pretrained(args.out / "tokenizer")
+    for i, (name, task) in enumerate(make_tasks().items()):
+        fresh = AutoModelForCausalLM.from_pretrained(args.out / "backbone", dtype=torch.float32).to(device)
+        t = time.time()
+        model = train_adapter(fresh, name, task, tokenizer, args.adapter_steps, args.batch, device, args.seed + i, log)
+        model.save_pretrained(args.out / "adapters")
+        log[f"{name}_seconds"] = round(time.time() - t, 1)
+    log["total_seconds"] = round(time.time() - start, 1)
+    (args.out / "train_log.json").write_text(json.dumps(log, indent=2))
+
+
+if __name__ == "__main__":
+    main()
