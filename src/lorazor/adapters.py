@@ -152,6 +152,69 @@ class AdapterBank:
             modules[module_name] = ModuleLoRA(lora_a, lora_b, scaling, rank)
         return cls(names, modules, num_slots)
 
+    def add(self, name: str, adapter_dir, dtype: torch.dtype | None = None) -> int:
+        """Load a PEFT-saved adapter (`adapter_config.json` + `adapter_model.safetensors`) into a free slot.
+
+        The bank's tensors are written in place, so captured CUDA graphs stay valid. The adapter may
+        only target modules the bank already holds (those some adapter targeted at `from_peft`).
+
+        Returns:
+            The slot.
+        """
+        from pathlib import Path
+
+        from peft import LoraConfig
+        from safetensors.torch import load_file
+
+        if name in self.slot_of:
+            raise AdapterError(f"adapter {name!r} is already loaded (slot {self.slot_of[name]})")
+        free = [s for s in range(self.num_slots) if s >= len(self.names) or self.names[s] is None]
+        if not free:
+            raise AdapterError(f"no free slot for adapter {name!r}: all max_loras={self.num_slots} slots are in use")
+        folder = Path(adapter_dir)
+        cfg = LoraConfig.from_pretrained(str(folder))
+        _check_adapter_config(name, cfg)
+        if getattr(cfg, "rank_pattern", None) or getattr(cfg, "alpha_pattern", None):
+            raise AdapterError(f"adapter {name!r} uses rank_pattern/alpha_pattern, which add_adapter does not support")
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        weights: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            module, _, kind = key.rpartition(".lora_")
+            if kind not in ("A.weight", "B.weight"):
+                raise AdapterError(f"adapter {name!r} has an unexpected tensor {key!r}")
+            if module not in self.modules:
+                raise AdapterError(f"adapter {name!r} targets {module}, which no adapter loaded at from_peft targets")
+            weights.setdefault(module, {})[kind[0]] = value
+        r_max = next(iter(self.modules.values())).lora_a.shape[1]
+        if cfg.r > r_max:
+            raise AdapterError(f"adapter {name!r} has rank {cfg.r} > the bank's rank {r_max}")
+        slot = free[0]
+        scale = cfg.lora_alpha / (cfg.r**0.5 if cfg.use_rslora else cfg.r)
+        for module, lora in self.modules.items():
+            lora.rank[slot] = 0  # untargeted modules give no delta
+            lora.lora_a[slot].zero_()
+            lora.lora_b[slot].zero_()
+            if module in weights:
+                a, b = weights[module]["A"], weights[module]["B"]
+                lora.lora_a[slot, : a.shape[0]] = a.to(lora.lora_a.dtype)
+                lora.lora_b[slot, :, : b.shape[1]] = b.to(lora.lora_b.dtype)
+                lora.scaling[slot] = scale
+                lora.rank[slot] = a.shape[0]
+        while len(self.names) <= slot:
+            self.names.append(None)
+        self.names[slot] = name
+        self.slot_of[name] = slot
+        return slot
+
+    def remove(self, name: str) -> None:
+        """Free an adapter's slot (its rows then raise KeyError in `slots_for`)."""
+        if name not in self.slot_of:
+            raise KeyError(f"unknown adapter {name!r}; loaded adapters: {[n for n in self.names if n]}")
+        slot = self.slot_of.pop(name)
+        self.names[slot] = None
+        for lora in self.modules.values():
+            lora.rank[slot] = 0
+
     def slots_for(self, adapter_ids, device: torch.device | None = None) -> torch.Tensor:
         """Adapter names (None: backbone) -> `[B]` int32 slot tensor; unknown names raise KeyError."""
         slots = []
@@ -161,5 +224,5 @@ class AdapterBank:
             elif a in self.slot_of:
                 slots.append(self.slot_of[a])
             else:
-                raise KeyError(f"unknown adapter {a!r} at row {i}; loaded adapters: {self.names}")
+                raise KeyError(f"unknown adapter {a!r} at row {i}; loaded adapters: {[n for n in self.names if n]}")
         return torch.tensor(slots, dtype=torch.int32, device=device)

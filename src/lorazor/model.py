@@ -90,7 +90,21 @@ class LoRazorModel(nn.Module):
 
     @property
     def adapter_names(self) -> list[str]:
-        return list(self.bank.names)
+        return [n for n in self.bank.names if n is not None]
+
+    def add_adapter(self, adapter_dir, name: str | None = None) -> int:
+        """Load a PEFT-saved adapter directory into a free slot (no recapture needed). Returns the slot.
+
+        Needs `max_loras` above the number of adapters given to `from_peft`, and targets among the
+        modules those adapters target.
+        """
+        from pathlib import Path
+
+        return self.bank.add(name or Path(adapter_dir).name, adapter_dir)
+
+    def remove_adapter(self, name: str) -> None:
+        """Free an adapter's slot; later batches naming it raise KeyError."""
+        self.bank.remove(name)
 
     def reconfigure(self, grid: str | None = None, compile: bool | None = None) -> None:
         """Switch the grid mode and/or torch.compile of the decode step (drops captured graphs)."""
