@@ -30,7 +30,8 @@ def _final_answer(text: str) -> str | None:
 
 def _math(rng: random.Random) -> dict:
     who, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a, b, c = rng.randrange(2, 30), rng.randrange(2, 30), rng.randrange(1, 10)
+    # Small operands: a 1.6M-parameter character model can learn this arithmetic in minutes.
+    a, b, c = rng.randrange(2, 10), rng.randrange(2, 10), rng.randrange(1, 6)
     total = a + b
     kind = rng.randrange(3)
     if kind == 0:
@@ -165,5 +166,5 @@ def make_tasks() -> dict[str, Task]:
         "math": Task("math", _math, _score_final, 48),
         "sql": Task("sql", _sql, _score_sql, 64),
         "mcq": Task("mcq", _mcq, _score_letter_first, 4),
-        "explain": Task("explain", _explain, _score_final, 64),
+        "explain": Task("explain", _explain, _score_final, 128),
     }
