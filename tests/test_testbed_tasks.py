@@ -81,3 +81,21 @@ def test_load_without_weights_names_the_folder(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no testbed weights in"):
         load(tmp_path)
+
+
+def test_shipped_testbed_loads_and_its_adapters_matter():
+    import time
+
+    from lorazor import LoRazorModel
+    from lorazor.testbed import load
+    from lorazor.testbed.evaluate import run_task
+
+    start = time.time()
+    peft_model, tokenizer, tasks = load()
+    assert time.time() - start < 30, "the testbed must load in seconds"
+    assert sorted(peft_model.peft_config) == ["explain", "math", "mcq", "sql"]
+    assert tokenizer.padding_side == "left" and tokenizer.eos_token_id == 2
+    model = LoRazorModel.from_peft(peft_model)
+    full, _ = run_task(model, tokenizer, tasks["mcq"], "mcq", "full", limit=20)
+    base, _ = run_task(model, tokenizer, tasks["mcq"], "mcq", "backbone", limit=20)
+    assert full >= base + 0.2, (full, base)
