@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, environment, write_results  # noqa: E402
+from common import SHAPES, environment, timed, write_results  # noqa: E402
 
 RANK = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -39,14 +39,6 @@ def build_base(name: str):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     return model.eval()
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
 
 
 def assign(B: int, L: int, names: list[str]) -> list[str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, write_results  # noqa: E402
+from common import environment, timed, write_results  # noqa: E402
 
 
 def build(args):
@@ -43,20 +43,6 @@ def build(args):
                         adapter_name="a0").eval()
     model = LoRazorModel.from_peft(pm, LoRazorConfig(max_loras=args.adapters, compile=args.compile))
     return model, ["a0"] + fill_random_adapters(model, 1, args.adapters - 1)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device, reps: int = 1) -> float:
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t) / reps
 
 
 def main() -> None:
@@ -88,12 +74,12 @@ def main() -> None:
         state = ReleaseState.create(slot)
         decide = lambda: state.advance(3, learned.keep(3, h, state))  # noqa: E731
         decide()
-        decision_ms = timed(decide, device, reps=200) * 1e3
+        decision_ms = timed(decide, reps=200) * 1e3
         ids = torch.randint(3, vocab, (B, 128 if not args.tiny else 8), device=device)
         gen = lambda n: model.generate(ids, adapter_ids=[names[i % len(names)] for i in range(B)],  # noqa: E731
                                        max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
         gen(1), gen(new_short)
-        step_ms = (timed(lambda: gen(new_short), device) - timed(lambda: gen(1), device)) / (new_short - 1) * 1e3
+        step_ms = (timed(lambda: gen(new_short)) - timed(lambda: gen(1))) / (new_short - 1) * 1e3
         row = dict(kind="decision", batch=B, heads=len(unique), decision_ms=decision_ms, step_ms=step_ms,
                    fraction_of_step=decision_ms / step_ms)
         rows.append(row)
@@ -107,7 +93,7 @@ def main() -> None:
         gen = lambda n: model.generate(ids, adapter_ids=adapter_ids, max_new_tokens=n, min_new_tokens=n,  # noqa: E731
                                        pad_token_id=0, release_policy=policy)
         gen(1), gen(NEW)
-        t1, tn = timed(lambda: gen(1), device), timed(lambda: gen(NEW), device)
+        t1, tn = timed(lambda: gen(1)), timed(lambda: gen(NEW))
         out = gen(NEW)
         row = dict(kind="throughput", policy=label, batch=B, adapters=len(unique),
                    decode_tok_s=B * (NEW - 1) / (tn - t1), skip_fraction=out.skip_fraction)

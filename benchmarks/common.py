@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -47,6 +48,17 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env
+
+
+def timed(fn, reps: int = 1) -> float:
+    """Wall-clock seconds per call of `fn`, synchronizing the GPU (if any) around the calls."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / reps
 
 
 def time_graph(fn, warmup: int = 3, iters: int = 50) -> float:

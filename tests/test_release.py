@@ -57,29 +57,21 @@ def test_reference_differs_between_full_and_prefill_only(pair, batch):
     assert not torch.equal(full, prefill_only)
 
 
-def test_never_release_equals_full_lora(pair, batch):
+@pytest.mark.parametrize(
+    "k, release_steps, skip",
+    [
+        (None, [-1] * 6, 0.0),  # never release: full LoRA
+        (0, [0, 0, -1, 0, 0, 0], 1.0),  # prefill only
+        (3, [3, 3, -1, 3, 3, 3], 6 / 9),  # 9 decode forwards per row, 3 with LoRA (paper A.4 weighting)
+    ],
+    ids=["k=None is full LoRA", "k=0 is prefill-only", "k=3 switches after three decode steps"],
+)
+def test_one_release_length_for_every_adapter(pair, batch, k, release_steps, skip):
     model, oracle = pair
-    out = generate(model, batch, release_policy=ProfiledRelease({"math": None, "sql": None, "med": None}))
-    assert torch.equal(out.sequences, peft_release_reference(oracle, *batch, ADAPTERS, [None] * 6))
-    assert out.release_steps.tolist() == [-1] * 6
-    assert out.skip_fraction == 0.0
-
-
-def test_k0_equals_prefill_only(pair, batch):
-    model, oracle = pair
-    out = generate(model, batch, release_policy=ProfiledRelease({"math": 0, "sql": 0, "med": 0}))
-    assert torch.equal(out.sequences, peft_release_reference(oracle, *batch, ADAPTERS, [0] * 6))
-    assert out.release_steps.tolist() == [0, 0, -1, 0, 0, 0]
-    assert out.skip_fraction == 1.0
-
-
-def test_k3_switches_after_three_decode_steps(pair, batch):
-    model, oracle = pair
-    out = generate(model, batch, release_policy=ProfiledRelease({"math": 3, "sql": 3, "med": 3}))
-    assert torch.equal(out.sequences, peft_release_reference(oracle, *batch, ADAPTERS, [3] * 6))
-    assert out.release_steps.tolist() == [3, 3, -1, 3, 3, 3]
-    # 9 decode forwards per row, 3 with LoRA (paper A.4 weighting).
-    assert out.skip_fraction == pytest.approx(6 / 9)
+    out = generate(model, batch, release_policy=ProfiledRelease({"math": k, "sql": k, "med": k}))
+    assert torch.equal(out.sequences, peft_release_reference(oracle, *batch, ADAPTERS, [k] * 6))
+    assert out.release_steps.tolist() == release_steps
+    assert out.skip_fraction == pytest.approx(skip)
 
 
 def test_different_k_per_adapter(pair, batch):
@@ -104,16 +96,12 @@ def _heads(model, tau, seed=0):
     return {n: (torch.randn(hidden, generator=g), 0.0, tau) for n in model.adapter_names}
 
 
-def test_learned_tau_minus_inf_is_full_lora(pair, batch):
+@pytest.mark.parametrize("tau, ks", [(float("-inf"), [None] * 6), (float("inf"), [0] * 6)],
+                         ids=["tau=-inf is full LoRA", "tau=+inf is prefill-only"])
+def test_learned_tau_extremes(pair, batch, tau, ks):
     model, oracle = pair
-    out = generate(model, batch, release_policy=LearnedRelease(_heads(model, float("-inf"))))
-    assert torch.equal(out.sequences, peft_release_reference(oracle, *batch, ADAPTERS, [None] * 6))
-
-
-def test_learned_tau_plus_inf_is_prefill_only(pair, batch):
-    model, oracle = pair
-    out = generate(model, batch, release_policy=LearnedRelease(_heads(model, float("inf"))))
-    assert torch.equal(out.sequences, peft_release_reference(oracle, *batch, ADAPTERS, [0] * 6))
+    out = generate(model, batch, release_policy=LearnedRelease(_heads(model, tau)))
+    assert torch.equal(out.sequences, peft_release_reference(oracle, *batch, ADAPTERS, ks))
 
 
 class Recording(ReleasePolicy):

@@ -171,6 +171,13 @@ def _launches(meta: LoRABatchMeta, expand: bool):
     return [(meta.num_slots * tiles, tiles, False, None, 0)]
 
 
+def _meta_tensors(meta: LoRABatchMeta, table: bool, slot_list):
+    """sorted_rows, slot_start, tile_slot, tile_rows, slot_list of a launch (unused ones: a stand-in)."""
+    stand_in = meta.slot_start
+    return (meta.sorted_rows, meta.slot_start, meta.tile_slot if table else stand_in,
+            meta.tile_rows if table else stand_in, slot_list if slot_list is not None else stand_in)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 dots default to tf32 on the GPU; keep fp32 exact so fp32 tests and the reference agree.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -223,10 +230,7 @@ def lora_shrink(
     for programs, tiles_per_slot, table, slot_list, class_rows in _launches(meta, expand=False):
         _lora_shrink_kernel[(programs, split, rank_blocks)](
             x, lora_a, u, lora_rank,
-            meta.sorted_rows, meta.slot_start,
-            meta.tile_slot if table else meta.slot_start,
-            meta.tile_rows if table else meta.slot_start,
-            slot_list if slot_list is not None else meta.slot_start,
+            *_meta_tensors(meta, table, slot_list),
             K, tiles_per_slot, k_per_split,
             x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
             u.stride(0), u.stride(1), u.stride(2),
@@ -263,10 +267,7 @@ def lora_expand(
     for programs, tiles_per_slot, table, slot_list, class_rows in launches:
         _lora_expand_kernel[(programs, triton.cdiv(N, n_per_program))](
             u, lora_b, y, scaling, lora_rank,
-            meta.sorted_rows, meta.slot_start,
-            meta.tile_slot if table else meta.slot_start,
-            meta.tile_rows if table else meta.slot_start,
-            slot_list if slot_list is not None else meta.slot_start,
+            *_meta_tensors(meta, table, slot_list),
             N, tiles_per_slot, n_per_program,
             u.stride(0), u.stride(1), u.stride(2),
             lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),

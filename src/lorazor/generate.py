@@ -10,7 +10,6 @@ columns are trimmed at the end, so outputs have HF's length.
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -181,7 +180,3 @@ def decode_loop(
     decode_steps = (gen_len - 1).clamp(min=0) * (row_slot >= 0)
     lora_decode = torch.minimum(lora_steps, decode_steps)
     return LoRazorOutput(sequences, state.release_step, decode_steps, lora_decode)
-
-
-def accepts_kwarg(fn, name: str) -> bool:
-    return name in inspect.signature(fn).parameters

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 from torch import nn
@@ -14,7 +15,7 @@ from torch import nn
 from .adapters import AdapterBank
 from .attention import ATTENTION_NAME, KV_RANGE_KWARG, register_attention
 from .config import LoRazorConfig
-from .generate import LoRazorOutput, accepts_kwarg, decode_loop, resolve_generation_config
+from .generate import LoRazorOutput, decode_loop, resolve_generation_config
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .kv_cache import KVCache
 from .layers import patch_lora_layers, unpatch_lora_layers
@@ -22,6 +23,10 @@ from .policies.base import ReleasePolicy
 from .step import StepContext
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def accepts_kwarg(fn, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
 
 
 class LoRazorModel(nn.Module):
@@ -172,12 +177,16 @@ class LoRazorModel(nn.Module):
             )
         return out.last_hidden_state
 
+    def _prefill_hidden(self, input_ids, attention_mask, cache: KVCache, row_slot) -> torch.Tensor:
+        """Prompt forward with adapters into `cache`; final hidden states `[B, T, H]`."""
+        mask4d = cache.begin_prefill(attention_mask)
+        # HF's positions for left padding: real tokens count from 0, pads get 1.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        return self._decoder_forward(input_ids, position_ids, mask4d, cache, row_slot, input_ids.shape[1])
+
     def prefill(self, input_ids, attention_mask, cache: KVCache, row_slot):
         """Prompt forward with adapters. Returns (last hidden `[B, H]`, last logits `[B, V]`)."""
-        mask4d = cache.begin_prefill(attention_mask)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-        hidden = self._decoder_forward(input_ids, position_ids, mask4d, cache, row_slot, input_ids.shape[1])
-        last = hidden[:, -1]
+        last = self._prefill_hidden(input_ids, attention_mask, cache, row_slot)[:, -1]
         with torch.inference_mode():
             return last, self._lm_head(last)
 
@@ -216,9 +225,7 @@ class LoRazorModel(nn.Module):
         row_slot = self._row_slot(input_ids, adapter_ids)
         self.context.enabled = bool((row_slot >= 0).any())
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1], input_ids.device)
-        mask4d = cache.begin_prefill(attention_mask)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-        hidden = self._decoder_forward(input_ids, position_ids, mask4d, cache, row_slot, input_ids.shape[1])
+        hidden = self._prefill_hidden(input_ids, attention_mask, cache, row_slot)
         with torch.inference_mode():
             return self._lm_head(hidden)
 
