@@ -25,9 +25,9 @@ def make_case(M, K, N, r, L, dtype, seed, frac_base=0.3, ranks=None, row_slot=No
             row_slot.to(**to), rank.to(**to))
 
 
-def check(case, grid, dtype):
+def check(case, grid, dtype, fused=True):
     x, a, b, s, slot, rank = case
-    out = batched_lora(x, a, b, s, slot, grid=grid, lora_rank=rank)
+    out = batched_lora(x, a, b, s, slot, grid=grid, lora_rank=rank, fused=fused)
     ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), slot, rank)
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
     # Rows without an adapter (or with a rank-0 slot) must be exactly zero.
@@ -46,11 +46,16 @@ SHAPES = [
 ]
 
 
+# Both ways to run the kernels: one fused launch, or shrink + expand.
+FUSED = [pytest.param(True, id="fused"), pytest.param(False, id="split")]
+
+
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("grid", GRID_MODES)
 @pytest.mark.parametrize("M, K, N, r, L", SHAPES)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_grid_modes_match_reference(grid, M, K, N, r, L, dtype):
-    check(make_case(M, K, N, r, L, dtype, seed=M * 7 + L), grid, dtype)
+def test_grid_modes_match_reference(grid, M, K, N, r, L, dtype, fused):
+    check(make_case(M, K, N, r, L, dtype, seed=M * 7 + L), grid, dtype, fused)
 
 
 @pytest.mark.parametrize("grid", GRID_MODES)
@@ -71,16 +76,25 @@ def test_all_rows_on_one_adapter(grid):
     check(make_case(37, 96, 72, 8, 4, torch.float32, seed=5, row_slot=slot), grid, torch.float32)
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("grid", GRID_MODES)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_mixed_ranks_and_absent_slots(grid, dtype):
+def test_mixed_ranks_and_absent_slots(grid, dtype, fused):
     # rank 0 = the adapter does not target this module: its rows must get no delta.
     ranks = torch.tensor([1, 4, 0, 16, 8, 13], dtype=torch.int32)
-    check(make_case(45, 80, 66, 16, 6, dtype, seed=11, ranks=ranks), grid, dtype)
+    check(make_case(45, 80, 66, 16, 6, dtype, seed=11, ranks=ranks), grid, dtype, fused)
 
 
+@pytest.mark.parametrize("fused", FUSED)
+def test_rank_64_bank_with_small_ranks(fused):
+    # The bank pads to its largest rank (64, four shrink rank blocks); smaller slots mask the rest.
+    ranks = torch.tensor([64, 8, 1, 40], dtype=torch.int32)
+    check(make_case(30, 70, 50, 64, 4, torch.float32, seed=4, ranks=ranks), "exact", torch.float32, fused)
+
+
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("grid", GRID_MODES)
-def test_prefill_group_beside_decode_rows(grid):
+def test_prefill_group_beside_decode_rows(grid, fused):
     # One 200-row prefill group plus 12 small decode groups: enables the two-class expand.
     g = torch.Generator().manual_seed(2)
     decode = torch.randint(1, 13, (40,), generator=g)
@@ -90,7 +104,7 @@ def test_prefill_group_beside_decode_rows(grid):
     if grid == "two_class":
         meta = build_batch_meta(case[4], 13, "two_class")
         assert meta.class_split and meta.row_bound == slot.numel()  # 16*2^k >= 200 exceeds M: R = M
-    check(case, grid, torch.float32)
+    check(case, grid, torch.float32, fused)
 
 
 @pytest.mark.parametrize("L", [1, 16, 128])
@@ -100,11 +114,12 @@ def test_many_slots(L):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("grid", GRID_MODES)
 @pytest.mark.parametrize("r", [1, 4, 8, 16, 64])
 @pytest.mark.parametrize("M, K, N, L", [(256, 3072, 3072, 128), (256, 3072, 8192, 32), (300, 8192, 3072, 7)])
-def test_gpu_bf16_model_shapes(grid, r, M, K, N, L):
-    check(make_case(M, K, N, r, L, torch.bfloat16, seed=r + L), grid, torch.bfloat16)
+def test_gpu_bf16_model_shapes(grid, r, M, K, N, L, fused):
+    check(make_case(M, K, N, r, L, torch.bfloat16, seed=r + L), grid, torch.bfloat16, fused)
 
 
 def test_exact_tile_table_covers_every_row_once():

@@ -5,7 +5,7 @@ This package takes tensors and step metadata; it knows nothing about models.
 
 from .decode_attention import decode_attention, decode_attention_op, decode_attention_reference
 from .kernel_config import KernelConfig, get_kernel_config
-from .lora_kernels import lora_expand, lora_shrink
+from .lora_kernels import lora_expand, lora_fused, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound
 from .ops import add_batched_lora_, add_lora_op_, batched_lora
 from .reference import NO_ADAPTER, lora_delta_reference
@@ -25,6 +25,7 @@ __all__ = [
     "get_kernel_config",
     "lora_delta_reference",
     "lora_expand",
+    "lora_fused",
     "lora_shrink",
     "row_bound",
 ]

@@ -25,6 +25,10 @@ class KernelConfig:
         expand_block_n: output columns per expand loop iteration.
         expand_programs_per_sm: split N over about this many expand programs per multiprocessor.
         expand_num_warps / expand_num_stages: Triton launch options of expand.
+        fused: run shrink and expand as one kernel (`lora_fused`) instead of two.
+        fused_block_k / fused_block_n: K chunk of the fused shrink loop, N chunk of its expand loop.
+        fused_programs_per_sm: split N over about this many fused programs per multiprocessor.
+        fused_num_warps / fused_num_stages: Triton launch options of the fused kernel.
     """
 
     shrink_block_k: int = 128
@@ -36,6 +40,12 @@ class KernelConfig:
     expand_programs_per_sm: int = 8
     expand_num_warps: int = 4
     expand_num_stages: int = 2
+    fused: bool = True
+    fused_block_k: int = 256
+    fused_block_n: int = 128
+    fused_programs_per_sm: int = 2
+    fused_num_warps: int = 4
+    fused_num_stages: int = 3
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -12,10 +12,16 @@ Every program first maps its id to a tile: a slot and a run of at most BLOCK_M r
                       cdiv(M, BM), `active_rows` cdiv(R, BM); empty tiles exit. USE_SLOT_LIST reads
                       the slot from a compact list (two_class large class); CLASS_MAX_ROWS > 0 skips
                       slots with more rows (two_class small class).
-Shrink splits K over grid axis 1 (the rank is tiny, K is large) and writes one fp32 partial per split;
-expand sums the partials, so no atomics and no zero-fill are needed. Ranks are padded only inside
-the kernels to BLOCK_R = 16 (the smallest legal dot width); loads past a slot's real rank are masked,
-so a rank-8 adapter reads rank-8 bytes even in a bank whose largest rank is 64.
+Two ways to run the delta, same tiles and same arithmetic (fp32 u, cast to the weights' dtype):
+    fused (default)   one kernel per projection: a program shrinks its tile over the whole K into
+                      registers, then expands it over its share of N. Half the launches and no u
+                      round trip through memory; when a launch has too few tiles to fill the GPU, N
+                      is split over more programs, each recomputing its tile's small shrink from L2.
+    shrink + expand   two kernels: shrink splits K over grid axis 1 (the rank is tiny, K is large)
+                      and writes one fp32 partial per split; expand sums the partials, so no atomics
+                      and no zero-fill are needed.
+Ranks are padded only inside the kernels to a dot-legal power of two >= 16; loads past a slot's real
+rank are masked, so a rank-8 adapter reads rank-8 bytes even in a bank whose largest rank is 64.
 """
 
 from __future__ import annotations
@@ -27,8 +33,13 @@ import triton.language as tl
 from .kernel_config import KernelConfig, get_kernel_config
 from .meta import LARGE_CLASS_CAPACITY, SMALL_CLASS_ROWS, LoRABatchMeta
 
-# The smallest dot dimension the GPU compiler accepts; ranks are padded to it inside the kernels.
+# The smallest dot dimension the GPU compiler accepts: shrink's rank block, and the least rank padding.
 BLOCK_R = 16
+
+
+def padded_rank(r_max: int) -> int:
+    """Rank width the kernels compute in: a power of two >= BLOCK_R (a legal dot dimension)."""
+    return max(BLOCK_R, triton.next_power_of_2(r_max))
 
 
 @triton.jit
@@ -66,6 +77,83 @@ def _tile_rows(
 
 
 @triton.jit
+def _shrink_rows(
+    x_rows, a_rows, mask_m, mask_r, k_lo, k_hi, K, stride_xk, stride_ak,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """fp32 `[BM, BR]` = x[rows, k_lo:k_hi] @ A[slot, r, k_lo:k_hi].T; x_rows `[BM, 1]`, a_rows `[BR, 1]` pointers."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + offs_k
+        mask_k = k < K
+        x_tile = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a_tile = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+        # [BM, BK] @ [BK, BR]
+        acc += tl.dot(x_tile.to(a_tile.dtype), tl.trans(a_tile), input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _expand_rows(
+    u, b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N, stride_br, stride_bn, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """y[rows, n_lo:n_hi] += scale * u @ B[slot, :, r].T, with u `[BM, BR]` in the weights' dtype."""
+    for n0 in range(n_lo, tl.minimum(n_hi, N), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        # [BR, BN]: contiguous along N when B is stored [L, r, N] (stride_bn == 1).
+        b_tile = tl.load(
+            b_slot + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+            mask=mask_r[:, None] & mask_n[None, :], other=0.0,
+        )
+        acc = tl.dot(u, b_tile, input_precision=DOT_PRECISION)  # [BM, BR] @ [BR, BN]
+        y_tile = y_rows + offs_n[None, :] * stride_yn
+        mask = mask_m[:, None] & mask_n[None, :]
+        y_old = tl.load(y_tile, mask=mask, other=0.0)
+        tl.store(y_tile, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=mask)
+
+
+@triton.jit
+def _lora_fused_kernel(
+    x_ptr, a_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
+    sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
+    K, N, tiles_per_slot, n_per_program,
+    stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_bl, stride_bn, stride_br,
+    stride_ym, stride_yn,
+    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot, rows, mask_m = _tile_rows(
+        pid, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr, tiles_per_slot,
+        TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, BLOCK_M,
+    )
+    if slot < 0:
+        return
+    rank = tl.load(rank_ptr + slot)
+    if rank == 0:
+        return
+    scale = tl.load(scaling_ptr + slot).to(tl.float32)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    slot64 = slot.to(tl.int64)
+    u = _shrink_rows(
+        x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_r[:, None] * stride_ar,
+        mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION,
+    )
+    n_lo = pid_n * n_per_program
+    _expand_rows(
+        u.to(b_ptr.dtype.element_ty), b_ptr + slot64 * stride_bl, y_ptr + rows[:, None] * stride_ym,
+        mask_m, offs_r, mask_r, scale, n_lo, n_lo + n_per_program, N, stride_br, stride_bn, stride_yn,
+        BLOCK_M, BLOCK_N, DOT_PRECISION,
+    )
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, u_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
@@ -88,18 +176,12 @@ def _lora_shrink_kernel(
         return
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
-    offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + rows[:, None] * stride_xm  # [BM, 1]
-    a_rows = a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar  # [BR, 1]
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     k_lo = pid_k * k_per_split
-    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
-        k = k0 + offs_k
-        mask_k = k < K
-        x_tile = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        a_tile = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
-        # [BM, BK] @ [BK, BR]
-        acc += tl.dot(x_tile.to(a_tile.dtype), tl.trans(a_tile), input_precision=DOT_PRECISION)
+    acc = _shrink_rows(
+        x_ptr + rows[:, None] * stride_xm, a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar,
+        mask_m, mask_r, k_lo, k_lo + k_per_split, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K,
+        DOT_PRECISION,
+    )
     u_tile = u_ptr + pid_k * stride_us + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
     tl.store(u_tile, acc, mask=mask_m[:, None] & mask_r[None, :])
 
@@ -126,34 +208,21 @@ def _lora_expand_kernel(
     if rank == 0:
         return
     scale = tl.load(scaling_ptr + slot).to(tl.float32)
-    u_rows = u_ptr + rows[:, None] * stride_um  # [BM, 1]
-    y_rows = y_ptr + rows[:, None] * stride_ym  # [BM, 1]
-    b_slot = b_ptr + slot.to(tl.int64) * stride_bl
+    # u is [SPLIT_K, M, BLOCK_R] partials: sum them for this tile's rows, below the slot's rank.
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
+    u_ptrs = u_ptr + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
+    u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        u += tl.load(u_ptrs + split * stride_us, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     # A program covers n_per_program columns in BLOCK_N steps: fewer, longer programs amortize the
     # tile lookup and keep several independent B loads in flight.
     n_lo = pid_n * n_per_program
-    for n0 in range(n_lo, tl.minimum(n_lo + n_per_program, N), BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            mask_r = offs_r < rank
-            u_mask = mask_m[:, None] & mask_r[None, :]
-            u_tile = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                u_tile += tl.load(u_rows + split * stride_us + offs_r[None, :] * stride_ur, mask=u_mask, other=0.0)
-            # [BR, BN]: contiguous along N when B is stored [L, r, N] (stride_bn == 1).
-            b_tile = tl.load(
-                b_slot + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-                mask=mask_r[:, None] & mask_n[None, :], other=0.0,
-            )
-            # [BM, BR] @ [BR, BN]
-            acc += tl.dot(u_tile.to(b_tile.dtype), b_tile, input_precision=DOT_PRECISION)
-        y_tile = y_rows + offs_n[None, :] * stride_yn
-        mask = mask_m[:, None] & mask_n[None, :]
-        y_old = tl.load(y_tile, mask=mask, other=0.0)
-        tl.store(y_tile, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=mask)
+    _expand_rows(
+        u.to(b_ptr.dtype.element_ty), b_ptr + slot.to(tl.int64) * stride_bl, y_ptr + rows[:, None] * stride_ym,
+        mask_m, offs_r, mask_r, scale, n_lo, n_lo + n_per_program, N, stride_br, stride_bn, stride_yn,
+        BLOCK_M, BLOCK_N, DOT_PRECISION,
+    )
 
 
 def _launches(meta: LoRABatchMeta, expand: bool):
@@ -193,13 +262,13 @@ def _split_k(meta: LoRABatchMeta, K: int, rank_blocks: int, cfg: KernelConfig, d
     return max(1, min(max_splits, triton.cdiv(cfg.target_programs_per_sm * sms, max(programs, 1))))
 
 
-def _columns_per_program(programs: int, N: int, block_n: int, cfg: KernelConfig, device: torch.device) -> int:
-    """Expand columns per program: split N only as far as needed to fill the GPU."""
+def _columns_per_program(programs: int, N: int, block_n: int, per_sm: int, device: torch.device) -> int:
+    """Expand columns per program: split N only as far as needed for about `per_sm` programs per SM."""
     n_blocks = triton.cdiv(N, block_n)
     if device.type != "cuda":
         return n_blocks * block_n
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(n_blocks, triton.cdiv(cfg.expand_programs_per_sm * sms, max(programs, 1))))
+    splits = max(1, min(n_blocks, triton.cdiv(per_sm * sms, max(programs, 1))))
     return triton.cdiv(n_blocks, splits) * block_n
 
 
@@ -221,12 +290,12 @@ def lora_shrink(
     """
     cfg = cfg or get_kernel_config(x.device)
     M, K = x.shape
-    r_max = lora_a.shape[1]
-    rank_blocks = triton.cdiv(r_max, BLOCK_R)
+    r_pad = padded_rank(lora_a.shape[1])
+    rank_blocks = r_pad // BLOCK_R
     split = _split_k(meta, K, rank_blocks, cfg, x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.shrink_block_k) * cfg.shrink_block_k
     split = triton.cdiv(K, k_per_split)
-    u = torch.empty(split, M, rank_blocks * BLOCK_R, dtype=torch.float32, device=x.device)
+    u = torch.empty(split, M, r_pad, dtype=torch.float32, device=x.device)
     for programs, tiles_per_slot, table, slot_list, class_rows in _launches(meta, expand=False):
         _lora_shrink_kernel[(programs, split, rank_blocks)](
             x, lora_a, u, lora_rank,
@@ -263,7 +332,8 @@ def lora_expand(
     N = lora_b.shape[1]
     block_n = min(cfg.expand_block_n, max(16, triton.next_power_of_2(N)))
     launches = _launches(meta, expand=True)
-    n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, cfg, y.device)
+    n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, cfg.expand_programs_per_sm,
+                                         y.device)
     for programs, tiles_per_slot, table, slot_list, class_rows in launches:
         _lora_expand_kernel[(programs, triton.cdiv(N, n_per_program))](
             u, lora_b, y, scaling, lora_rank,
@@ -272,8 +342,40 @@ def lora_expand(
             u.stride(0), u.stride(1), u.stride(2),
             lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows,
-            SPLIT_K=u.shape[0], BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=BLOCK_R,
+            SPLIT_K=u.shape[0], BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=u.shape[2],
             DOT_PRECISION=_dot_precision(lora_b.dtype),
             num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages,
+        )
+    return y
+
+
+def lora_fused(
+    x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
+    y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Shrink and expand in one kernel: `y[m] += scaling[s] * (x[m] @ A[s].T) @ B[s].T` in place.
+
+    Same arguments as `lora_shrink` + `lora_expand` (x `[M, K]`, lora_a `[L, r_max, K]`, lora_b
+    `[L, N, r_max]`, scaling `[L]`, lora_rank `[L]`, y `[M, N]`); one launch per grid-mode launch
+    instead of two, and u never leaves the registers. Returns `y`.
+    """
+    cfg = cfg or get_kernel_config(y.device)
+    K = x.shape[1]
+    N = lora_b.shape[1]
+    block_n = min(cfg.fused_block_n, max(16, triton.next_power_of_2(N)))
+    launches = _launches(meta, expand=True)
+    n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, cfg.fused_programs_per_sm,
+                                         y.device)
+    for programs, tiles_per_slot, table, slot_list, class_rows in launches:
+        _lora_fused_kernel[(programs, triton.cdiv(N, n_per_program))](
+            x, lora_a, lora_b, y, scaling, lora_rank,
+            *_meta_tensors(meta, table, slot_list),
+            K, N, tiles_per_slot, n_per_program,
+            x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+            lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
+            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows,
+            BLOCK_M=meta.block_m, BLOCK_R=padded_rank(lora_a.shape[1]), BLOCK_K=cfg.fused_block_k,
+            BLOCK_N=block_n, DOT_PRECISION=_dot_precision(x.dtype),
+            num_warps=cfg.fused_num_warps, num_stages=cfg.fused_num_stages,
         )
     return y

@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .kernel_config import KernelConfig
-from .lora_kernels import lora_expand, lora_shrink
+from .kernel_config import KernelConfig, get_kernel_config
+from .lora_kernels import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
 from .reference import check_lora_args, lora_delta_reference
 
@@ -43,6 +45,8 @@ def add_batched_lora_(
         lora_a: `[L, r_max, K]`; lora_b: `[L, N, r_max]`; scaling: `[L]`; lora_rank: `[L]` int32.
         meta: step metadata from `build_batch_meta(row_slot, L, grid)`.
         backend: "triton" (GPU, or CPU under TRITON_INTERPRET=1) or "reference".
+        cfg: kernel launch config (default: the device's tuned file); `cfg.fused` picks one fused
+            kernel or shrink + expand.
 
     Returns:
         `y`.
@@ -53,6 +57,9 @@ def add_batched_lora_(
         return y.add_(lora_delta_reference(x, lora_a, lora_b, scaling, meta.row_slot, lora_rank).to(y.dtype))
     if backend != "triton":
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    cfg = cfg or get_kernel_config(y.device)
+    if cfg.fused:
+        return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg)
     u = lora_shrink(x, lora_a, lora_rank, meta, cfg)
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg)
 
@@ -101,6 +108,7 @@ def batched_lora(
     lora_rank: torch.Tensor | None = None,
     backend: str = "triton",
     block_m: int = 16,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Batched LoRA delta `[M, N]` for rows mapped to slots (rows with slot -1 get 0).
 
@@ -110,6 +118,8 @@ def batched_lora(
         grid: "full", "active_rows", "two_class" or "exact".
         lora_rank: optional `[L]` real rank per slot (defaults to r for every slot).
         backend: "triton" or "reference".
+        block_m: row-tile height of the kernels.
+        fused: one fused kernel (True) or shrink + expand (False); None: the device config's choice.
 
     Returns:
         `[M, N]` delta in `x.dtype`.
@@ -118,4 +128,7 @@ def batched_lora(
     rank = _full_rank(lora_a) if lora_rank is None else lora_rank.to(torch.int32)
     y = torch.zeros(x.shape[0], lora_b.shape[1], dtype=x.dtype, device=x.device)
     meta = build_batch_meta(row_slot, lora_a.shape[0], grid, block_m)
-    return add_batched_lora_(y, x, lora_a, lora_b, scaling, rank, meta, backend)
+    cfg = get_kernel_config(x.device)
+    if fused is not None:
+        cfg = dataclasses.replace(cfg, fused=fused)
+    return add_batched_lora_(y, x, lora_a, lora_b, scaling, rank, meta, backend, cfg)
