@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 from helpers import EOS, PAD, make_batch, peft_names
-from lorazor import LoRazorConfig, LoRazorModel, ProfiledRelease
+from lorazor import LearnedRelease, LoRazorConfig, LoRazorModel, ProfiledRelease, ReleasePolicy
 from lorazor.tiny import DEFAULT_ADAPTERS, tiny_peft_model
 
 pytestmark = pytest.mark.gpu
@@ -51,7 +51,7 @@ def test_graph_replay_equals_eager_across_adapter_mixes(grid):
     # all-backbone batch, which skips LoRA).
     assert len(graph.graphs.buckets) == 1
     if grid in ("exact", "full"):
-        assert set(next(iter(graph.graphs.buckets.values())).graphs) == {"device", "backbone"}
+        assert set(next(iter(graph.graphs.buckets.values())).graphs) == {("device", None), ("backbone",)}
 
 
 def test_set_grid_recaptures():
@@ -87,3 +87,61 @@ def test_fp32_graph_generation_matches_peft():
                               max_new_tokens=12, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
     out = gen(graph, ids, mask, ADAPTERS16)
     assert torch.equal(out.sequences, ref)
+
+
+class EagerOnly(ReleasePolicy):
+    """A custom policy that is not graph-safe: the graph runner must call it outside the graph."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def bind(self, *args):
+        self.inner.bind(*args)
+
+    def keep(self, step, hidden, state):
+        assert isinstance(step, int), "a non-graph-safe policy must be called eagerly with an int step"
+        self.calls += 1
+        return self.inner.keep(step, hidden, state)
+
+
+def _learned(model, tau, seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden = model.model.config.hidden_size
+    return LearnedRelease({a: (torch.randn(hidden, generator=g), 0.1, tau) for a in ("math", "sql", "med")})
+
+
+@pytest.mark.parametrize("grid", ["exact", "two_class"])
+def test_release_inside_the_graph_equals_eager(grid):
+    eager, graph, _ = models(grid)
+    ids, mask = make_batch(16, 7, seed=6, pad_rows=(3,))
+    policies = [ProfiledRelease({"math": 2, "sql": 0, "med": 5}), ProfiledRelease({"math": 7, "med": 1}),
+                _learned(eager, 0.0, seed=1), _learned(eager, 0.5, seed=2),
+                EagerOnly(ProfiledRelease({"math": 3, "sql": 1}))]
+    for policy in policies:
+        a = gen(eager, ids, mask, ADAPTERS16, release_policy=policy)
+        b = gen(graph, ids, mask, ADAPTERS16, release_policy=policy)
+        assert torch.equal(a.release_steps, b.release_steps), type(policy).__name__
+        assert (a.release_steps >= 0).any()
+        assert torch.equal(a.sequences, b.sequences), type(policy).__name__
+        assert torch.equal(a.lora_decode_steps, b.lora_decode_steps)
+    assert policies[-1].calls > 0
+    keys = set(next(iter(graph.graphs.buckets.values())).graphs)
+    if grid == "exact":
+        # One graph per policy class decides inside the graph; the new k of the second profiled
+        # policy and the second learned heads reached the same graphs without recapture.
+        assert {("device", ProfiledRelease), ("device", LearnedRelease)} <= keys
+        assert ("device", EagerOnly) not in keys and ("device",) in keys
+
+
+def test_all_released_switches_to_the_backbone_graph():
+    eager, graph, _ = models("exact")
+    ids, mask = make_batch(16, 7, seed=7)
+    policy = ProfiledRelease({"math": 0, "sql": 1, "med": 2})
+    kw = dict(max_new_tokens=40, min_new_tokens=40)
+    a = eager.generate(ids, attention_mask=mask, adapter_ids=ADAPTERS16, pad_token_id=PAD, eos_token_id=EOS,
+                       release_policy=policy, **kw)
+    b = graph.generate(ids, attention_mask=mask, adapter_ids=ADAPTERS16, pad_token_id=PAD, eos_token_id=EOS,
+                       release_policy=policy, **kw)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.release_steps, b.release_steps)
+    assert ("backbone",) in next(iter(graph.graphs.buckets.values())).graphs

@@ -151,6 +151,7 @@ def decode_loop(
     next_pos = attention_mask.sum(-1)
 
     cache = model.cache_for(B, cache_len or T + max_new_tokens, device)
+    state = model.begin_release(state, policy, cache)
     hidden, logits = model.prefill(input_ids, attention_mask, cache, row_slot)
     steps_run = max_new_tokens
     for t in range(max_new_tokens):
@@ -164,13 +165,17 @@ def decode_loop(
             unfinished &= ~newly
         if t == max_new_tokens - 1:
             break
-        if (t + 1) % STOP_CHECK_EVERY == 0 and not bool(unfinished.any()):
-            break
-        keep = policy.keep(t, hidden, state) if policy is not None else None
-        step_slot = state.advance(t, keep)
-        lora_steps += (step_slot >= 0) & unfinished
+        if (t + 1) % STOP_CHECK_EVERY == 0:
+            # One host sync per STOP_CHECK_EVERY steps: stop when every row finished, and drop LoRA
+            # from the step (the backbone graph) once every row released its adapter.
+            any_unfinished, any_active = torch.stack([unfinished.any(), state.active.any()]).tolist()
+            if not any_unfinished:
+                break
+            if not any_active:
+                model.context.enabled = False
         write_pos = torch.full((B,), T + t, dtype=torch.long, device=device)
-        hidden, logits = model.run_decode_step(tok, next_pos, write_pos, cache, step_slot)
+        hidden, logits, step_slot = model.run_decode_step(tok, next_pos, write_pos, cache, state, policy, t, hidden)
+        lora_steps += (step_slot >= 0) & unfinished
         next_pos = next_pos + 1
     # HF stops right after the step where every row finished.
     if eos:
@@ -179,4 +184,5 @@ def decode_loop(
     sequences = tokens[:, : T + steps_run]
     decode_steps = (gen_len - 1).clamp(min=0) * (row_slot >= 0)
     lora_decode = torch.minimum(lora_steps, decode_steps)
-    return LoRazorOutput(sequences, state.release_step, decode_steps, lora_decode)
+    # clone: with CUDA graphs the state is a static buffer that the next call overwrites.
+    return LoRazorOutput(sequences, state.release_step.clone(), decode_steps, lora_decode)

@@ -1,13 +1,16 @@
 """CUDA-graph capture and replay of the decode step, per batch bucket (and grid layout).
 
-The captured step is: write the new tokens' positions into the KV cache, build the LoRA step
-metadata from the row -> slot map (device-only for `exact` and `full`), run the decoder with the
-batched LoRA layers, and the LM head on each row's last hidden state. Inputs and outputs live in
-static buffers; a replay serves any tokens, positions and adapter mix without recapture.
+The captured step (`exact` and `full` grids) is: the StepTrim decision (the release policy on the
+previous hidden states, applied one-way to the per-row release state), the LoRA step metadata from
+the resulting row -> slot map, the KV-cache position writes, the decoder with the batched LoRA
+layers, and the LM head on each row's last hidden state. Inputs, release state and policy tensors
+live in static buffers; a replay serves any tokens, positions, adapter mix and policy parameters
+without recapture. One graph per (bucket, policy class).
 
-The paper's grid modes (`active_rows`, `two_class`) fix their launch shape on the host: their
-metadata is built outside the graph (one host sync per step) into static buffers, and a graph is
-captured per (bucket, row bound R, class layout), as in the paper's Algorithm 1.
+The paper's grid modes (`active_rows`, `two_class`) fix their launch shape on the host: the release
+decision and their metadata are computed outside the graph (one host sync per step) into static
+buffers, and a graph is captured per (bucket, row bound R, class layout), as in the paper's
+Algorithm 1. So is a custom policy that is not `graph_safe`.
 
 All graphs share one memory pool. Each bucket owns a persistent KV cache of its size.
 """
@@ -20,6 +23,7 @@ import torch
 from lorazor_kernels import LoRABatchMeta
 
 from .kv_cache import KVCache
+from .policies.base import ReleasePolicy, ReleaseState, release_step
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -40,8 +44,12 @@ class _Bucket:
     tokens: torch.Tensor
     positions: torch.Tensor
     write_pos: torch.Tensor
-    row_slot: torch.Tensor
-    graphs: dict = field(default_factory=dict)  # layout key -> (graph, hidden, logits, static meta)
+    row_slot: torch.Tensor  # the step's row -> slot map when it is decided outside the graph
+    step_index: torch.Tensor  # 0-d decode step index, read by in-graph release decisions
+    hidden_in: torch.Tensor | None = None  # the previous step's final hidden states
+    state: ReleaseState | None = None  # static release state of the generate call in flight
+    policy_tensors: dict = field(default_factory=dict)  # policy class -> static copies of `bound`
+    graphs: dict = field(default_factory=dict)  # key -> (graph, hidden, logits, step slot, static meta)
 
 
 class DecodeGraphs:
@@ -65,20 +73,44 @@ class DecodeGraphs:
             cache = self.model.new_cache(batch_size, max_len, device)
             zeros = lambda dtype: torch.zeros(batch_size, dtype=dtype, device=device)  # noqa: E731
             self.buckets[key] = _Bucket(cache, zeros(torch.long), zeros(torch.long), zeros(torch.long),
-                                        zeros(torch.int32))
+                                        zeros(torch.int32), torch.zeros((), dtype=torch.long, device=device))
         return self.buckets[key].cache
 
+    def begin_call(self, cache: KVCache, state: ReleaseState, policy: ReleasePolicy | None) -> ReleaseState:
+        """Load a generate call's release state and bound policy tensors into the bucket's static
+        buffers (once per call); returns the static state the decode loop must use from then on."""
+        bucket = self.buckets[(cache.batch_size, cache.max_len)]
+        if bucket.state is None:
+            bucket.state = ReleaseState(*(t.clone() for t in (state.slot, state.active, state.release_step,
+                                                               state.override_k, state.use_override)))
+        bucket.state.copy_(state)
+        if self._in_graph(policy):
+            static = bucket.policy_tensors.get(type(policy))
+            if static is None or static.keys() != policy.bound.keys() or any(
+                    static[k].shape != v.shape for k, v in policy.bound.items()):
+                if static is not None:  # a new shape: the old graphs read the old buffers
+                    bucket.graphs = {k: v for k, v in bucket.graphs.items() if k[1] is not type(policy)}
+                bucket.policy_tensors[type(policy)] = {k: v.clone() for k, v in policy.bound.items()}
+            else:
+                for k, v in policy.bound.items():
+                    static[k].copy_(v)
+        return bucket.state
+
+    def _in_graph(self, policy: ReleasePolicy | None) -> bool:
+        """Whether the release decision of a step is captured (device-built metadata, safe policy)."""
+        return self.model.context.meta_on_device and (policy is None or policy.graph_safe)
+
     def _layout(self, row_slot: torch.Tensor):
-        """Graph key and host-built metadata for the paper's modes; (None, None) for device modes."""
+        """Graph key and host-built metadata of a step whose slot map was decided outside the graph."""
         context = self.model.context
         if not context.enabled:
-            return "backbone", None
+            return ("backbone",), None
         if context.meta_on_device:
-            return "device", None
+            return ("device",), None
         meta = context.build(row_slot)
         return (meta.row_bound, meta.class_split, meta.has_lora), meta
 
-    def _capture(self, bucket: _Bucket, meta: LoRABatchMeta | None):
+    def _capture(self, bucket: _Bucket, meta: LoRABatchMeta | None, policy, decide: bool):
         static_meta = None
         if meta is not None:
             # Static copies whose contents are refreshed before every replay of this layout.
@@ -86,53 +118,79 @@ class DecodeGraphs:
                                            for k, v in meta.__dict__.items()})
 
         def step():
-            return self.model.decode_step(bucket.tokens, bucket.positions, bucket.write_pos, bucket.cache,
-                                          bucket.row_slot, meta=static_meta)
+            # Replays are idempotent for one step's inputs (release is one-way, cache writes repeat),
+            # so the warm-up runs below leave the same state as a single replay would.
+            row_slot = (release_step(policy, bucket.step_index, bucket.hidden_in, bucket.state) if decide
+                        else bucket.row_slot)
+            hidden, logits = self.model.decode_step(bucket.tokens, bucket.positions, bucket.write_pos,
+                                                    bucket.cache, row_slot, meta=static_meta)
+            return hidden, logits, row_slot
 
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        # Warm up on a side stream (Triton compiles, cuBLAS picks algorithms) before capturing.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        # Release what the warm-up cached, so the reserved-memory delta is the graph's own pool.
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, logits = step()
-        end.record()
-        end.synchronize()
+        saved = None
+        if decide and policy is not None:
+            saved, policy.bound = policy.bound, bucket.policy_tensors[type(policy)]
+        try:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            # Warm up on a side stream (Triton compiles, cuBLAS picks algorithms) before capturing.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            # Release what the warm-up cached, so the reserved-memory delta is the graph's own pool.
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            reserved = torch.cuda.memory_reserved()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden, logits, row_slot = step()
+            end.record()
+            end.synchronize()
+        finally:
+            if saved is not None:
+                policy.bound = saved
         self.capture_seconds += start.elapsed_time(end) / 1e3
         self.capture_bytes += torch.cuda.memory_reserved() - reserved
-        return graph, hidden, logits, static_meta
+        return graph, hidden, logits, row_slot, static_meta
 
-    def step(self, tokens, positions, write_pos, cache: KVCache, row_slot):
-        """Replay the decode step of `cache`'s bucket for these inputs; returns (hidden, logits).
+    def step(self, tokens, positions, write_pos, cache: KVCache, state: ReleaseState,
+             policy: ReleasePolicy | None, step: int, hidden: torch.Tensor):
+        """Decide the step's adapters and replay the decode step of `cache`'s bucket.
 
-        The outputs are static buffers, overwritten by the next replay.
+        `state` must be the static state `begin_call` returned; `hidden` `[B, H]` is the previous
+        step's final hidden state (the policy's input). Returns (hidden, logits, row -> slot map of the step), all
+        static buffers overwritten by the next replay.
         """
         bucket = self.buckets[(cache.batch_size, cache.max_len)]
         bucket.tokens.copy_(tokens)
         bucket.positions.copy_(positions)
         bucket.write_pos.copy_(write_pos)
-        bucket.row_slot.copy_(row_slot)
-        key, meta = self._layout(bucket.row_slot)
+        decide = self.model.context.enabled and self._in_graph(policy)
+        if decide:
+            if bucket.hidden_in is None:
+                bucket.hidden_in = torch.empty_like(hidden)
+            bucket.hidden_in.copy_(hidden)
+            bucket.step_index.fill_(step)
+            key, meta = ("device", type(policy) if policy is not None else None), None
+        else:
+            if self.model.context.enabled:
+                bucket.row_slot.copy_(release_step(policy, step, hidden, state))
+            else:
+                bucket.row_slot.fill_(-1)  # no row holds an adapter any more
+            key, meta = self._layout(bucket.row_slot)
         if key not in bucket.graphs:
-            bucket.graphs[key] = self._capture(bucket, meta)
-        graph, hidden, logits, static_meta = bucket.graphs[key]
+            bucket.graphs[key] = self._capture(bucket, meta, policy, decide)
+        graph, hidden_out, logits, row_slot, static_meta = bucket.graphs[key]
         if static_meta is not None:
             for name in ("sorted_rows", "slot_start", "row_slot", "large_slots"):
                 src = getattr(meta, name)
                 if src is not None:
                     getattr(static_meta, name).copy_(src)
         graph.replay()
-        return hidden, logits
+        return hidden_out, logits, row_slot
 
     def clear(self) -> None:
         """Drop every captured graph (the KV caches stay); the next step recaptures."""

@@ -19,7 +19,7 @@ from .generate import LoRazorOutput, decode_loop, resolve_generation_config
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .kv_cache import KVCache
 from .layers import patch_lora_layers, unpatch_lora_layers
-from .policies.base import ReleasePolicy
+from .policies.base import ReleasePolicy, ReleaseState, release_step
 from .step import StepContext
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -163,11 +163,28 @@ class LoRazorModel(nn.Module):
             self.graphs = DecodeGraphs(self)
         return self.graphs.cache(batch_size, max_len, device)
 
-    def run_decode_step(self, tokens, positions, write_pos, cache: KVCache, row_slot):
-        """A decode step, replayed from a CUDA graph when graphs are on; returns (hidden, logits)."""
+    def begin_release(self, state: ReleaseState, policy: ReleasePolicy | None, cache: KVCache) -> ReleaseState:
+        """Start a generate call's StepTrim state; with CUDA graphs it moves into the graph's static
+        buffers (use the returned state from then on)."""
         if self.graphs is not None and self.uses_graphs:
-            return self.graphs.step(tokens, positions, write_pos, cache, row_slot)
-        return self.decode_step(tokens, positions, write_pos, cache, row_slot)
+            return self.graphs.begin_call(cache, state, policy)
+        return state
+
+    def run_decode_step(self, tokens, positions, write_pos, cache: KVCache, state: ReleaseState,
+                        policy: ReleasePolicy | None, step: int, hidden: torch.Tensor):
+        """StepTrim decision for decode step `step` from the previous `hidden`, then the decode forward.
+
+        With CUDA graphs both run in one replayed graph (`exact`/`full` grids and graph-safe
+        policies). Returns (hidden `[B, H]`, logits `[B, V]`, the step's row -> slot map `[B]`).
+        """
+        if self.graphs is not None and self.uses_graphs:
+            return self.graphs.step(tokens, positions, write_pos, cache, state, policy, step, hidden)
+        if self.context.enabled:
+            row_slot = release_step(policy, step, hidden, state)
+        else:
+            row_slot = torch.full_like(state.slot, -1)
+        hidden, logits = self.decode_step(tokens, positions, write_pos, cache, row_slot)
+        return hidden, logits, row_slot
 
     def _decoder_forward(self, input_ids, position_ids, mask, cache, row_slot, tokens_per_row, meta=None):
         with torch.inference_mode(), self.context.step(row_slot, tokens_per_row, meta):

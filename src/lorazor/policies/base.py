@@ -4,6 +4,10 @@ A policy is called once per decode step, in the spirit of a `LogitsProcessor`, w
 step index d, the final hidden state of each row (before the LM head) from the forward that just
 ran, and the per-row state. It returns which rows may keep their adapter for decode forward d.
 Everything stays on the device: no host sync.
+
+Built-in policies are `graph_safe`: `keep` is torch ops on its arguments and on the per-slot tensors
+that `bind` puts in `self.bound`, and the step index may be a 0-d device tensor. The CUDA-graph
+runner then captures the decision inside the decode-step graph, reading static copies of `bound`.
 """
 
 from __future__ import annotations
@@ -61,8 +65,15 @@ class ReleaseState:
             use_override=use_override.to(device),
         )
 
-    def advance(self, step: int, policy_keep: torch.Tensor | None) -> torch.Tensor:
-        """Apply the decision for decode step `step`; returns the step's row -> slot map `[B]`."""
+    def copy_(self, other: "ReleaseState") -> "ReleaseState":
+        """Overwrite this state's tensors in place with `other`'s (same batch size)."""
+        for name in ("slot", "active", "release_step", "override_k", "use_override"):
+            getattr(self, name).copy_(getattr(other, name))
+        return self
+
+    def advance(self, step, policy_keep: torch.Tensor | None) -> torch.Tensor:
+        """Apply the decision for decode step `step` (int or 0-d device tensor); returns the step's
+        row -> slot map `[B]`."""
         forced = step < self.override_k
         keep = forced if policy_keep is None else torch.where(self.use_override, forced, policy_keep)
         released = self.active & ~keep
@@ -72,17 +83,36 @@ class ReleaseState:
 
 
 class ReleasePolicy:
-    """Base class. Subclasses implement `keep`; `bind` resolves adapter names to slots once per call."""
+    """Base class. Subclasses implement `keep`; `bind` resolves adapter names to slots once per call.
+
+    Attributes:
+        bound: name -> per-slot tensor built by `bind` and read by `keep`.
+        graph_safe: True when `keep` only runs torch ops on its arguments and `bound` (no host work,
+            a tensor step index allowed): then it runs inside the captured decode graph. A subclass
+            that does anything else leaves it False and is called eagerly before each replay.
+    """
+
+    graph_safe = False
+
+    def __init__(self):
+        self.bound: dict[str, torch.Tensor] = {}
 
     def bind(self, adapter_names: list[str], num_slots: int, device: torch.device) -> None:
         """Called once per `generate` with the bank's slot order; build per-slot tensors here."""
 
-    def keep(self, step: int, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
+    def keep(self, step, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
         """Rows `[B]` bool that keep their adapter for decode forward `step`.
 
         Args:
-            step: decode forward index d (0 is the first forward after prefill).
+            step: decode forward index d (0 is the first forward after prefill): an int, or a 0-d
+                device tensor inside a captured graph.
             hidden: `[B, H]` final hidden state (before the LM head) of the forward that just ran.
             state: the per-row `ReleaseState` (read-only here).
         """
         raise NotImplementedError
+
+
+def release_step(policy: ReleasePolicy | None, step, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
+    """One StepTrim decision: ask the policy (if any), apply it one-way; returns the row -> slot map."""
+    keep = policy.keep(step, hidden, state) if policy is not None else None
+    return state.advance(step, keep)

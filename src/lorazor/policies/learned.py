@@ -20,10 +20,11 @@ class LearnedRelease(ReleasePolicy):
     """
 
     kind = "learned"
+    graph_safe = True
 
     def __init__(self, heads: dict[str, tuple[torch.Tensor, float, float]]):
+        super().__init__()
         self.heads = dict(heads)
-        self._w = self._b = self._tau = None
 
     def bind(self, adapter_names, num_slots, device) -> None:
         unknown = sorted(set(self.heads) - set(adapter_names))
@@ -41,13 +42,12 @@ class LearnedRelease(ReleasePolicy):
             if name in self.heads:
                 hw, hb, ht = self.heads[name]
                 w[slot], b[slot], tau[slot] = hw.float(), float(hb), float(ht)
-        self._w, self._b, self._tau = w.to(device), b.to(device), tau.to(device)
+        self.bound = {"w": w.to(device), "b": b.to(device), "tau": tau.to(device)}
 
     def scores(self, hidden: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """`[B]` risk scores w_a . h + b_a, one batched gather + dot for all rows."""
         idx = slot.long()
-        return (hidden.float() * self._w[idx]).sum(-1) + self._b[idx]
+        return (hidden.float() * self.bound["w"][idx]).sum(-1) + self.bound["b"][idx]
 
-    def keep(self, step: int, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
-        idx = state.slot.long()
-        return self.scores(hidden, state.slot) >= self._tau[idx]
+    def keep(self, step, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
+        return self.scores(hidden, state.slot) >= self.bound["tau"][state.slot.long()]

@@ -20,13 +20,14 @@ class ProfiledRelease(ReleasePolicy):
     """
 
     kind = "profiled"
+    graph_safe = True
 
     def __init__(self, lengths: dict[str, int | None]):
+        super().__init__()
         for name, k in lengths.items():
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
                 raise ValueError(f"release length for adapter {name!r} must be None or an int >= 0, got {k!r}")
         self.lengths = dict(lengths)
-        self._k_of_slot: torch.Tensor | None = None
 
     def bind(self, adapter_names, num_slots, device) -> None:
         unknown = sorted(set(self.lengths) - set(adapter_names))
@@ -36,8 +37,8 @@ class ProfiledRelease(ReleasePolicy):
         for slot, name in enumerate(adapter_names):
             if self.lengths.get(name) is not None:
                 k[slot] = self.lengths[name]
-        self._k_of_slot = k.to(device)
+        self.bound = {"k": k.to(device)}
 
-    def keep(self, step: int, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
+    def keep(self, step, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
         # slot -1 (backbone rows) reads the last entry, which never releases (they hold nothing).
-        return step < self._k_of_slot[state.slot.long()]
+        return step < self.bound["k"][state.slot.long()]
