@@ -25,7 +25,9 @@ class KernelConfig:
         expand_block_n: output columns per expand loop iteration.
         expand_programs_per_sm: split N over about this many expand programs per multiprocessor.
         expand_num_warps / expand_num_stages: Triton launch options of expand.
-        fused: run shrink and expand as one kernel (`lora_fused`) instead of two.
+        fused: run shrink and expand as one kernel (`lora_fused`) instead of two. Off on the H200:
+            measured slower there (benchmarks/results/kernels.md), the split-K shrink keeps more
+            loads in flight.
         fused_block_k / fused_block_n: K chunk of the fused shrink loop, N chunk of its expand loop.
         fused_programs_per_sm: split N over about this many fused programs per multiprocessor.
         fused_num_warps / fused_num_stages: Triton launch options of the fused kernel.
@@ -40,7 +42,7 @@ class KernelConfig:
     expand_programs_per_sm: int = 8
     expand_num_warps: int = 4
     expand_num_stages: int = 2
-    fused: bool = True
+    fused: bool = False
     fused_block_k: int = 256
     fused_block_n: int = 128
     fused_programs_per_sm: int = 2

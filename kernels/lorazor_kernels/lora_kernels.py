@@ -13,11 +13,11 @@ Every program first maps its id to a tile: a slot and a run of at most BLOCK_M r
                       the slot from a compact list (two_class large class); CLASS_MAX_ROWS > 0 skips
                       slots with more rows (two_class small class).
 Two ways to run the delta, same tiles and same arithmetic (fp32 u, cast to the weights' dtype):
-    fused (default)   one kernel per projection: a program shrinks its tile over the whole K into
+    fused             one kernel per projection: a program shrinks its tile over the whole K into
                       registers, then expands it over its share of N. Half the launches and no u
                       round trip through memory; when a launch has too few tiles to fill the GPU, N
                       is split over more programs, each recomputing its tile's small shrink from L2.
-    shrink + expand   two kernels: shrink splits K over grid axis 1 (the rank is tiny, K is large)
+    shrink + expand   (the default: faster on the H200) two kernels: shrink splits K over grid axis 1 (the rank is tiny, K is large)
                       and writes one fp32 partial per split; expand sums the partials, so no atomics
                       and no zero-fill are needed.
 Ranks are padded only inside the kernels to a dot-legal power of two >= 16; loads past a slot's real

@@ -84,7 +84,7 @@ class DecodeGraphs:
             bucket.state = ReleaseState(*(t.clone() for t in (state.slot, state.active, state.release_step,
                                                                state.override_k, state.use_override)))
         bucket.state.copy_(state)
-        if self._in_graph(policy):
+        if policy is not None and self._in_graph(policy):
             static = bucket.policy_tensors.get(type(policy))
             if static is None or static.keys() != policy.bound.keys() or any(
                     static[k].shape != v.shape for k, v in policy.bound.items()):

@@ -77,7 +77,9 @@ class ReleaseState:
         forced = step < self.override_k
         keep = forced if policy_keep is None else torch.where(self.use_override, forced, policy_keep)
         released = self.active & ~keep
-        self.release_step.masked_fill_(released, step)
+        # torch.where, not masked_fill_: a tensor fill value is read on the host (a sync, and an
+        # error inside graph capture).
+        self.release_step.copy_(torch.where(released, step, self.release_step))
         self.active &= keep
         return torch.where(self.active, self.slot, -1)
 
