@@ -70,7 +70,7 @@ def fill_random_adapters(model, first: int, count: int, seed: int = 0) -> list[s
             mod.lora_a[slot, :RANK] = torch.randn(RANK, k, generator=g, device="cuda", dtype=mod.lora_a.dtype) / k**0.5
             mod.lora_b[slot, :, :RANK] = torch.randn(n, RANK, generator=g, device="cuda", dtype=mod.lora_b.dtype) * 0.01
             mod.scaling[slot] = 2.0
-            mod.rank[slot] = RANK
+            mod.set_rank(slot, RANK)
         bank.names.append(name)
         bank.slot_of[name] = slot
         names.append(name)

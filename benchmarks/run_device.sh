@@ -12,10 +12,12 @@ for step in "$@"; do
   start=$(date +%s)
   case $step in
     tests) timeout 200 python3 -m pytest tests -q -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
+    gpu-tests) timeout 150 python3 -m pytest tests/test_kernels.py tests/test_gpu.py tests/test_add_adapter.py tests/test_release.py -q -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
     kernels) timeout 120 python3 benchmarks/bench_kernels.py --out "$W" > "$W/kernels.log" 2>&1 ;;
     kernels-sweep) timeout 200 python3 benchmarks/bench_kernels.py --out "$W" --sweep > "$W/kernels.log" 2>&1 ;;
     e2e-llama) timeout 360 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --hf-compile --compile > "$W/e2e_llama.log" 2>&1 ;;
     e2e-exact) timeout 400 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,32,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
+    e2e-quick) timeout 190 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
     e2e-mistral) timeout 430 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1 --adapters 1,32,128 --grids exact --compile > "$W/e2e_mistral.log" 2>&1 ;;
     release) timeout 300 python3 benchmarks/bench_release.py --out "$W" > "$W/release.log" 2>&1 ;;
     explore) timeout 150 python3 benchmarks/profile_step.py > "$W/profile_eager.log" 2>&1

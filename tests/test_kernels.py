@@ -25,9 +25,9 @@ def make_case(M, K, N, r, L, dtype, seed, frac_base=0.3, ranks=None, row_slot=No
             row_slot.to(**to), rank.to(**to))
 
 
-def check(case, grid, dtype, fused=True):
+def check(case, grid, dtype, fused=True, mask_rank=True):
     x, a, b, s, slot, rank = case
-    out = batched_lora(x, a, b, s, slot, grid=grid, lora_rank=rank, fused=fused)
+    out = batched_lora(x, a, b, s, slot, grid=grid, lora_rank=rank, fused=fused, mask_rank=mask_rank)
     ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), slot, rank)
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
     # Rows without an adapter (or with a rank-0 slot) must be exactly zero.
@@ -86,6 +86,18 @@ def test_mixed_ranks_and_absent_slots(grid, dtype, fused):
 
 
 @pytest.mark.parametrize("fused", FUSED)
+@pytest.mark.parametrize("grid", GRID_MODES)
+def test_unmasked_ranks_on_a_zero_padded_bank(grid, fused):
+    # The bank's layout: zeros past each slot's rank, rank-0 slots all zero. Without the rank load the
+    # kernels must give the same delta; rank-0 rows must still get exactly nothing.
+    x, a, b, s, slot, _ = make_case(45, 80, 66, 16, 6, torch.float32, seed=12)
+    ranks = torch.tensor([16, 0, 16, 16, 0, 16], dtype=torch.int32, device=a.device)
+    a[ranks == 0] = 0
+    b[ranks == 0] = 0
+    check((x, a, b, s, slot, ranks), grid, torch.float32, fused, mask_rank=False)
+
+
+@pytest.mark.parametrize("fused", FUSED)
 def test_rank_64_bank_with_small_ranks(fused):
     # The bank pads to its largest rank (64, four shrink rank blocks); smaller slots mask the rest.
     ranks = torch.tensor([64, 8, 1, 40], dtype=torch.int32)
@@ -120,6 +132,7 @@ def test_many_slots(L):
 @pytest.mark.parametrize("M, K, N, L", [(256, 3072, 3072, 128), (256, 3072, 8192, 32), (300, 8192, 3072, 7)])
 def test_gpu_bf16_model_shapes(grid, r, M, K, N, L, fused):
     check(make_case(M, K, N, r, L, torch.bfloat16, seed=r + L), grid, torch.bfloat16, fused)
+    check(make_case(M, K, N, r, L, torch.bfloat16, seed=r + L), grid, torch.bfloat16, fused, mask_rank=False)
 
 
 def test_exact_tile_table_covers_every_row_once():

@@ -45,8 +45,7 @@ def padded_rank(r_max: int) -> int:
 @triton.jit
 def _tile_rows(
     pid, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr, tiles_per_slot,
-    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Map a program id to (slot, rows [BM] int64, row mask [BM]); slot < 0 means exit."""
     lanes = tl.arange(0, BLOCK_M)
@@ -74,6 +73,16 @@ def _tile_rows(
         mask_m = offs < group_hi
         rows = tl.load(sorted_rows_ptr + offs, mask=mask_m, other=0).to(tl.int64)
     return slot, rows, mask_m
+
+
+@triton.jit
+def _slot_rank(rank_ptr, slot, r_max, MASK_RANK: tl.constexpr):
+    """The slot's rank. Without MASK_RANK the caller promises every used slot has rank r_max (or zero
+    weights past its rank), so the kernels skip this dependent load: one memory round trip less."""
+    if MASK_RANK:
+        return tl.load(rank_ptr + slot)
+    else:
+        return r_max
 
 
 @triton.jit
@@ -119,10 +128,10 @@ def _expand_rows(
 def _lora_fused_kernel(
     x_ptr, a_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
-    K, N, tiles_per_slot, n_per_program,
+    K, N, r_max, tiles_per_slot, n_per_program,
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn,
-    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
+    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -134,7 +143,7 @@ def _lora_fused_kernel(
     )
     if slot < 0:
         return
-    rank = tl.load(rank_ptr + slot)
+    rank = _slot_rank(rank_ptr, slot, r_max, MASK_RANK)
     if rank == 0:
         return
     scale = tl.load(scaling_ptr + slot).to(tl.float32)
@@ -157,9 +166,9 @@ def _lora_fused_kernel(
 def _lora_shrink_kernel(
     x_ptr, a_ptr, u_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
-    K, tiles_per_slot, k_per_split,
+    K, r_max, tiles_per_slot, k_per_split,
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
-    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
+    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -171,7 +180,7 @@ def _lora_shrink_kernel(
     )
     if slot < 0:
         return
-    rank = tl.load(rank_ptr + slot)
+    rank = _slot_rank(rank_ptr, slot, r_max, MASK_RANK)
     if pid_r * BLOCK_R >= rank:
         return
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -190,9 +199,9 @@ def _lora_shrink_kernel(
 def _lora_expand_kernel(
     u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
-    N, tiles_per_slot, n_per_program,
+    N, r_max, tiles_per_slot, n_per_program,
     stride_us, stride_um, stride_ur, stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
-    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
+    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -204,7 +213,7 @@ def _lora_expand_kernel(
     )
     if slot < 0:
         return
-    rank = tl.load(rank_ptr + slot)
+    rank = _slot_rank(rank_ptr, slot, r_max, MASK_RANK)
     if rank == 0:
         return
     scale = tl.load(scaling_ptr + slot).to(tl.float32)
@@ -274,7 +283,7 @@ def _columns_per_program(programs: int, N: int, block_n: int, per_sm: int, devic
 
 def lora_shrink(
     x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tensor, meta: LoRABatchMeta,
-    cfg: KernelConfig | None = None,
+    cfg: KernelConfig | None = None, mask_rank: bool = True,
 ) -> torch.Tensor:
     """Shrink `u = x @ A[slot].T` per row, as fp32 split-K partials.
 
@@ -283,6 +292,9 @@ def lora_shrink(
         lora_a: `[L, r_max, K]` stacked A weights.
         lora_rank: `[L]` int32 real rank per slot (0: slot absent in this layer).
         meta: the step's `LoRABatchMeta`.
+        mask_rank: read each slot's rank and mask past it. False promises that every slot a row
+            uses has zero weights past its rank (the bank's layout) and about r_max real columns:
+            the kernels then skip the rank load, a dependent memory round trip.
 
     Returns:
         `[S, M, r_pad]` fp32 partials (sum over S is u); only rows with a slot and columns below
@@ -300,10 +312,10 @@ def lora_shrink(
         _lora_shrink_kernel[(programs, split, rank_blocks)](
             x, lora_a, u, lora_rank,
             *_meta_tensors(meta, table, slot_list),
-            K, tiles_per_slot, k_per_split,
+            K, lora_a.shape[1], tiles_per_slot, k_per_split,
             x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
             u.stride(0), u.stride(1), u.stride(2),
-            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows,
+            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
             BLOCK_M=meta.block_m, BLOCK_R=BLOCK_R, BLOCK_K=cfg.shrink_block_k,
             DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages,
@@ -313,7 +325,7 @@ def lora_shrink(
 
 def lora_expand(
     u: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
-    y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None,
+    y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None, mask_rank: bool = True,
 ) -> torch.Tensor:
     """Expand in place: `y[m] += scaling[s] * u[m] @ B[s].T` for every row m with a slot s.
 
@@ -324,6 +336,7 @@ def lora_expand(
         lora_rank: `[L]` int32 real rank per slot.
         y: `[M, N]` output, updated in place (rows without a slot are untouched).
         meta: the step's `LoRABatchMeta`.
+        mask_rank: as in `lora_shrink`.
 
     Returns:
         `y`.
@@ -338,10 +351,10 @@ def lora_expand(
         _lora_expand_kernel[(programs, triton.cdiv(N, n_per_program))](
             u, lora_b, y, scaling, lora_rank,
             *_meta_tensors(meta, table, slot_list),
-            N, tiles_per_slot, n_per_program,
+            N, lora_b.shape[2], tiles_per_slot, n_per_program,
             u.stride(0), u.stride(1), u.stride(2),
             lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows,
+            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
             SPLIT_K=u.shape[0], BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=u.shape[2],
             DOT_PRECISION=_dot_precision(lora_b.dtype),
             num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages,
@@ -351,7 +364,7 @@ def lora_expand(
 
 def lora_fused(
     x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
-    y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None,
+    y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None, mask_rank: bool = True,
 ) -> torch.Tensor:
     """Shrink and expand in one kernel: `y[m] += scaling[s] * (x[m] @ A[s].T) @ B[s].T` in place.
 
@@ -370,10 +383,10 @@ def lora_fused(
         _lora_fused_kernel[(programs, triton.cdiv(N, n_per_program))](
             x, lora_a, lora_b, y, scaling, lora_rank,
             *_meta_tensors(meta, table, slot_list),
-            K, N, tiles_per_slot, n_per_program,
+            K, N, lora_a.shape[1], tiles_per_slot, n_per_program,
             x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
             lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows,
+            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
             BLOCK_M=meta.block_m, BLOCK_R=padded_rank(lora_a.shape[1]), BLOCK_K=cfg.fused_block_k,
             BLOCK_N=block_n, DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=cfg.fused_num_warps, num_stages=cfg.fused_num_stages,

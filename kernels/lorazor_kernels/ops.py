@@ -32,6 +32,7 @@ def add_batched_lora_(
     meta: LoRABatchMeta,
     backend: str = "triton",
     cfg: KernelConfig | None = None,
+    mask_rank: bool = True,
 ) -> torch.Tensor:
     """Add the batched LoRA delta into `y` in place.
 
@@ -47,6 +48,8 @@ def add_batched_lora_(
         backend: "triton" (GPU, or CPU under TRITON_INTERPRET=1) or "reference".
         cfg: kernel launch config (default: the device's tuned file); `cfg.fused` picks one fused
             kernel or shrink + expand.
+        mask_rank: False skips the per-slot rank load in the kernels; only valid when every slot
+            a row uses has zero weights past its rank (the `AdapterBank` layout) and rank ~r_max.
 
     Returns:
         `y`.
@@ -59,9 +62,9 @@ def add_batched_lora_(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     cfg = cfg or get_kernel_config(y.device)
     if cfg.fused:
-        return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg)
-    u = lora_shrink(x, lora_a, lora_rank, meta, cfg)
-    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg)
+        return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
+    u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
+    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
 
 
 @torch.library.custom_op("lorazor::add_lora_", mutates_args=("y",))
@@ -69,20 +72,21 @@ def _add_lora_op(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor,
     lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor, slot_start: torch.Tensor,
     tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None, large_slots: torch.Tensor | None,
-    grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool, backend: str,
+    grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool, backend: str, mask_rank: bool,
 ) -> None:
     meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
                          tile_rows, row_bound, large_slots, class_split)
-    add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend)
+    add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank)
 
 
 @_add_lora_op.register_fake
 def _(y, x, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
-      large_slots, grid, num_slots, block_m, row_bound, class_split, backend) -> None:
+      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank) -> None:
     return None
 
 
-def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton"):
+def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton",
+                 mask_rank: bool = True):
     """`add_batched_lora_` as the registered custom op `lorazor::add_lora_`.
 
     torch.compile treats the op as opaque (its fake implementation only declares that `y` is
@@ -93,7 +97,7 @@ def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, 
     torch.ops.lorazor.add_lora_(
         y, x, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
         meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
-        meta.row_bound, meta.class_split, backend,
+        meta.row_bound, meta.class_split, backend, mask_rank,
     )
     return y
 
@@ -109,6 +113,7 @@ def batched_lora(
     backend: str = "triton",
     block_m: int = 16,
     fused: bool | None = None,
+    mask_rank: bool = True,
 ) -> torch.Tensor:
     """Batched LoRA delta `[M, N]` for rows mapped to slots (rows with slot -1 get 0).
 
@@ -120,6 +125,7 @@ def batched_lora(
         backend: "triton" or "reference".
         block_m: row-tile height of the kernels.
         fused: one fused kernel (True) or shrink + expand (False); None: the device config's choice.
+        mask_rank: see `add_batched_lora_` (False needs zeros past each slot's rank in A and B).
 
     Returns:
         `[M, N]` delta in `x.dtype`.
@@ -131,4 +137,4 @@ def batched_lora(
     cfg = get_kernel_config(x.device)
     if fused is not None:
         cfg = dataclasses.replace(cfg, fused=fused)
-    return add_batched_lora_(y, x, lora_a, lora_b, scaling, rank, meta, backend, cfg)
+    return add_batched_lora_(y, x, lora_a, lora_b, scaling, rank, meta, backend, cfg, mask_rank)

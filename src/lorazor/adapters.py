@@ -24,12 +24,29 @@ class AdapterError(ValueError):
 
 @dataclass
 class ModuleLoRA:
-    """Stacked LoRA weights of one target module over all slots."""
+    """Stacked LoRA weights of one target module over all slots.
+
+    `host_rank` mirrors `rank` on the host, so the layers know without a sync whether the kernels
+    must mask per-slot ranks (`mask_rank`).
+    """
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scaling: torch.Tensor
     rank: torch.Tensor
+    host_rank: list[int]
+
+    @property
+    def mask_rank(self) -> bool:
+        """True when some slot's rank is between 0 and the bank's r_max: the kernels then read each
+        slot's rank and load only that many rows. Otherwise weights past a slot's rank are zero
+        (rank-0 slots: all zero) and the kernels skip the rank load."""
+        r_max = self.lora_a.shape[1]
+        return any(0 < r < r_max for r in self.host_rank)
+
+    def set_rank(self, slot: int, rank: int) -> None:
+        self.rank[slot] = rank
+        self.host_rank[slot] = rank
 
 
 def _lora_layer_types():
@@ -149,7 +166,7 @@ class AdapterBank:
                 lora_b[slot, :, :r] = layer.lora_B[a].weight.detach().to(w_dtype)
                 scaling[slot] = float(layer.scaling[a])
                 rank[slot] = r
-            modules[module_name] = ModuleLoRA(lora_a, lora_b, scaling, rank)
+            modules[module_name] = ModuleLoRA(lora_a, lora_b, scaling, rank, rank.tolist())
         return cls(names, modules, num_slots)
 
     def add(self, name: str, adapter_dir, dtype: torch.dtype | None = None) -> int:
@@ -191,7 +208,8 @@ class AdapterBank:
         slot = free[0]
         scale = cfg.lora_alpha / (cfg.r**0.5 if cfg.use_rslora else cfg.r)
         for module, lora in self.modules.items():
-            lora.rank[slot] = 0  # untargeted modules give no delta
+            lora.set_rank(slot, 0)  # untargeted modules give no delta
+            lora.scaling[slot] = 0.0
             lora.lora_a[slot].zero_()
             lora.lora_b[slot].zero_()
             if module in weights:
@@ -199,7 +217,7 @@ class AdapterBank:
                 lora.lora_a[slot, : a.shape[0]] = a.to(lora.lora_a.dtype)
                 lora.lora_b[slot, :, : b.shape[1]] = b.to(lora.lora_b.dtype)
                 lora.scaling[slot] = scale
-                lora.rank[slot] = a.shape[0]
+                lora.set_rank(slot, a.shape[0])
         while len(self.names) <= slot:
             self.names.append(None)
         self.names[slot] = name
@@ -213,7 +231,10 @@ class AdapterBank:
         slot = self.slot_of.pop(name)
         self.names[slot] = None
         for lora in self.modules.values():
-            lora.rank[slot] = 0
+            lora.set_rank(slot, 0)
+            # Zero the weights too: unmasked kernels (uniform ranks) rely on zeros past each rank.
+            lora.lora_a[slot].zero_()
+            lora.lora_b[slot].zero_()
 
     def slots_for(self, adapter_ids, device: torch.device | None = None) -> torch.Tensor:
         """Adapter names (None: backbone) -> `[B]` int32 slot tensor; unknown names raise KeyError."""

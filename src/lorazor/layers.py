@@ -47,7 +47,7 @@ class BatchedLoRALinear(nn.Module):
         lora = self.lora
         add_lora_op_(
             y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora.lora_a, lora.lora_b, lora.scaling,
-            lora.rank, meta, backend=self.context.backend,
+            lora.rank, meta, backend=self.context.backend, mask_rank=lora.mask_rank,
         )
         return y
 
