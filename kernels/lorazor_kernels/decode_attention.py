@@ -67,8 +67,10 @@ def decode_attention(
 
     Args:
         query: `[B, H, D]` (any strides with a unit last stride).
-        k_cache, v_cache: `[B, H_kv, S, D]`, H a multiple of H_kv, D a power of two >= 16.
-        start, end: `[B]` int first valid key and one past the last (start < end <= S).
+        k_cache: `[B, H_kv, S, D]`, H a multiple of H_kv, D a power of two >= 16.
+        v_cache: `[B, H_kv, S, D]`, like `k_cache`.
+        start: `[B]` int first valid key of each row.
+        end: `[B]` int one past the last valid key (start < end <= S).
         scale: softmax scale (1 / sqrt(D) usually).
 
     Returns:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Sequence
 
 import torch
 from torch import nn
+from transformers import GenerationConfig, LogitsProcessorList
 
 from .adapters import AdapterBank
 from .attention import ATTENTION_NAME, KV_RANGE_KWARG, register_attention
@@ -276,12 +278,12 @@ class LoRazorModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        adapter_ids=None,
-        generation_config=None,
+        adapter_ids: Sequence[str | None] | None = None,
+        generation_config: GenerationConfig | None = None,
         release_policy: ReleasePolicy | None = None,
-        release=None,
+        release: Sequence[int | str | None] | None = None,
         generator: torch.Generator | None = None,
-        logits_processor=None,
+        logits_processor: LogitsProcessorList | list | None = None,
         **kwargs,
     ) -> LoRazorOutput:
         """Generate for a mixed-adapter batch, one forward per step for the whole batch.

@@ -71,7 +71,7 @@ class ReleaseState:
             getattr(self, name).copy_(getattr(other, name))
         return self
 
-    def advance(self, step, policy_keep: torch.Tensor | None) -> torch.Tensor:
+    def advance(self, step: int | torch.Tensor, policy_keep: torch.Tensor | None) -> torch.Tensor:
         """Apply the decision for decode step `step` (int or 0-d device tensor); returns the step's
         row -> slot map `[B]`."""
         forced = step < self.override_k
@@ -102,7 +102,7 @@ class ReleasePolicy:
     def bind(self, adapter_names: list[str], num_slots: int, device: torch.device) -> None:
         """Called once per `generate` with the bank's slot order; build per-slot tensors here."""
 
-    def keep(self, step, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
+    def keep(self, step: int | torch.Tensor, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
         """Rows `[B]` bool that keep their adapter for decode forward `step`.
 
         Args:
@@ -114,7 +114,7 @@ class ReleasePolicy:
         raise NotImplementedError
 
 
-def release_step(policy: ReleasePolicy | None, step, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
+def release_step(policy: ReleasePolicy | None, step: int | torch.Tensor, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
     """One StepTrim decision: ask the policy (if any), apply it one-way; returns the row -> slot map."""
     keep = policy.keep(step, hidden, state) if policy is not None else None
     return state.advance(step, keep)
