@@ -13,15 +13,16 @@ Every program first maps its id to a tile: a slot and a run of at most BLOCK_M r
                       the slot from a compact list (two_class large class); CLASS_MAX_ROWS > 0 skips
                       slots with more rows (two_class small class).
 Two ways to run the delta, same tiles and same arithmetic (fp32 u, cast to the weights' dtype):
-    fused             one kernel per projection: a program shrinks its tile over the whole K into
-                      registers, then expands it over its share of N. Half the launches and no u
-                      round trip through memory; when a launch has too few tiles to fill the GPU, N
-                      is split over more programs, each recomputing its tile's small shrink from L2.
-    shrink + expand   (the default: faster on the H200) two kernels: shrink splits K over grid axis 1 (the rank is tiny, K is large)
-                      and writes one fp32 partial per split; expand sums the partials, so no atomics
-                      and no zero-fill are needed.
-Ranks are padded only inside the kernels to a dot-legal power of two >= 16; loads past a slot's real
-rank are masked, so a rank-8 adapter reads rank-8 bytes even in a bank whose largest rank is 64.
+    shrink + expand   the default (faster on the H200): shrink splits K over grid axis 1 (the rank
+                      is tiny, K is large) and writes one fp32 partial per split; expand sums the
+                      partials, so no atomics and no zero-fill are needed.
+    FUSED=True        the expand kernel shrinks its own tile over the whole K into registers first:
+                      one launch per projection and no u round trip through memory; when a launch
+                      has too few tiles to fill the GPU, N is split over more programs, each
+                      recomputing its tile's small shrink.
+Ranks are padded only inside the kernels to a dot-legal power of two >= 16. With MASK_RANK, loads
+past a slot's real rank are masked, so a rank-8 adapter reads rank-8 bytes even in a bank whose
+largest rank is 64; without it (uniform-rank banks, zeros past each rank) the rank load is skipped.
 """
 
 from __future__ import annotations
@@ -76,13 +77,25 @@ def _tile_rows(
 
 
 @triton.jit
-def _slot_rank(rank_ptr, slot, r_max, MASK_RANK: tl.constexpr):
-    """The slot's rank. Without MASK_RANK the caller promises every used slot has rank r_max (or zero
-    weights past its rank), so the kernels skip this dependent load: one memory round trip less."""
+def _tile(
+    pid, rank_ptr, r_max, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
+    tiles_per_slot, TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr,
+    MASK_RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """A program's tile: (slot, rows, row mask, rank). Rank 0 means the program has nothing to do.
+
+    Without MASK_RANK the caller promises every used slot has rank r_max (or zero weights past its
+    rank), so the kernels skip the rank load: one dependent memory round trip less.
+    """
+    slot, rows, mask_m = _tile_rows(
+        pid, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr, tiles_per_slot,
+        TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, BLOCK_M,
+    )
     if MASK_RANK:
-        return tl.load(rank_ptr + slot)
+        rank = tl.load(rank_ptr + tl.maximum(slot, 0))
     else:
-        return r_max
+        rank = r_max
+    return slot, rows, mask_m, tl.where(slot < 0, 0, rank)
 
 
 @triton.jit
@@ -125,44 +138,6 @@ def _expand_rows(
 
 
 @triton.jit
-def _lora_fused_kernel(
-    x_ptr, a_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
-    sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
-    K, N, r_max, tiles_per_slot, n_per_program,
-    stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_bl, stride_bn, stride_br,
-    stride_ym, stride_yn,
-    TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot, rows, mask_m = _tile_rows(
-        pid, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr, tiles_per_slot,
-        TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, BLOCK_M,
-    )
-    if slot < 0:
-        return
-    rank = _slot_rank(rank_ptr, slot, r_max, MASK_RANK)
-    if rank == 0:
-        return
-    scale = tl.load(scaling_ptr + slot).to(tl.float32)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rank
-    slot64 = slot.to(tl.int64)
-    u = _shrink_rows(
-        x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_r[:, None] * stride_ar,
-        mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION,
-    )
-    n_lo = pid_n * n_per_program
-    _expand_rows(
-        u.to(b_ptr.dtype.element_ty), b_ptr + slot64 * stride_bl, y_ptr + rows[:, None] * stride_ym,
-        mask_m, offs_r, mask_r, scale, n_lo, n_lo + n_per_program, N, stride_br, stride_bn, stride_yn,
-        BLOCK_M, BLOCK_N, DOT_PRECISION,
-    )
-
-
-@triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, u_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
@@ -174,13 +149,10 @@ def _lora_shrink_kernel(
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_r = tl.program_id(2)
-    slot, rows, mask_m = _tile_rows(
-        pid, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr, tiles_per_slot,
-        TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, BLOCK_M,
+    slot, rows, mask_m, rank = _tile(
+        pid, rank_ptr, r_max, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
+        tiles_per_slot, TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, MASK_RANK, BLOCK_M,
     )
-    if slot < 0:
-        return
-    rank = _slot_rank(rank_ptr, slot, r_max, MASK_RANK)
     if pid_r * BLOCK_R >= rank:
         return
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -197,38 +169,44 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _lora_expand_kernel(
-    u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
+    x_ptr, a_ptr, u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
-    N, r_max, tiles_per_slot, n_per_program,
-    stride_us, stride_um, stride_ur, stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
+    K, N, r_max, tiles_per_slot, n_per_program,
+    stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
+    stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
+    fp32 partials `u [SPLIT_K, M, BLOCK_R]` that the shrink kernel wrote."""
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot, rows, mask_m = _tile_rows(
-        pid, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr, tiles_per_slot,
-        TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, BLOCK_M,
+    slot, rows, mask_m, rank = _tile(
+        pid, rank_ptr, r_max, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
+        tiles_per_slot, TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, MASK_RANK, BLOCK_M,
     )
-    if slot < 0:
-        return
-    rank = _slot_rank(rank_ptr, slot, r_max, MASK_RANK)
     if rank == 0:
         return
     scale = tl.load(scaling_ptr + slot).to(tl.float32)
-    # u is [SPLIT_K, M, BLOCK_R] partials: sum them for this tile's rows, below the slot's rank.
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
-    u_ptrs = u_ptr + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
-    u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        u += tl.load(u_ptrs + split * stride_us, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    slot64 = slot.to(tl.int64)
+    if FUSED:
+        u = _shrink_rows(
+            x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_r[:, None] * stride_ar,
+            mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION,
+        )
+    else:
+        u_ptrs = u_ptr + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
+        u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for split in tl.static_range(SPLIT_K):
+            u += tl.load(u_ptrs + split * stride_us, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     # A program covers n_per_program columns in BLOCK_N steps: fewer, longer programs amortize the
     # tile lookup and keep several independent B loads in flight.
     n_lo = pid_n * n_per_program
     _expand_rows(
-        u.to(b_ptr.dtype.element_ty), b_ptr + slot.to(tl.int64) * stride_bl, y_ptr + rows[:, None] * stride_ym,
+        u.to(b_ptr.dtype.element_ty), b_ptr + slot64 * stride_bl, y_ptr + rows[:, None] * stride_ym,
         mask_m, offs_r, mask_r, scale, n_lo, n_lo + n_per_program, N, stride_br, stride_bn, stride_yn,
         BLOCK_M, BLOCK_N, DOT_PRECISION,
     )
@@ -279,6 +257,34 @@ def _columns_per_program(programs: int, N: int, block_n: int, per_sm: int, devic
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = max(1, min(n_blocks, triton.cdiv(per_sm * sms, max(programs, 1))))
     return triton.cdiv(n_blocks, splits) * block_n
+
+
+def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=None, lora_a=None):
+    """Every launch of the expand kernel for a step: fused (x and lora_a given) or from shrink's u."""
+    fused = u is None
+    N = lora_b.shape[1]
+    block_n = min(cfg.fused_block_n if fused else cfg.expand_block_n, max(16, triton.next_power_of_2(N)))
+    launches = _launches(meta, expand=True)
+    per_sm = cfg.fused_programs_per_sm if fused else cfg.expand_programs_per_sm
+    n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, per_sm, y.device)
+    stand_in = y  # for the pointers the variant does not read
+    xs = (x.stride(0), x.stride(1)) if fused else (0, 0)
+    a_s = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2)) if fused else (0, 0, 0)
+    us = (0, 0, 0) if fused else (u.stride(0), u.stride(1), u.stride(2))
+    for programs, tiles_per_slot, table, slot_list, class_rows in launches:
+        _lora_expand_kernel[(programs, triton.cdiv(N, n_per_program))](
+            x if fused else stand_in, lora_a if fused else stand_in, stand_in if fused else u, lora_b, y, scaling,
+            lora_rank, *_meta_tensors(meta, table, slot_list),
+            x.shape[1] if fused else 0, N, lora_b.shape[2], tiles_per_slot, n_per_program,
+            *xs, *a_s, *us, lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
+            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
+            FUSED=fused, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m, BLOCK_N=block_n,
+            BLOCK_R=padded_rank(lora_b.shape[2]) if fused else u.shape[2],
+            BLOCK_K=cfg.fused_block_k if fused else 16, DOT_PRECISION=_dot_precision(lora_b.dtype),
+            num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
+            num_stages=cfg.fused_num_stages if fused else cfg.expand_num_stages,
+        )
+    return y
 
 
 def lora_shrink(
@@ -341,25 +347,7 @@ def lora_expand(
     Returns:
         `y`.
     """
-    cfg = cfg or get_kernel_config(y.device)
-    N = lora_b.shape[1]
-    block_n = min(cfg.expand_block_n, max(16, triton.next_power_of_2(N)))
-    launches = _launches(meta, expand=True)
-    n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, cfg.expand_programs_per_sm,
-                                         y.device)
-    for programs, tiles_per_slot, table, slot_list, class_rows in launches:
-        _lora_expand_kernel[(programs, triton.cdiv(N, n_per_program))](
-            u, lora_b, y, scaling, lora_rank,
-            *_meta_tensors(meta, table, slot_list),
-            N, lora_b.shape[2], tiles_per_slot, n_per_program,
-            u.stride(0), u.stride(1), u.stride(2),
-            lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
-            SPLIT_K=u.shape[0], BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=u.shape[2],
-            DOT_PRECISION=_dot_precision(lora_b.dtype),
-            num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages,
-        )
-    return y
+    return _run_expand(y, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device), mask_rank, u=u)
 
 
 def lora_fused(
@@ -372,23 +360,5 @@ def lora_fused(
     `[L, N, r_max]`, scaling `[L]`, lora_rank `[L]`, y `[M, N]`); one launch per grid-mode launch
     instead of two, and u never leaves the registers. Returns `y`.
     """
-    cfg = cfg or get_kernel_config(y.device)
-    K = x.shape[1]
-    N = lora_b.shape[1]
-    block_n = min(cfg.fused_block_n, max(16, triton.next_power_of_2(N)))
-    launches = _launches(meta, expand=True)
-    n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, cfg.fused_programs_per_sm,
-                                         y.device)
-    for programs, tiles_per_slot, table, slot_list, class_rows in launches:
-        _lora_fused_kernel[(programs, triton.cdiv(N, n_per_program))](
-            x, lora_a, lora_b, y, scaling, lora_rank,
-            *_meta_tensors(meta, table, slot_list),
-            K, N, lora_a.shape[1], tiles_per_slot, n_per_program,
-            x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-            lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
-            BLOCK_M=meta.block_m, BLOCK_R=padded_rank(lora_a.shape[1]), BLOCK_K=cfg.fused_block_k,
-            BLOCK_N=block_n, DOT_PRECISION=_dot_precision(x.dtype),
-            num_warps=cfg.fused_num_warps, num_stages=cfg.fused_num_stages,
-        )
-    return y
+    return _run_expand(y, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device), mask_rank,
+                       x=x, lora_a=lora_a)
