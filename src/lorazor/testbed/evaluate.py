@@ -22,24 +22,15 @@ RELEASE_POSITIONS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 def run_task(model, tokenizer, task, name: str, mode, split: str = "test", limit: int | None = None,
              batch: int = 100) -> tuple[float, float]:
     """(accuracy, decode-skip fraction) of one task. mode: "full", "backbone", or an int k (release)."""
-    from lorazor import ProfiledRelease
+    from lorazor.calibrate import evaluate_release
 
     examples = task.split(split)[:limit]
-    correct, lora_calls, needed = 0, 0, 0
-    for i in range(0, len(examples), batch):
-        chunk = examples[i : i + batch]
-        enc = tokenizer([ex["prompt"] for ex in chunk], return_tensors="pt", padding=True)
-        adapters = [None if mode == "backbone" else name] * len(chunk)
-        policy = ProfiledRelease({name: mode}) if isinstance(mode, int) else None
-        out = model.generate(enc["input_ids"].to(model.device), attention_mask=enc["attention_mask"].to(model.device),
-                             adapter_ids=adapters, max_new_tokens=task.max_new_tokens, release_policy=policy,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(out.sequences[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        correct += sum(task.score(t, ex) for t, ex in zip(texts, chunk))
-        lora_calls += int(out.lora_decode_steps.sum())
-        needed += int(out.decode_steps.sum())
-    skip = 0.0 if needed == 0 or mode == "full" else 1.0 - lora_calls / needed
-    return correct / len(examples), (1.0 if mode == "backbone" else skip)
+    point = evaluate_release(
+        model, tokenizer, None if mode == "backbone" else name, [ex["prompt"] for ex in examples],
+        lambda text, i: task.score(text, examples[i]), mode if isinstance(mode, int) else None, batch,
+        max_new_tokens=task.max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return point.accuracy, point.skip_fraction
 
 
 def main(argv=None) -> None:

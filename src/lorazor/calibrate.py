@@ -1,0 +1,185 @@
+"""Calibrate StepTrim's profiled release lengths on validation data (paper 3.2.1).
+
+For each adapter, generate its validation prompts once per candidate release length k (and once
+with the adapter kept to the end), score the answers, and keep (k, accuracy, decode LoRA calls
+skipped). Then pick k by a quality-efficiency criterion and freeze it:
+
+    curve = profile_release_lengths(model, tokenizer, "sql", prompts, score, max_new_tokens=64)
+    k = select_release_length(curve, max_accuracy_drop=0.01)      # or min_skip=0.5 (the paper's setting)
+    policy = ProfiledRelease({"sql": k})
+
+`calibrate_profiled` does this for several adapters (a `ValidationSet` each) and returns the
+`ProfiledRelease`;
+`save_release_policy` stores it beside the adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from .policies import ProfiledRelease
+
+if TYPE_CHECKING:
+    from .model import LoRazorModel
+
+# Release lengths tried by default: dense where the testbed's and the paper's curves bend.
+DEFAULT_RELEASE_LENGTHS = (0, 1, 2, 3, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class ReleasePoint:
+    """One calibration measurement.
+
+    Attributes:
+        k: release length (None: the adapter is kept to the end, i.e. full LoRA).
+        accuracy: fraction of prompts whose answer `score` accepted.
+        skip_fraction: decode LoRA calls skipped over calls needed, weighted by decode length.
+    """
+
+    k: int | None
+    accuracy: float
+    skip_fraction: float
+
+
+@dataclass
+class ValidationSet:
+    """One adapter's calibration data.
+
+    Attributes:
+        prompts: validation prompts.
+        score: `score(answer_text, prompt_index) -> bool`, the task's evaluator.
+        generate_kwargs: this task's generation settings (`max_new_tokens`, `eos_token_id`, ...);
+            they set how long answers run, so they belong to the task, not the calibration.
+    """
+
+    prompts: Sequence[str]
+    score: Callable[[str, int], bool]
+    generate_kwargs: dict = field(default_factory=dict)
+
+
+def evaluate_release(
+    model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str | None, prompts: Sequence[str],
+    score: Callable[[str, int], bool], k: int | None = None, batch_size: int = 64, **generate_kwargs: Any,
+) -> ReleasePoint:
+    """Accuracy and decode skip of `adapter` on `prompts` when released after k decode forwards.
+
+    Args:
+        model: a `LoRazorModel`.
+        tokenizer: its tokenizer (left padding is set for the call).
+        adapter: adapter name; None runs the backbone alone (skip fraction 1.0 by definition).
+        prompts: validation prompts.
+        score: `score(answer_text, prompt_index) -> bool`, the task's evaluator.
+        k: release length; None keeps the adapter to the end.
+        batch_size: prompts per `generate` call.
+        **generate_kwargs: passed to `model.generate` (`max_new_tokens`, `eos_token_id`, ...).
+    """
+    if not prompts:
+        raise ValueError("prompts is empty: calibration needs validation prompts")
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    # Explicit even for k=None ("never"), so a default policy of the model does not apply.
+    policy = ProfiledRelease({adapter: k}) if adapter is not None else None
+    correct, lora_calls, needed = 0, 0, 0
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = list(prompts[start : start + batch_size])
+            enc = tokenizer(chunk, return_tensors="pt", padding=True)
+            ids = enc["input_ids"].to(model.device)
+            out = model.generate(ids, attention_mask=enc["attention_mask"].to(model.device),
+                                 adapter_ids=[adapter] * len(chunk), release_policy=policy, **generate_kwargs)
+            texts = tokenizer.batch_decode(out.sequences[:, ids.shape[1]:], skip_special_tokens=True)
+            correct += sum(bool(score(text, start + i)) for i, text in enumerate(texts))
+            lora_calls += int(out.lora_decode_steps.sum())
+            needed += int(out.decode_steps.sum())
+    finally:
+        tokenizer.padding_side = side
+    if adapter is None:
+        skip = 1.0
+    else:
+        skip = 0.0 if needed == 0 else 1.0 - lora_calls / needed
+    return ReleasePoint(k, correct / len(prompts), skip)
+
+
+def profile_release_lengths(
+    model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str, prompts: Sequence[str],
+    score: Callable[[str, int], bool], lengths: Sequence[int] = DEFAULT_RELEASE_LENGTHS, batch_size: int = 64,
+    **generate_kwargs: Any,
+) -> list[ReleasePoint]:
+    """The release curve of one adapter: full LoRA (k=None) first, then each k in `lengths`."""
+    if adapter not in model.adapter_names:
+        raise KeyError(f"unknown adapter {adapter!r}; loaded adapters: {model.adapter_names}")
+    for k in lengths:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"release lengths must be ints >= 0, got {k!r}")
+    return [evaluate_release(model, tokenizer, adapter, prompts, score, k, batch_size, **generate_kwargs)
+            for k in (None, *lengths)]
+
+
+def pareto_front(points: Sequence[ReleasePoint]) -> list[ReleasePoint]:
+    """Points no other point beats on both accuracy and skip, by increasing skip."""
+    front = [p for p in points
+             if not any(q.accuracy >= p.accuracy and q.skip_fraction >= p.skip_fraction
+                        and (q.accuracy, q.skip_fraction) != (p.accuracy, p.skip_fraction) for q in points)]
+    return sorted(set(front), key=lambda p: (p.skip_fraction, p.accuracy))
+
+
+def select_release_length(
+    points: Sequence[ReleasePoint], max_accuracy_drop: float | None = None, min_skip: float | None = None,
+) -> int | None:
+    """Pick a release length from a curve, by exactly one criterion.
+
+    Args:
+        points: a curve from `profile_release_lengths` (it must hold the k=None point).
+        max_accuracy_drop: the most skipping whose accuracy is at most this far below full LoRA
+            (e.g. 0.01 = one point); ties go to the higher accuracy.
+        min_skip: the best accuracy among lengths that skip at least this fraction of decode LoRA
+            calls (the paper's training-free setting uses 0.5); ties go to more skipping.
+
+    Returns:
+        k, or None (never release) when full LoRA is the only point that meets `max_accuracy_drop`.
+
+    Raises:
+        ValueError: no criterion or both, or no point reaches `min_skip`.
+    """
+    if (max_accuracy_drop is None) == (min_skip is None):
+        raise ValueError("give exactly one of max_accuracy_drop and min_skip")
+    full = [p for p in points if p.k is None]
+    if not full:
+        raise ValueError("the curve needs its full-LoRA point (k=None): use profile_release_lengths")
+    front = pareto_front(points)
+    if max_accuracy_drop is not None:
+        if max_accuracy_drop < 0:
+            raise ValueError(f"max_accuracy_drop must be >= 0, got {max_accuracy_drop}")
+        ok = [p for p in front if p.accuracy >= full[0].accuracy - max_accuracy_drop - 1e-12]
+        best = max(ok, key=lambda p: (p.skip_fraction, p.accuracy), default=full[0])
+    else:
+        if not 0.0 <= min_skip <= 1.0:
+            raise ValueError(f"min_skip must be in [0, 1], got {min_skip}")
+        ok = [p for p in front if p.skip_fraction >= min_skip]
+        if not ok:
+            best_skip = max(p.skip_fraction for p in points)
+            raise ValueError(f"no release length skips {min_skip:.0%} of decode LoRA calls "
+                             f"(at most {best_skip:.0%}); add smaller lengths")
+        best = max(ok, key=lambda p: (p.accuracy, p.skip_fraction))
+    return best.k
+
+
+def calibrate_profiled(
+    model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, validation: dict[str, ValidationSet], max_accuracy_drop: float | None = None,
+    min_skip: float | None = None, lengths: Sequence[int] = DEFAULT_RELEASE_LENGTHS, batch_size: int = 64,
+) -> tuple[ProfiledRelease, dict[str, list[ReleasePoint]]]:
+    """Profile every adapter of `validation` and pick its k by one criterion (`select_release_length`).
+
+    Returns the frozen `ProfiledRelease` and the curves it was chosen from.
+    """
+    curves, lengths_of = {}, {}
+    with torch.inference_mode():
+        for adapter, data in validation.items():
+            curves[adapter] = profile_release_lengths(model, tokenizer, adapter, data.prompts, data.score, lengths,
+                                                      batch_size, **data.generate_kwargs)
+            lengths_of[adapter] = select_release_length(curves[adapter], max_accuracy_drop, min_skip)
+    return ProfiledRelease(lengths_of), curves
