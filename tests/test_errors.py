@@ -115,6 +115,9 @@ def test_more_adapters_than_max_loras():
         (dict(max_batch_size=0), "max_batch_size must be a positive int"),
         (dict(dtype="float8"), "dtype must be one of"),
         (dict(block_m=24), "block_m must be a power of two"),
+        (dict(capture_batch_sizes=(16,)), "capture_batch_sizes needs max_cache_len"),
+        (dict(capture_batch_sizes=(0,), max_cache_len=64), "entries must be ints in \\[1, max_batch_size=256\\], got 0"),
+        (dict(capture_batch_sizes=(512,), max_cache_len=64), "got 512"),
     ],
 )
 def test_bad_config_values(kwargs, message):
@@ -123,7 +126,9 @@ def test_bad_config_values(kwargs, message):
 
 
 def test_config_json_round_trip(tmp_path):
-    cfg = LoRazorConfig(grid="two_class", max_loras=64, max_lora_rank=16, dtype="bfloat16", cuda_graphs=False)
+    cfg = LoRazorConfig(grid="two_class", max_loras=64, max_lora_rank=16, dtype="bfloat16", cuda_graphs=False,
+                        max_cache_len=128, capture_batch_sizes=[1, 16])
+    assert cfg.capture_batch_sizes == (1, 16)
     assert LoRazorConfig.from_json(cfg.to_json()) == cfg
     cfg.to_json(tmp_path / "c.json")
     assert LoRazorConfig.from_json(tmp_path / "c.json") == cfg
@@ -136,3 +141,9 @@ def test_batch_above_max_batch_size():
     ids, mask = make_batch(3, 4)
     with pytest.raises(ValueError, match="batch size 3 exceeds max_batch_size=2"):
         model.generate(ids, attention_mask=mask, adapter_ids=["math"] * 3, max_new_tokens=1)
+
+
+def test_capture_is_a_no_op_without_cuda_graphs():
+    # On the CPU (or with cuda_graphs=False) there is nothing to capture; from_peft must still work.
+    model = build_pair("llama", LoRazorConfig(max_cache_len=64, capture_batch_sizes=(4,), cuda_graphs=False))[0]
+    assert model.capture([4]) == 0 and model.graphs is None

@@ -145,3 +145,15 @@ def test_all_released_switches_to_the_backbone_graph():
                        release_policy=policy, **kw)
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.release_steps, b.release_steps)
     assert ("backbone",) in next(iter(graph.graphs.buckets.values())).graphs
+
+
+def test_graphs_captured_at_from_peft_serve_without_recapture():
+    base = tiny_peft_model("llama", DEFAULT_ADAPTERS, dtype=torch.bfloat16).cuda()
+    eager = LoRazorModel.from_peft(copy.deepcopy(base), LoRazorConfig(cuda_graphs=False, max_cache_len=64))
+    graph = LoRazorModel.from_peft(base, LoRazorConfig(max_cache_len=64, capture_batch_sizes=(16, 13)))
+    # 16 and 13 share the bucket 16: one LoRA graph and one backbone graph, captured before any request.
+    assert graph.graphs.num_graphs() == 2 and graph.graphs.capture_seconds > 0
+    ids, mask = make_batch(16, 7, seed=8, pad_rows=(2,))
+    for adapters in (ADAPTERS16, [None] * 16):
+        assert torch.equal(gen(graph, ids, mask, adapters).sequences, gen(eager, ids, mask, adapters).sequences)
+    assert graph.graphs.num_graphs() == 2

@@ -35,7 +35,12 @@ class LoRazorConfig:
         attention: decode attention: "auto" (the Triton kernel that reads only each row's valid
             keys, on the GPU; SDPA over the masked cache elsewhere), "triton" or "sdpa".
         block_m: row-tile height of the LoRA kernels (a power of two >= 16).
-        max_cache_len: KV-cache length per row; None sizes it per call as prompt + max_new_tokens.
+        max_cache_len: KV-cache length per row; None sizes it per call as prompt + max_new_tokens
+            (rounded up to 64 with CUDA graphs, one set of graphs per length bucket). Set it for a
+            server: every call then shares one cache and one set of graphs per batch bucket.
+        capture_batch_sizes: batch sizes whose decode graphs `from_peft` captures up front (with
+            CUDA graphs on the GPU; needs `max_cache_len`), so no request pays for capture (or,
+            with `compile=True`, compilation). Other sizes are captured when first used.
     """
 
     grid: str = "exact"
@@ -50,6 +55,7 @@ class LoRazorConfig:
     attention: str = "auto"
     block_m: int = 16
     max_cache_len: int | None = None
+    capture_batch_sizes: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +73,14 @@ class LoRazorConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        sizes = tuple(self.capture_batch_sizes)
+        object.__setattr__(self, "capture_batch_sizes", sizes)  # a JSON list comes back as a tuple
+        for size in sizes:
+            if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= self.max_batch_size:
+                raise ValueError(f"capture_batch_sizes entries must be ints in [1, max_batch_size="
+                                 f"{self.max_batch_size}], got {size!r}")
+        if sizes and self.max_cache_len is None:
+            raise ValueError("capture_batch_sizes needs max_cache_len: graphs are captured per cache length")
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
 

@@ -89,7 +89,10 @@ class LoRazorModel(nn.Module):
             peft_model.to(config.torch_dtype)
         peft_model.eval()
         bank = AdapterBank.from_peft(peft_model, config.max_loras, config.max_lora_rank, config.torch_dtype)
-        return cls(peft_model, bank, config)
+        model = cls(peft_model, bank, config)
+        if config.capture_batch_sizes:
+            model.capture(config.capture_batch_sizes)
+        return model
 
     @property
     def device(self) -> torch.device:
@@ -171,6 +174,40 @@ class LoRazorModel(nn.Module):
         if self.graphs is not None and self.uses_graphs:
             return self.graphs.begin_call(cache, state, policy)
         return state
+
+    def capture(self, batch_sizes, policy: ReleasePolicy | None = None) -> int:
+        """Capture the decode graphs of these batch sizes now (LoRA and backbone-only, with `policy`'s
+        class or none deciding release), at the cache length `max_cache_len`.
+
+        Does nothing without CUDA graphs (CPU, or `cuda_graphs=False`). Returns the graphs captured.
+        """
+        if not self.uses_graphs:
+            return 0
+        if self.config.max_cache_len is None:
+            raise ValueError("capture needs LoRazorConfig.max_cache_len: graphs are captured per cache length")
+        device = self.device
+        before = self.graphs.num_graphs() if self.graphs is not None else 0
+        enabled = self.context.enabled
+        policy = policy if policy is not None else self.release_policy
+        if policy is not None:
+            policy.bind(self.bank.names, self.bank.num_slots, device)
+        hidden_size = self.model.config.hidden_size
+        try:
+            # The sizes `generate` pads these batches to (the batch itself past max_batch_size's bucket).
+            sizes = {batch_bucket(b) if batch_bucket(b) <= self.config.max_batch_size else b for b in batch_sizes}
+            for size in sorted(sizes):
+                cache = self.cache_for(size, self.config.max_cache_len, device)
+                # Rows without adapters: every kernel program exits, but the graph holds the full step.
+                state = self.begin_release(ReleaseState.create(torch.full((size,), -1, dtype=torch.int32,
+                                                                          device=device)), policy, cache)
+                zeros = torch.zeros(size, dtype=torch.long, device=device)
+                hidden = torch.zeros(size, hidden_size, dtype=self._lm_head.weight.dtype, device=device)
+                for lora in (True, False):
+                    self.context.enabled = lora
+                    self.run_decode_step(zeros, zeros, zeros, cache, state, policy, 0, hidden)
+        finally:
+            self.context.enabled = enabled
+        return self.graphs.num_graphs() - before
 
     def run_decode_step(self, tokens, positions, write_pos, cache: KVCache, state: ReleaseState,
                         policy: ReleasePolicy | None, step: int, hidden: torch.Tensor):
@@ -329,7 +366,8 @@ class LoRazorModel(nn.Module):
             bucket = batch_bucket(B)
             if bucket > self.config.max_batch_size:
                 bucket = B
-            cache_len = cache_bucket(cache_len)
+            # One shared length when the config fixes it (one cache and graph set per bucket).
+            cache_len = limit if limit is not None else cache_bucket(cache_len)
             if bucket > B:
                 extra = bucket - B
                 input_ids = torch.cat([input_ids, input_ids.new_zeros(extra, T)])
