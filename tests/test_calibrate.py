@@ -43,6 +43,16 @@ def test_full_lora_when_nothing_else_holds_accuracy():
     assert select_release_length(curve, max_accuracy_drop=0.01) is None
 
 
+def test_ties_keep_the_adapter_longer():
+    # Answers too short for k >= 2 to skip anything: k=2, 8 and full LoRA measure the same.
+    curve = [ReleasePoint(None, 0.9, 0.0), ReleasePoint(2, 0.9, 0.0), ReleasePoint(8, 0.9, 0.0),
+             ReleasePoint(1, 0.7, 0.6), ReleasePoint(0, 0.0, 1.0)]
+    assert select_release_length(curve, max_accuracy_drop=0.05) is None
+    assert select_release_length(curve, min_skip=0.0) is None
+    assert select_release_length(curve[1:] + curve[:1], min_skip=0.0) is None  # order does not matter
+    assert select_release_length(curve, min_skip=0.5) == 1
+
+
 def test_bad_criteria_are_named():
     with pytest.raises(ValueError, match="exactly one"):
         select_release_length(CURVE)

@@ -119,12 +119,17 @@ def profile_release_lengths(
             for k in (None, *lengths)]
 
 
+def _later_release(p: ReleasePoint) -> float:
+    """Tie-break key: keeping the adapter longer is the safe side when validation cannot tell."""
+    return float("inf") if p.k is None else float(p.k)
+
+
 def pareto_front(points: Sequence[ReleasePoint]) -> list[ReleasePoint]:
-    """Points no other point beats on both accuracy and skip, by increasing skip."""
+    """Points no other point beats on both accuracy and skip, by increasing skip (equal points stay)."""
     front = [p for p in points
              if not any(q.accuracy >= p.accuracy and q.skip_fraction >= p.skip_fraction
                         and (q.accuracy, q.skip_fraction) != (p.accuracy, p.skip_fraction) for q in points)]
-    return sorted(set(front), key=lambda p: (p.skip_fraction, p.accuracy))
+    return sorted(front, key=lambda p: (p.skip_fraction, p.accuracy, _later_release(p)))
 
 
 def select_release_length(
@@ -138,6 +143,8 @@ def select_release_length(
             (e.g. 0.01 = one point); ties go to the higher accuracy.
         min_skip: the best accuracy among lengths that skip at least this fraction of decode LoRA
             calls (the paper's training-free setting uses 0.5); ties go to more skipping.
+        Points equal on both go to the later release (None first): the validation data cannot tell
+        them apart, and longer answers in deployment would skip more at the smaller k.
 
     Returns:
         k, or None (never release) when full LoRA is the only point that meets `max_accuracy_drop`.
@@ -155,7 +162,7 @@ def select_release_length(
         if max_accuracy_drop < 0:
             raise ValueError(f"max_accuracy_drop must be >= 0, got {max_accuracy_drop}")
         ok = [p for p in front if p.accuracy >= full[0].accuracy - max_accuracy_drop - 1e-12]
-        best = max(ok, key=lambda p: (p.skip_fraction, p.accuracy), default=full[0])
+        best = max(ok, key=lambda p: (p.skip_fraction, p.accuracy, _later_release(p)), default=full[0])
     else:
         if not 0.0 <= min_skip <= 1.0:
             raise ValueError(f"min_skip must be in [0, 1], got {min_skip}")
@@ -164,7 +171,7 @@ def select_release_length(
             best_skip = max(p.skip_fraction for p in points)
             raise ValueError(f"no release length skips {min_skip:.0%} of decode LoRA calls "
                              f"(at most {best_skip:.0%}); add smaller lengths")
-        best = max(ok, key=lambda p: (p.accuracy, p.skip_fraction))
+        best = max(ok, key=lambda p: (p.accuracy, p.skip_fraction, _later_release(p)))
     return best.k
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -49,8 +50,11 @@ def main(argv=None) -> None:
     for name, curve in curves.items():
         cells = [f"{p.accuracy:.1%} / {p.skip_fraction:.0%}" for p in curve]
         lines.append(f"| {name} | {policy.lengths[name]} | " + " | ".join(cells) + " |")
+    import torch
+
     lines += ["", "Cells: validation accuracy / decode LoRA calls skipped. k=None keeps the adapter to the end.",
-              f"Took {time.time() - start:.0f} s."]
+              f"Command: `python -m lorazor.testbed.calibrate {' '.join(sys.argv[1:] if argv is None else argv)}`; "
+              f"torch {torch.__version__}, CPU, {time.strftime('%Y-%m-%d')}; took {time.time() - start:.0f} s."]
     (args.out / "calibration.md").write_text("\n".join(lines) + "\n")
     (args.out / "calibration.json").write_text(json.dumps(
         {name: [p.__dict__ for p in curve] for name, curve in curves.items()}, indent=2))
