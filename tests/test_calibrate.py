@@ -3,7 +3,7 @@
 import pytest
 import torch
 from lorazor import LoRazorConfig, LoRazorModel, load_release_policy
-from lorazor.calibrate import (
+from lorazor.calibration import (
     ReleasePoint,
     ValidationSet,
     calibrate_profiled,
@@ -110,7 +110,7 @@ def test_testbed_curve_and_saved_policy(testbed, tmp_path):
 
 def test_unknown_adapter_and_empty_prompts(testbed):
     model, tokenizer, _ = testbed
-    from lorazor.calibrate import profile_release_lengths
+    from lorazor.calibration import profile_release_lengths
 
     with pytest.raises(KeyError, match="unknown adapter 'law'"):
         profile_release_lengths(model, tokenizer, "law", ["x"], lambda t, i: True)
@@ -119,3 +119,106 @@ def test_unknown_adapter_and_empty_prompts(testbed):
     with pytest.raises(ValueError, match="release lengths must be ints"):
         profile_release_lengths(model, tokenizer, "mcq", ["x"], lambda t, i: True, lengths=(1, -2))
     torch.manual_seed(0)
+
+
+# ---- learned heads ------------------------------------------------------------------------------
+
+from lorazor.calibration import (  # noqa: E402
+    ReleaseExamples,
+    calibrate_learned,
+    collect_release_examples,
+    train_risk_head,
+)
+
+
+def test_risk_head_separates_risky_examples_and_folds_standardization_back():
+    g = torch.Generator().manual_seed(0)
+    n, hidden = 400, 16
+    risky = torch.rand(n, generator=g) < 0.3
+    # Features on a large offset and scale: the head must still score raw hidden states correctly.
+    x = torch.randn(n, hidden, generator=g) * 5 + 100
+    x[:, 3] += risky.float() * 25  # 5 standard deviations apart
+    w, b = train_risk_head(ReleaseExamples(x, risky, torch.arange(n), torch.zeros(n, dtype=torch.long)))
+    scores = x @ w + b
+    # Ranking (what thresholds use): nearly every risky example scores above every safe one.
+    auc = (scores[risky][:, None] > scores[~risky][None, :]).float().mean()
+    assert auc > 0.97
+    contribution = (w * x.std(0)).abs()  # per-feature weight on the standardized scale
+    assert contribution[3] > 5 * contribution[torch.arange(hidden) != 3].max()
+
+
+def test_risk_head_gives_each_request_equal_weight():
+    # Request 0 contributes 50 copies of one non-risky example; the 10 other requests are risky at the
+    # same point. Per request that is 10 risky votes to 1, so the head must call the point risky.
+    h = torch.zeros(60, 4)
+    risky = torch.tensor([False] * 50 + [True] * 10)
+    request = torch.tensor([0] * 50 + list(range(1, 11)))
+    w, b = train_risk_head(ReleaseExamples(h, risky, request, torch.zeros(60, dtype=torch.long)))
+    assert b > 0
+
+
+def test_risk_head_with_one_label_only():
+    h = torch.randn(5, 3)
+    w, b = train_risk_head(ReleaseExamples(h, torch.zeros(5, dtype=torch.bool), torch.arange(5), torch.zeros(5)))
+    assert torch.all(w == 0) and b < 0
+
+
+def test_paired_continuations_label_what_release_breaks(testbed):
+    model, tokenizer, tasks = testbed
+    prompts, score = _validation(tasks["mcq"], n=10)
+    gen = dict(max_new_tokens=tasks["mcq"].max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    ex = collect_release_examples(model, tokenizer, "mcq", ValidationSet(prompts, score, gen), positions=(0, 1, 5))
+    assert ex.hidden.shape == (len(ex.risky), model.model.config.hidden_size)
+    assert set(ex.position.tolist()) <= {0, 1} and 0 in ex.position.tolist()  # mcq answers end before step 5
+    # Re-derive every label from two independent generations.
+    for t in (0, 1):
+        rows = ex.position == t
+        on = [evaluate_release(model, tokenizer, "mcq", [prompts[i]], lambda a, _, i=i: score(a, i), None, **gen).accuracy
+              for i in ex.request[rows].tolist()]
+        off = [evaluate_release(model, tokenizer, "mcq", [prompts[i]], lambda a, _, i=i: score(a, i), t, **gen).accuracy
+               for i in ex.request[rows].tolist()]
+        expected = [a == 1.0 and b == 0.0 for a, b in zip(on, off)]
+        assert ex.risky[rows].tolist() == expected
+    assert bool(ex.risky.any()), "mcq released at step 0 must break some answers"
+
+
+def test_calibrate_learned_end_to_end(testbed, tmp_path):
+    model, tokenizer, tasks = testbed
+    gen = dict(max_new_tokens=tasks["mcq"].max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    train_examples = tasks["mcq"].split("train")[:16]
+    train = ValidationSet([ex["prompt"] for ex in train_examples],
+                          lambda a, i: tasks["mcq"].score(a, train_examples[i]), gen)
+    val = ValidationSet(*_validation(tasks["mcq"], n=10), gen)
+    policy, curves = calibrate_learned(model, tokenizer, {"mcq": train}, {"mcq": val}, min_skip=0.5,
+                                       positions=(0, 1), quantiles=(0.25, 0.5, 0.75))
+    curve = curves["mcq"]
+    taus = [p.tau for p in curve]
+    assert taus[0] == float("-inf") and taus[-1] == float("inf") and taus == sorted(taus)
+    assert curve[0].skip_fraction == 0.0 and curve[-1].skip_fraction == 1.0
+    w, b, tau = policy.heads["mcq"]
+    chosen = next(p for p in curve if p.tau == tau)
+    assert chosen.skip_fraction >= 0.5
+    assert chosen.accuracy == max(p.accuracy for p in curve if p.skip_fraction >= 0.5)
+    from lorazor import save_release_policy
+
+    save_release_policy(policy, tmp_path)
+    loaded = load_release_policy(tmp_path)
+    lw, lb, ltau = loaded.heads["mcq"]
+    torch.testing.assert_close(lw, w.float()) and None
+    assert abs(lb - b) < 1e-6 and ltau == tau
+    with pytest.raises(ValueError, match="same adapters"):
+        calibrate_learned(model, tokenizer, {"mcq": train}, {"sql": val}, min_skip=0.5)
+
+
+def test_cli_forwards_to_the_testbed_tools(capsys):
+    from lorazor.cli import main
+
+    for command, flag in (("calibrate", "--min-skip"), ("eval", "--limit")):
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--help"])
+        assert exc.value.code == 0 and flag in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "--policy", "oracle", "--min-skip", "0.5", "--out", "x"])
+    assert exc.value.code == 2 and "invalid choice: 'oracle'" in capsys.readouterr().err

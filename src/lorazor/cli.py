@@ -1,4 +1,9 @@
-"""`lorazor` command line: `lorazor demo` runs one mixed-adapter batch and checks it against PEFT."""
+"""`lorazor` command line.
+
+    lorazor demo                 one mixed-adapter batch on the testbed, checked against PEFT
+    lorazor calibrate ...        StepTrim calibration of the testbed adapters (`lorazor.testbed.calibrate`)
+    lorazor eval ...             testbed accuracy and release curves (`lorazor.testbed.evaluate`)
+"""
 
 from __future__ import annotations
 
@@ -121,6 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (random-model demo)")
     p.add_argument("--random", action="store_true", help="use a tiny random model even if the testbed is installed")
     p.set_defaults(func=demo)
+    # The testbed tools keep their own argument parsers: everything after the command goes to them.
+    tools = {"calibrate": "calibrate", "eval": "evaluate"}
+    sub.add_parser("calibrate", help="StepTrim calibration of the testbed adapters (see `lorazor calibrate -h`)")
+    sub.add_parser("eval", help="testbed accuracy and release curves (see `lorazor eval -h`)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in tools:
+        import importlib
+
+        importlib.import_module(f"lorazor.testbed.{tools[argv[0]]}").main(argv[1:])
+        return 0
     args = parser.parse_args(argv)
     return args.func(args)
 

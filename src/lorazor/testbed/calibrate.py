@@ -1,60 +1,78 @@
-"""Calibrate StepTrim release lengths for the testbed adapters on their validation splits.
+"""Calibrate StepTrim for the testbed adapters: profiled k or learned heads, on the validation split.
 
-    python -m lorazor.testbed.calibrate --min-skip 0.5 --out calibrated/        # the paper's setting
-    python -m lorazor.testbed.calibrate --max-drop 0.02 --out calibrated/       # at most 2 points lost
+    python -m lorazor.testbed.calibrate --min-skip 0.5 --out calibrated/                    # the paper's setting
+    python -m lorazor.testbed.calibrate --max-drop 0.02 --out calibrated/                   # at most 2 points lost
+    python -m lorazor.testbed.calibrate --policy learned --min-skip 0.5 --out calibrated/   # heads from the train split
 
-Writes `<out>/<adapter>/release_policy.json` (load with `model.load_release_policy(out)`) and
-`<out>/calibration.md` with each adapter's curve and choice.
+Writes `<out>/<adapter>/release_policy.json` (+ `release_head.safetensors` for learned heads; load
+with `model.load_release_policy(out)`) and `<out>/calibration.md/.json` with every curve and choice.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 
+def _task_set(task, split: str, limit: int | None, tokenizer):
+    from lorazor.calibration import ValidationSet
+
+    examples = task.split(split)[:limit]
+    return ValidationSet(
+        [ex["prompt"] for ex in examples], lambda text, i: task.score(text, examples[i]),
+        dict(max_new_tokens=task.max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+    )
+
+
 def main(argv=None) -> None:
+    import torch
+
     from lorazor import LoRazorConfig, LoRazorModel, save_release_policy
-    from lorazor.calibrate import DEFAULT_RELEASE_LENGTHS, ValidationSet, calibrate_profiled
+    from lorazor.calibration import calibrate_learned, calibrate_profiled
     from lorazor.testbed import load
 
     ap = argparse.ArgumentParser()
     criterion = ap.add_mutually_exclusive_group(required=True)
-    criterion.add_argument("--min-skip", type=float, help="best accuracy among k skipping at least this fraction")
+    criterion.add_argument("--min-skip", type=float, help="best accuracy among settings skipping at least this fraction")
     criterion.add_argument("--max-drop", type=float, help="most skipping within this accuracy drop of full LoRA")
+    ap.add_argument("--policy", choices=("profiled", "learned"), default="profiled")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--limit", type=int, default=None, help="validation examples per task (default: all 200)")
+    ap.add_argument("--train-limit", type=int, default=200, help="training prompts per task for learned heads")
     ap.add_argument("--assets", type=Path, default=None)
     args = ap.parse_args(argv)
     start = time.time()
     peft_model, tokenizer, tasks = load(args.assets)
     model = LoRazorModel.from_peft(peft_model, LoRazorConfig())
-    validation = {}
-    for name, task in tasks.items():
-        examples = task.split("validation")[: args.limit]
-        validation[name] = ValidationSet(
-            [ex["prompt"] for ex in examples], lambda text, i, task=task, examples=examples: task.score(text, examples[i]),
-            dict(max_new_tokens=task.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id),
-        )
-    policy, curves = calibrate_profiled(model, tokenizer, validation, max_accuracy_drop=args.max_drop,
-                                        min_skip=args.min_skip)
+    validation = {name: _task_set(task, "validation", args.limit, tokenizer) for name, task in tasks.items()}
+    rule = dict(max_accuracy_drop=args.max_drop, min_skip=args.min_skip)
+    if args.policy == "profiled":
+        policy, curves = calibrate_profiled(model, tokenizer, validation, **rule)
+        chosen = {name: ("k", k) for name, k in policy.lengths.items()}
+    else:
+        train = {name: _task_set(task, "train", args.train_limit, tokenizer) for name, task in tasks.items()}
+        policy, curves = calibrate_learned(model, tokenizer, train, validation, **rule)
+        chosen = {name: ("tau", tau) for name, (_, _, tau) in policy.heads.items()}
     save_release_policy(policy, args.out)
-    rule = f"min_skip={args.min_skip}" if args.min_skip is not None else f"max_accuracy_drop={args.max_drop}"
-    lines = [f"# Testbed release calibration ({rule}, validation split, limit={args.limit})", "",
-             "| adapter | chosen k | " + " | ".join(f"k={k}" for k in (None, *DEFAULT_RELEASE_LENGTHS)) + " |",
-             "|---|---|" + "---|" * (len(DEFAULT_RELEASE_LENGTHS) + 1)]
-    for name, curve in curves.items():
-        cells = [f"{p.accuracy:.1%} / {p.skip_fraction:.0%}" for p in curve]
-        lines.append(f"| {name} | {policy.lengths[name]} | " + " | ".join(cells) + " |")
-    import torch
 
-    lines += ["", "Cells: validation accuracy / decode LoRA calls skipped. k=None keeps the adapter to the end.",
-              f"Command: `python -m lorazor.testbed.calibrate {' '.join(sys.argv[1:] if argv is None else argv)}`; "
-              f"torch {torch.__version__}, CPU, {time.strftime('%Y-%m-%d')}; took {time.time() - start:.0f} s."]
+    def setting(p):
+        return f"tau={p.tau:.3g}" if p.tau is not None else f"k={p.k}"
+
+    given = " ".join(sys.argv[1:] if argv is None else argv)
+    lines = [f"# Testbed {args.policy} release calibration ({given})", "",
+             "| adapter | setting | validation accuracy | decode LoRA skipped | chosen |", "|---|---|---|---|---|"]
+    for name, curve in curves.items():
+        kind, value = chosen[name]
+        for p in curve:
+            mine = getattr(p, kind) == value or (isinstance(value, float) and math.isinf(value) and p.tau == value)
+            lines.append(f"| {name} | {setting(p)} | {p.accuracy:.1%} | {p.skip_fraction:.0%} | {'<-' if mine else ''} |")
+    lines += ["", f"k=None / tau=-inf keep the adapter to the end. Command: `python -m lorazor.testbed.calibrate {given}`; "
+              f"torch {torch.__version__}, {model.device.type}, {time.strftime('%Y-%m-%d')}; took {time.time() - start:.0f} s."]
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "calibration.md").write_text("\n".join(lines) + "\n")
     (args.out / "calibration.json").write_text(json.dumps(
         {name: [p.__dict__ for p in curve] for name, curve in curves.items()}, indent=2))

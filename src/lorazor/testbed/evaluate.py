@@ -22,7 +22,7 @@ RELEASE_POSITIONS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 def run_task(model, tokenizer, task, name: str, mode, split: str = "test", limit: int | None = None,
              batch: int = 100) -> tuple[float, float]:
     """(accuracy, decode-skip fraction) of one task. mode: "full", "backbone", or an int k (release)."""
-    from lorazor.calibrate import evaluate_release
+    from lorazor.calibration import evaluate_release
 
     examples = task.split(split)[:limit]
     point = evaluate_release(

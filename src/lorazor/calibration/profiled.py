@@ -1,4 +1,5 @@
-"""Calibrate StepTrim's profiled release lengths on validation data (paper 3.2.1).
+"""Calibrate StepTrim's profiled release lengths on validation data (paper 3.2.1), and the
+evaluation and selection pieces the learned calibration shares.
 
 For each adapter, generate its validation prompts once per candidate release length k (and once
 with the adapter kept to the end), score the answers, and keep (k, accuracy, decode LoRA calls
@@ -22,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .policies import ProfiledRelease
+from ..policies import ProfiledRelease, ReleasePolicy
 
 if TYPE_CHECKING:
-    from .model import LoRazorModel
+    from ..model import LoRazorModel
 
 # Release lengths tried by default: dense where the testbed's and the paper's curves bend.
 DEFAULT_RELEASE_LENGTHS = (0, 1, 2, 3, 4, 8, 16, 32, 64)
@@ -39,11 +40,17 @@ class ReleasePoint:
         k: release length (None: the adapter is kept to the end, i.e. full LoRA).
         accuracy: fraction of prompts whose answer `score` accepted.
         skip_fraction: decode LoRA calls skipped over calls needed, weighted by decode length.
+        tau: for a learned-policy point, its threshold (-inf: never release, i.e. full LoRA).
     """
 
     k: int | None
     accuracy: float
     skip_fraction: float
+    tau: float | None = None
+
+    @property
+    def is_full_lora(self) -> bool:
+        return self.k is None and (self.tau is None or self.tau == float("-inf"))
 
 
 @dataclass
@@ -62,6 +69,36 @@ class ValidationSet:
     generate_kwargs: dict = field(default_factory=dict)
 
 
+def evaluate_policy(
+    model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str | None, data: ValidationSet,
+    policy: ReleasePolicy | None, batch_size: int = 64,
+) -> tuple[float, float]:
+    """(accuracy, decode skip) of `adapter` on `data` under a release `policy` (None: model default).
+
+    `adapter` None runs the backbone alone (skip fraction 1.0 by definition).
+    """
+    if not data.prompts:
+        raise ValueError("prompts is empty: calibration needs validation prompts")
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    correct, lora_calls, needed = 0, 0, 0
+    try:
+        for start in range(0, len(data.prompts), batch_size):
+            chunk = list(data.prompts[start : start + batch_size])
+            enc = tokenizer(chunk, return_tensors="pt", padding=True)
+            ids = enc["input_ids"].to(model.device)
+            out = model.generate(ids, attention_mask=enc["attention_mask"].to(model.device),
+                                 adapter_ids=[adapter] * len(chunk), release_policy=policy, **data.generate_kwargs)
+            texts = tokenizer.batch_decode(out.sequences[:, ids.shape[1]:], skip_special_tokens=True)
+            correct += sum(bool(data.score(text, start + i)) for i, text in enumerate(texts))
+            lora_calls += int(out.lora_decode_steps.sum())
+            needed += int(out.decode_steps.sum())
+    finally:
+        tokenizer.padding_side = side
+    if adapter is None:
+        return correct / len(data.prompts), 1.0
+    return correct / len(data.prompts), (0.0 if needed == 0 else 1.0 - lora_calls / needed)
+
+
 def evaluate_release(
     model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str | None, prompts: Sequence[str],
     score: Callable[[str, int], bool], k: int | None = None, batch_size: int = 64, **generate_kwargs: Any,
@@ -78,30 +115,11 @@ def evaluate_release(
         batch_size: prompts per `generate` call.
         **generate_kwargs: passed to `model.generate` (`max_new_tokens`, `eos_token_id`, ...).
     """
-    if not prompts:
-        raise ValueError("prompts is empty: calibration needs validation prompts")
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
     # Explicit even for k=None ("never"), so a default policy of the model does not apply.
     policy = ProfiledRelease({adapter: k}) if adapter is not None else None
-    correct, lora_calls, needed = 0, 0, 0
-    try:
-        for start in range(0, len(prompts), batch_size):
-            chunk = list(prompts[start : start + batch_size])
-            enc = tokenizer(chunk, return_tensors="pt", padding=True)
-            ids = enc["input_ids"].to(model.device)
-            out = model.generate(ids, attention_mask=enc["attention_mask"].to(model.device),
-                                 adapter_ids=[adapter] * len(chunk), release_policy=policy, **generate_kwargs)
-            texts = tokenizer.batch_decode(out.sequences[:, ids.shape[1]:], skip_special_tokens=True)
-            correct += sum(bool(score(text, start + i)) for i, text in enumerate(texts))
-            lora_calls += int(out.lora_decode_steps.sum())
-            needed += int(out.decode_steps.sum())
-    finally:
-        tokenizer.padding_side = side
-    if adapter is None:
-        skip = 1.0
-    else:
-        skip = 0.0 if needed == 0 else 1.0 - lora_calls / needed
-    return ReleasePoint(k, correct / len(prompts), skip)
+    accuracy, skip = evaluate_policy(model, tokenizer, adapter, ValidationSet(prompts, score, generate_kwargs),
+                                     policy, batch_size)
+    return ReleasePoint(k, accuracy, skip)
 
 
 def profile_release_lengths(
@@ -120,7 +138,10 @@ def profile_release_lengths(
 
 
 def _later_release(p: ReleasePoint) -> float:
-    """Tie-break key: keeping the adapter longer is the safe side when validation cannot tell."""
+    """Tie-break key: keeping the adapter longer is the safe side when validation cannot tell
+    (a larger k, or a lower learned threshold)."""
+    if p.tau is not None:
+        return -p.tau
     return float("inf") if p.k is None else float(p.k)
 
 
@@ -135,28 +156,38 @@ def pareto_front(points: Sequence[ReleasePoint]) -> list[ReleasePoint]:
 def select_release_length(
     points: Sequence[ReleasePoint], max_accuracy_drop: float | None = None, min_skip: float | None = None,
 ) -> int | None:
-    """Pick a release length from a curve, by exactly one criterion.
+    """The release length k of `select_point` (None: never release)."""
+    return select_point(points, max_accuracy_drop, min_skip).k
+
+
+def select_point(
+    points: Sequence[ReleasePoint], max_accuracy_drop: float | None = None, min_skip: float | None = None,
+) -> ReleasePoint:
+    """Pick an operating point from a calibration curve, by exactly one criterion.
+
+    Points equal on both accuracy and skip go to the later release (k=None first, or the lower
+    threshold): the validation data cannot tell them apart, and the later one is the safe side.
 
     Args:
-        points: a curve from `profile_release_lengths` (it must hold the k=None point).
+        points: a curve from `profile_release_lengths` or `calibrate_learned` (it must hold the
+            full-LoRA point: k=None, or tau=-inf).
         max_accuracy_drop: the most skipping whose accuracy is at most this far below full LoRA
             (e.g. 0.01 = one point); ties go to the higher accuracy.
         min_skip: the best accuracy among lengths that skip at least this fraction of decode LoRA
             calls (the paper's training-free setting uses 0.5); ties go to more skipping.
-        Points equal on both go to the later release (None first): the validation data cannot tell
-        them apart, and longer answers in deployment would skip more at the smaller k.
 
     Returns:
-        k, or None (never release) when full LoRA is the only point that meets `max_accuracy_drop`.
+        The chosen point (the full-LoRA point when it is the only one that meets
+        `max_accuracy_drop`).
 
     Raises:
         ValueError: no criterion or both, or no point reaches `min_skip`.
     """
     if (max_accuracy_drop is None) == (min_skip is None):
         raise ValueError("give exactly one of max_accuracy_drop and min_skip")
-    full = [p for p in points if p.k is None]
+    full = [p for p in points if p.is_full_lora]
     if not full:
-        raise ValueError("the curve needs its full-LoRA point (k=None): use profile_release_lengths")
+        raise ValueError("the curve needs its full-LoRA point (k=None or tau=-inf): use profile_release_lengths")
     front = pareto_front(points)
     if max_accuracy_drop is not None:
         if max_accuracy_drop < 0:
@@ -172,7 +203,7 @@ def select_release_length(
             raise ValueError(f"no release length skips {min_skip:.0%} of decode LoRA calls "
                              f"(at most {best_skip:.0%}); add smaller lengths")
         best = max(ok, key=lambda p: (p.accuracy, p.skip_fraction, _later_release(p)))
-    return best.k
+    return best
 
 
 def calibrate_profiled(
