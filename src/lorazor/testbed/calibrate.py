@@ -43,11 +43,17 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--limit", type=int, default=None, help="validation examples per task (default: all 200)")
     ap.add_argument("--train-limit", type=int, default=200, help="training prompts per task for learned heads")
+    ap.add_argument("--tasks", default=None, help="comma-separated adapters to calibrate (default: all four)")
     ap.add_argument("--assets", type=Path, default=None)
     args = ap.parse_args(argv)
     start = time.time()
     peft_model, tokenizer, tasks = load(args.assets)
     model = LoRazorModel.from_peft(peft_model, LoRazorConfig())
+    if args.tasks:
+        unknown = sorted(set(args.tasks.split(",")) - set(tasks))
+        if unknown:
+            raise SystemExit(f"unknown tasks {unknown}; the testbed has {sorted(tasks)}")
+        tasks = {name: tasks[name] for name in args.tasks.split(",")}
     validation = {name: _task_set(task, "validation", args.limit, tokenizer) for name, task in tasks.items()}
     rule = dict(max_accuracy_drop=args.max_drop, min_skip=args.min_skip)
     if args.policy == "profiled":
