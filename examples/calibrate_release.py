@@ -1,0 +1,52 @@
+"""Choose StepTrim release settings on validation data, then serve with them.
+
+    python examples/calibrate_release.py
+
+Uses the shipped testbed's multiple-choice adapter: a profiled release length k and a learned
+risk head, each picked to skip at least half of the decode LoRA calls, compared on the same
+validation prompts.
+"""
+
+import tempfile
+
+from lorazor import LoRazorConfig, LoRazorModel
+from lorazor.calibration import ValidationSet, calibrate_learned, calibrate_profiled
+from lorazor.testbed import load
+
+peft_model, tokenizer, tasks = load()
+model = LoRazorModel.from_peft(peft_model, LoRazorConfig())
+task = tasks["mcq"]
+generation = dict(max_new_tokens=task.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+
+
+def task_set(split, n):
+    examples = task.split(split)[:n]
+    # score(answer, i): the task's evaluator against example i.
+    return ValidationSet([ex["prompt"] for ex in examples], lambda answer, i: task.score(answer, examples[i]), generation)
+
+
+validation = {"mcq": task_set("validation", 60)}
+profiled, profiled_curves = calibrate_profiled(model, tokenizer, validation, min_skip=0.5, lengths=(0, 1, 2, 4))
+learned, learned_curves = calibrate_learned(model, tokenizer, {"mcq": task_set("train", 60)}, validation, min_skip=0.5)
+
+full = profiled_curves["mcq"][0]
+k = profiled.lengths["mcq"]
+chosen_k = next(p for p in profiled_curves["mcq"] if p.k == k)
+tau = learned.heads["mcq"][2]
+chosen_tau = next(p for p in learned_curves["mcq"] if p.tau == tau)
+print(f"full LoRA:          accuracy {full.accuracy:.1%}")
+print(f"profiled k={k}:       accuracy {chosen_k.accuracy:.1%}, decode LoRA skipped {chosen_k.skip_fraction:.0%}")
+print(f"learned tau={tau:.2f}: accuracy {chosen_tau.accuracy:.1%}, decode LoRA skipped {chosen_tau.skip_fraction:.0%}")
+
+# Save beside the adapters and serve with it as the default policy.
+from lorazor import save_release_policy  # noqa: E402
+
+with tempfile.TemporaryDirectory() as folder:
+    save_release_policy(learned, folder)
+    served = LoRazorModel.from_peft(load()[0], LoRazorConfig(release="learned"))
+    served.load_release_policy(folder)
+    enc = tokenizer([validation["mcq"].prompts[0]], return_tensors="pt", padding=True)
+    out = served.generate(enc["input_ids"], attention_mask=enc["attention_mask"], adapter_ids=["mcq"], **generation)
+    print("served:", repr(tokenizer.decode(out.sequences[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)),
+          "release step", int(out.release_steps[0]))
