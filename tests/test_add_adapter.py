@@ -52,3 +52,35 @@ def test_add_adapter_errors(setup):
         model.add_adapter(sql_dir)
     with pytest.raises(AdapterError, match="no free slot for adapter 'x'"):
         model.add_adapter(sql_dir, name="x")
+
+
+def test_uniform_rank_bank_skips_rank_masking_until_a_smaller_rank_arrives(tmp_path):
+    from lorazor.tiny import AdapterSpec
+
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    specs = (AdapterSpec("a", 8, 16, every), AdapterSpec("b", 8, 8, every), AdapterSpec("small", 4, 8, ("q_proj",)))
+    full = tiny_peft_model("llama", specs).to(DEVICE)
+    full.save_pretrained(tmp_path, selected_adapters=["small"])
+    partial = copy.deepcopy(full)
+    partial.delete_adapter("small")
+    model = LoRazorModel.from_peft(partial, LoRazorConfig(max_loras=3))
+    # Ranks 8 and 8 (and an empty slot): the kernels skip the per-slot rank load everywhere...
+    assert not any(m.mask_rank for m in model.bank.modules.values())
+    ids, mask = make_batch(4, 6, seed=5, pad_rows=(2,))
+    adapters = ["a", "b", None, "a"]
+    out = model.generate(ids, attention_mask=mask, adapter_ids=adapters, max_new_tokens=6, pad_token_id=PAD,
+                         eos_token_id=EOS)
+    assert torch.equal(out.sequences, peft_generate(full, ids, mask, adapters, max_new_tokens=6))
+    # ...until a rank-4 adapter lands in q_proj; then q_proj masks ranks and the rest still do not.
+    model.add_adapter(tmp_path / "small")
+    masked = {name.rsplit(".", 1)[-1] for name, m in model.bank.modules.items() if m.mask_rank}
+    assert masked == {"q_proj"}
+    adapters = ["small", "b", "a", "small"]
+    out = model.generate(ids, attention_mask=mask, adapter_ids=adapters, max_new_tokens=6, pad_token_id=PAD,
+                         eos_token_id=EOS)
+    assert torch.equal(out.sequences, peft_generate(full, ids, mask, adapters, max_new_tokens=6))
+    # Removing it zeroes its slot, so the unmasked path stays exact.
+    slot = model.bank.slot_of["small"]
+    model.remove_adapter("small")
+    assert not any(m.mask_rank for m in model.bank.modules.values())
+    assert all(m.lora_a[slot].abs().sum() == 0 and m.lora_b[slot].abs().sum() == 0 for m in model.bank.modules.values())
