@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$W/g
 for step in "$@"; do
   start=$(date +%s)
   case $step in
-    tests) timeout 200 python3 -m pytest tests -q -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
+    tests) timeout 280 python3 -m pytest tests -q -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
     gpu-tests) timeout 150 python3 -m pytest tests/test_kernels.py tests/test_gpu.py tests/test_add_adapter.py tests/test_release.py -q -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
     kernels) timeout 120 python3 benchmarks/bench_kernels.py --out "$W" > "$W/kernels.log" 2>&1 ;;
     kernels-sweep) timeout 200 python3 benchmarks/bench_kernels.py --out "$W" --sweep > "$W/kernels.log" 2>&1 ;;
