@@ -26,13 +26,13 @@ def main() -> None:
         return
     target = GPUTarget("cuda", 90, 32)
 
-    def compile_sm90(kernel, consts):
+    def compile_sm90(kernel, consts, pointers=POINTERS):
         signature = {}
         for name in inspect.signature(kernel.fn).parameters:
             if name in consts:
                 signature[name] = "constexpr"
             else:
-                signature[name] = POINTERS.get(name, "*i32") if name.endswith("_ptr") else "i32"
+                signature[name] = pointers.get(name, "*i32") if name.endswith("_ptr") else "i32"
         assert triton.compile(ASTSource(kernel, signature, consts), target=target).asm["cubin"]
 
     count = 0
@@ -49,7 +49,15 @@ def main() -> None:
                 DOT_PRECISION="tf32", r_max=1)
     compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256))
     compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, SPLIT_K=4, BLOCK_N=128, BLOCK_R=16, BLOCK_K=16))
-    print(f"compiled {count + 2}")
+    # fp32 weights and activations use IEEE dots (the fp32 GPU tests and the fp32 oracle path).
+    fp32 = {k: ("*fp32" if v == "*bf16" else v) for k, v in POINTERS.items()}
+    base = dict(TILE_TABLE=True, USE_SLOT_LIST=False, CLASS_MAX_ROWS=0, MASK_RANK=True, BLOCK_M=16,
+                DOT_PRECISION="ieee")
+    compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256), fp32)
+    for fused in (True, False):
+        compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=fused, SPLIT_K=3, BLOCK_N=128, BLOCK_R=16,
+                                                  BLOCK_K=256 if fused else 16), fp32)
+    print(f"compiled {count + 5}")
 
 
 if __name__ == "__main__":
