@@ -186,3 +186,58 @@ def test_exact_graph_replay_follows_new_slot_map():
         graph.replay()
         ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), new, rank)
         torch.testing.assert_close(out.double(), ref, **TOL[torch.bfloat16])
+
+
+def check_merged(grid, widths, M, K, r, L, dtype):
+    # q/k/v (or gate/up) share x: one shrink over A stacked [L, G*r, K], one expand into the merged
+    # [M, sum(N)] output, segment g using its r columns of u, its B columns and its scaling row.
+    from lorazor_kernels import lora_expand, lora_shrink
+
+    g = torch.Generator().manual_seed(len(widths))
+    G = len(widths)
+    to = dict(device=DEVICE, dtype=dtype)
+    x = torch.randn(M, K, generator=g).to(**to)
+    a = [(torch.randn(L, r, K, generator=g) / K**0.5).to(**to) for _ in widths]
+    b = [(torch.randn(L, n, r, generator=g) / r**0.5).to(**to) for n in widths]
+    scaling = (torch.rand(G, L, generator=g) + 0.5).to(DEVICE)
+    slot = torch.randint(-1, L, (M,), generator=g).to(DEVICE)
+    rank = torch.full((L,), r, dtype=torch.int32, device=DEVICE)
+    a_stack = torch.cat(a, dim=1)                                        # [L, G*r, K]
+    b_merged = torch.cat([bi.transpose(1, 2) for bi in b], dim=2).transpose(1, 2)  # [L, sum(N), r] view
+    edges = tuple(torch.tensor(widths[:-1]).cumsum(0).tolist())
+    meta = build_batch_meta(slot, L, grid)
+    y = torch.zeros(M, sum(widths), **to)
+    u = lora_shrink(x, a_stack, torch.full((L,), G * r, dtype=torch.int32, device=DEVICE), meta, mask_rank=False)
+    lora_expand(u, b_merged, scaling, rank, y, meta, mask_rank=False, segments=edges)
+    ref = torch.cat([lora_delta_reference(x.double(), a[i].double(), b[i].double(), scaling[i].double(), slot, rank)
+                     for i in range(G)], dim=1)
+    torch.testing.assert_close(y.double(), ref, **TOL[dtype])
+    assert ref.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("grid", GRID_MODES)
+@pytest.mark.parametrize("widths", [(48, 16, 32), (64, 80)], ids=["qkv", "gate_up"])
+def test_merged_projections_in_one_shrink_and_one_expand(grid, widths):
+    check_merged(grid, widths, M=37, K=72, r=8, L=5, dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["exact", "full"])
+@pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072), ((4096, 1024, 1024), 4096)])
+def test_gpu_bf16_merged_projections(grid, widths, K):
+    check_merged(grid, widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16)
+
+
+def test_merged_projections_reject_bad_segments():
+    from lorazor_kernels import lora_expand
+
+    meta = build_batch_meta(torch.tensor([0, 1]), 2, "exact")
+    u = torch.zeros(1, 2, 16)
+    b = torch.zeros(2, 8, 40).transpose(1, 2)
+    rank = torch.full((2,), 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="need mask_rank=False"):
+        lora_expand(u, b, torch.ones(2, 2), rank, torch.zeros(2, 40), meta, segments=(16,))
+    with pytest.raises(ValueError, match="need scaling \\[len\\(segments\\) \\+ 1, L\\]"):
+        lora_expand(u, b, torch.ones(2), rank, torch.zeros(2, 40), meta, mask_rank=False, segments=(16,))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        lora_expand(u, b, torch.ones(2, 2), rank, torch.zeros(2, 40), meta, mask_rank=False, segments=(20,))

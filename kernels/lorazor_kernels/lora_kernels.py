@@ -117,6 +117,17 @@ def _shrink_rows(
 
 
 @triton.jit
+def _load_u(u_ptr, rows, mask_m, offs_r, mask_r, stride_us, stride_um, stride_ur, SPLIT_K: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """fp32 `[BM, BR]`: the sum of shrink's SPLIT_K partials for these rows, below the rank."""
+    u_ptrs = u_ptr + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
+    u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        u += tl.load(u_ptrs + split * stride_us, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    return u
+
+
+@triton.jit
 def _expand_rows(
     u, b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N, stride_br, stride_bn, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -171,15 +182,21 @@ def _lora_shrink_kernel(
 def _lora_expand_kernel(
     x_ptr, a_ptr, u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
-    K, N, r_max, tiles_per_slot, n_per_program,
+    K, N, r_max, tiles_per_slot, n_per_program, seg_n1, seg_n2, stride_sg,
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
-    FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSED: tl.constexpr, SEGMENTED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
-    fp32 partials `u [SPLIT_K, M, BLOCK_R]` that the shrink kernel wrote."""
+    fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote.
+
+    SEGMENTED (merged projections, e.g. q/k/v in one output): y's columns are up to three segments
+    [0, seg_n1), [seg_n1, seg_n2), [seg_n2, N), each with its own r_max columns of u (segment g
+    reads u[:, g * r_max :]) and its own scaling row (`scaling_ptr + g * stride_sg`). Segment edges
+    are multiples of BLOCK_N, so every column block lies in one segment.
+    """
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot, rows, mask_m, rank = _tile(
@@ -197,19 +214,30 @@ def _lora_expand_kernel(
             x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_r[:, None] * stride_ar,
             mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION,
         )
+    elif SEGMENTED:
+        u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # unused: each segment loads its own u below
     else:
-        u_ptrs = u_ptr + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
-        u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for split in tl.static_range(SPLIT_K):
-            u += tl.load(u_ptrs + split * stride_us, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        u = _load_u(u_ptr, rows, mask_m, offs_r, mask_r, stride_us, stride_um, stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
     # A program covers n_per_program columns in BLOCK_N steps: fewer, longer programs amortize the
     # tile lookup and keep several independent B loads in flight.
     n_lo = pid_n * n_per_program
-    _expand_rows(
-        u.to(b_ptr.dtype.element_ty), b_ptr + slot64 * stride_bl, y_ptr + rows[:, None] * stride_ym,
-        mask_m, offs_r, mask_r, scale, n_lo, n_lo + n_per_program, N, stride_br, stride_bn, stride_yn,
-        BLOCK_M, BLOCK_N, DOT_PRECISION,
-    )
+    b_slot = b_ptr + slot64 * stride_bl
+    y_rows = y_ptr + rows[:, None] * stride_ym
+    if SEGMENTED:
+        for n0 in range(n_lo, tl.minimum(n_lo + n_per_program, N), BLOCK_N):
+            seg = (n0 >= seg_n1).to(tl.int32) + (n0 >= seg_n2).to(tl.int32)
+            u_seg = _load_u(u_ptr + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r, stride_us, stride_um,
+                            stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
+            seg_scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
+            _expand_rows(
+                u_seg.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, seg_scale, n0,
+                n0 + BLOCK_N, N, stride_br, stride_bn, stride_yn, BLOCK_M, BLOCK_N, DOT_PRECISION,
+            )
+    else:
+        _expand_rows(
+            u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo,
+            n_lo + n_per_program, N, stride_br, stride_bn, stride_yn, BLOCK_M, BLOCK_N, DOT_PRECISION,
+        )
 
 
 def _launches(meta: LoRABatchMeta, expand: bool):
@@ -259,11 +287,19 @@ def _columns_per_program(programs: int, N: int, block_n: int, per_sm: int, devic
     return triton.cdiv(n_blocks, splits) * block_n
 
 
-def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=None, lora_a=None):
-    """Every launch of the expand kernel for a step: fused (x and lora_a given) or from shrink's u."""
+def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=None, lora_a=None, segments=None):
+    """Every launch of the expand kernel for a step: fused (x and lora_a given) or from shrink's u,
+    optionally over merged-projection segments (column edges, scaling `[G, L]`)."""
     fused = u is None
     N = lora_b.shape[1]
     block_n = min(cfg.fused_block_n if fused else cfg.expand_block_n, max(16, triton.next_power_of_2(N)))
+    edges = ()
+    if segments is not None:
+        edges = tuple(segments) + (N,) * (2 - len(segments))
+        while any(e % block_n for e in segments) and block_n > 16:
+            block_n //= 2  # every column block must lie in one segment
+        if any(e % block_n for e in segments):
+            raise ValueError(f"segment edges {tuple(segments)} must be multiples of 16")
     launches = _launches(meta, expand=True)
     per_sm = cfg.fused_programs_per_sm if fused else cfg.expand_programs_per_sm
     n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, per_sm, y.device)
@@ -271,16 +307,17 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
     xs = (x.stride(0), x.stride(1)) if fused else (0, 0)
     a_s = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2)) if fused else (0, 0, 0)
     us = (0, 0, 0) if fused else (u.stride(0), u.stride(1), u.stride(2))
+    seg_args = (*edges, scaling.stride(0)) if segments is not None else (N, N, 0)
     for programs, tiles_per_slot, table, slot_list, class_rows in launches:
         _lora_expand_kernel[(programs, triton.cdiv(N, n_per_program))](
             x if fused else stand_in, lora_a if fused else stand_in, stand_in if fused else u, lora_b, y, scaling,
             lora_rank, *_meta_tensors(meta, table, slot_list),
-            x.shape[1] if fused else 0, N, lora_b.shape[2], tiles_per_slot, n_per_program,
+            x.shape[1] if fused else 0, N, lora_b.shape[2], tiles_per_slot, n_per_program, *seg_args,
             *xs, *a_s, *us, lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
-            FUSED=fused, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m, BLOCK_N=block_n,
-            BLOCK_R=padded_rank(lora_b.shape[2]) if fused else u.shape[2],
-            BLOCK_K=cfg.fused_block_k if fused else 16, DOT_PRECISION=_dot_precision(lora_b.dtype),
+            FUSED=fused, SEGMENTED=segments is not None, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m,
+            BLOCK_N=block_n, BLOCK_R=padded_rank(lora_b.shape[2]), BLOCK_K=cfg.fused_block_k if fused else 16,
+            DOT_PRECISION=_dot_precision(lora_b.dtype),
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
             num_stages=cfg.fused_num_stages if fused else cfg.expand_num_stages,
         )
@@ -332,6 +369,7 @@ def lora_shrink(
 def lora_expand(
     u: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
     y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None, mask_rank: bool = True,
+    segments: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Expand in place: `y[m] += scaling[s] * u[m] @ B[s].T` for every row m with a slot s.
 
@@ -343,11 +381,22 @@ def lora_expand(
         y: `[M, N]` output, updated in place (rows without a slot are untouched).
         meta: the step's `LoRABatchMeta`.
         mask_rank: as in `lora_shrink`.
+        segments: merged projections (e.g. q/k/v as one `[M, N_q + N_k + N_v]` output): the inner
+            column edges, one or two of them, multiples of 16. Segment g uses u's columns
+            `[g * r_max, (g + 1) * r_max)` (shrink of A stacked `[L, G * r_max, K]`), B's columns of
+            the segment, and `scaling[g]` (scaling `[G, L]`). Needs `mask_rank=False`.
 
     Returns:
         `y`.
     """
-    return _run_expand(y, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device), mask_rank, u=u)
+    if segments is not None:
+        if mask_rank:
+            raise ValueError("segments need mask_rank=False (uniform ranks, zero-padded weights)")
+        if not 1 <= len(segments) <= 2 or scaling.dim() != 2 or scaling.shape[0] != len(segments) + 1:
+            raise ValueError(f"segments {tuple(segments)} need scaling [len(segments) + 1, L], got "
+                             f"{tuple(scaling.shape)}")
+    return _run_expand(y, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device), mask_rank, u=u,
+                       segments=segments)
 
 
 def lora_fused(
