@@ -157,3 +157,21 @@ def test_graphs_captured_at_from_peft_serve_without_recapture():
     for adapters in (ADAPTERS16, [None] * 16):
         assert torch.equal(gen(graph, ids, mask, adapters).sequences, gen(eager, ids, mask, adapters).sequences)
     assert graph.graphs.num_graphs() == 2
+
+
+def test_merged_projections_graph_replay_equals_eager_and_fp32_peft():
+    from lorazor.tiny import AdapterSpec
+
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    specs = (AdapterSpec("math", 8, 16, every), AdapterSpec("sql", 8, 8, every), AdapterSpec("med", 8, 4, every[:3]))
+    base = tiny_peft_model("llama", specs, dtype=torch.float32).cuda()
+    oracle = copy.deepcopy(base)
+    eager = LoRazorModel.from_peft(copy.deepcopy(base), LoRazorConfig(cuda_graphs=False, merge_projections=True))
+    graph = LoRazorModel.from_peft(base, LoRazorConfig(merge_projections=True))
+    ids, mask = make_batch(16, 6, seed=9, pad_rows=(1, 7))
+    with torch.no_grad():
+        ref = oracle.generate(input_ids=ids, attention_mask=mask, adapter_names=peft_names(ADAPTERS16),
+                              max_new_tokens=12, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    assert torch.equal(gen(graph, ids, mask, ADAPTERS16).sequences, ref)
+    assert torch.equal(gen(eager, ids, mask, ADAPTERS16).sequences, ref)
+    assert all(group._output is not None for group in graph.merged_groups)

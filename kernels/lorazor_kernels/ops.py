@@ -33,6 +33,7 @@ def add_batched_lora_(
     backend: str = "triton",
     cfg: KernelConfig | None = None,
     mask_rank: bool = True,
+    segments: tuple[int, ...] | list[int] | None = None,
 ) -> torch.Tensor:
     """Add the batched LoRA delta into `y` in place.
 
@@ -50,12 +51,17 @@ def add_batched_lora_(
             kernel or shrink + expand.
         mask_rank: False skips the per-slot rank load in the kernels; only valid when every slot
             a row uses has zero weights past its rank (the `AdapterBank` layout) and rank ~r_max.
+        segments: merged projections (see `lora_expand`): y is `[M, N_1 + ... + N_G]`, lora_a is
+            the members' A stacked `[L, G * r, K]`, lora_b `[L, sum N, r]`, scaling `[G, L]`, and
+            `segments` the inner column edges. Needs `mask_rank=False`.
 
     Returns:
         `y`.
     """
     if meta.has_lora is False:
         return y
+    if segments:
+        return _add_merged_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, tuple(segments), backend, cfg)
     if backend == "reference":
         return y.add_(lora_delta_reference(x, lora_a, lora_b, scaling, meta.row_slot, lora_rank).to(y.dtype))
     if backend != "triton":
@@ -67,26 +73,47 @@ def add_batched_lora_(
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
 
 
+def _add_merged_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments, backend, cfg):
+    """Merged projections: one shrink over the stacked A, one segmented expand (or the reference)."""
+    if backend == "reference":
+        G = scaling.shape[0]
+        r = lora_a.shape[1] // G
+        edges = (0, *segments, y.shape[1])
+        for g in range(G):
+            lo, hi = edges[g], edges[g + 1]
+            delta = lora_delta_reference(x, lora_a[:, g * r:(g + 1) * r], lora_b[:, lo:hi], scaling[g],
+                                         meta.row_slot, lora_rank)
+            y[:, lo:hi] += delta.to(y.dtype)
+        return y
+    if backend != "triton":
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    cfg = cfg or get_kernel_config(y.device)
+    u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank=False)
+    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank=False, segments=segments)
+
+
 @torch.library.custom_op("lorazor::add_lora_", mutates_args=("y",))
 def _add_lora_op(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor,
     lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor, slot_start: torch.Tensor,
     tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None, large_slots: torch.Tensor | None,
     grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool, backend: str, mask_rank: bool,
+    segments: list[int],
 ) -> None:
     meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
                          tile_rows, row_bound, large_slots, class_split)
-    add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank)
+    add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
+                      segments=segments or None)
 
 
 @_add_lora_op.register_fake
 def _(y, x, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
-      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank) -> None:
+      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments) -> None:
     return None
 
 
 def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton",
-                 mask_rank: bool = True):
+                 mask_rank: bool = True, segments: tuple[int, ...] = ()):
     """`add_batched_lora_` as the registered custom op `lorazor::add_lora_`.
 
     torch.compile treats the op as opaque (its fake implementation only declares that `y` is
@@ -97,7 +124,7 @@ def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, 
     torch.ops.lorazor.add_lora_(
         y, x, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
         meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
-        meta.row_bound, meta.class_split, backend, mask_rank,
+        meta.row_bound, meta.class_split, backend, mask_rank, list(segments),
     )
     return y
 

@@ -38,6 +38,9 @@ class LoRazorConfig:
         max_cache_len: KV-cache length per row; None sizes it per call as prompt + max_new_tokens
             (rounded up to 64 with CUDA graphs, one set of graphs per length bucket). Set it for a
             server: every call then shares one cache and one set of graphs per batch bucket.
+        merge_projections: run q/k/v and gate/up as one base GEMM and one LoRA shrink + expand
+            each (8 LoRA launches per layer instead of 14), for adapters of one rank. Experimental:
+            not yet measured on the GPU.
         capture_batch_sizes: batch sizes whose decode graphs `from_peft` captures up front (with
             CUDA graphs on the GPU; needs `max_cache_len`), so no request pays for capture (or,
             with `compile=True`, compilation). Other sizes are captured when first used.
@@ -56,6 +59,7 @@ class LoRazorConfig:
     block_m: int = 16
     max_cache_len: int | None = None
     capture_batch_sizes: tuple[int, ...] = ()
+    merge_projections: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

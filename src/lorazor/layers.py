@@ -28,6 +28,8 @@ class BatchedLoRALinear(nn.Module):
         self.base_layer = base_layer
         self.lora = lora
         self.context = context
+        # (MergedGroup, index) when merged with the projections that share its input (merged.py).
+        self.merged = None
 
     @property
     def in_features(self) -> int:
@@ -38,6 +40,11 @@ class BatchedLoRALinear(nn.Module):
         return self.base_layer.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged is not None:
+            group, index = self.merged
+            out = group.forward(x, index)
+            if out is not None:
+                return out
         y = self.base_layer(x)
         meta = self.context.meta
         if meta is None or meta.has_lora is False:

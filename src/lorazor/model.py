@@ -21,6 +21,7 @@ from .generate import LoRazorOutput, decode_loop, resolve_generation_config
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .kv_cache import KVCache
 from .layers import patch_lora_layers, unpatch_lora_layers
+from .merged import merge_projections
 from .policies.base import ReleasePolicy, ReleaseState, release_step
 from .step import StepContext
 
@@ -51,6 +52,7 @@ class LoRazorModel(nn.Module):
             backend = "triton" if self.device.type == "cuda" else "reference"
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_lora_layers(peft_model, bank, self.context)
+        self.merged_groups = merge_projections(self.model, self.context) if config.merge_projections else []
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
         self._previous_attn = self.model.config._attn_implementation
