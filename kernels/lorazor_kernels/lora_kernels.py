@@ -186,16 +186,16 @@ def _lora_expand_kernel(
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
-    FUSED: tl.constexpr, SEGMENTED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
     fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote.
 
-    SEGMENTED (merged projections, e.g. q/k/v in one output): y's columns are up to three segments
-    [0, seg_n1), [seg_n1, seg_n2), [seg_n2, N), each with its own r_max columns of u (segment g
-    reads u[:, g * r_max :]) and its own scaling row (`scaling_ptr + g * stride_sg`). Segment edges
-    are multiples of BLOCK_N, so every column block lies in one segment.
+    y's columns are up to three segments [0, seg_n1), [seg_n1, seg_n2), [seg_n2, N); a plain
+    projection is one segment (seg_n1 = seg_n2 = N). Segment g reads its own r_max columns of u
+    (`u[:, g * r_max :]`) and its own scaling row (`scaling_ptr + g * stride_sg`): merged
+    projections, e.g. q/k/v in one output. Segment edges are multiples of BLOCK_N.
     """
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -205,39 +205,46 @@ def _lora_expand_kernel(
     )
     if rank == 0:
         return
-    scale = tl.load(scaling_ptr + slot).to(tl.float32)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     slot64 = slot.to(tl.int64)
-    if FUSED:
+    b_slot = b_ptr + slot64 * stride_bl
+    y_rows = y_ptr + rows[:, None] * stride_ym
+    # A program covers n_per_program columns in BLOCK_N steps: fewer, longer programs amortize the
+    # tile lookup and keep several independent B loads in flight.
+    n_lo = pid_n * n_per_program
+    n_hi = tl.minimum(n_lo + n_per_program, N)
+    if FUSED:  # one segment: u is shrunk here, over the whole rank
         u = _shrink_rows(
             x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_r[:, None] * stride_ar,
             mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION,
         )
-    elif SEGMENTED:
-        u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # unused: each segment loads its own u below
-    else:
-        u = _load_u(u_ptr, rows, mask_m, offs_r, mask_r, stride_us, stride_um, stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
-    # A program covers n_per_program columns in BLOCK_N steps: fewer, longer programs amortize the
-    # tile lookup and keep several independent B loads in flight.
-    n_lo = pid_n * n_per_program
-    b_slot = b_ptr + slot64 * stride_bl
-    y_rows = y_ptr + rows[:, None] * stride_ym
-    if SEGMENTED:
-        for n0 in range(n_lo, tl.minimum(n_lo + n_per_program, N), BLOCK_N):
-            seg = (n0 >= seg_n1).to(tl.int32) + (n0 >= seg_n2).to(tl.int32)
-            u_seg = _load_u(u_ptr + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r, stride_us, stride_um,
-                            stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
-            seg_scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
-            _expand_rows(
-                u_seg.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, seg_scale, n0,
-                n0 + BLOCK_N, N, stride_br, stride_bn, stride_yn, BLOCK_M, BLOCK_N, DOT_PRECISION,
-            )
-    else:
+        scale = tl.load(scaling_ptr + slot).to(tl.float32)
         _expand_rows(
-            u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo,
-            n_lo + n_per_program, N, stride_br, stride_bn, stride_yn, BLOCK_M, BLOCK_N, DOT_PRECISION,
+            u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N,
+            stride_br, stride_bn, stride_yn, BLOCK_M, BLOCK_N, DOT_PRECISION,
         )
+    else:
+        for seg in tl.static_range(3):
+            if seg == 0:
+                seg_lo = 0
+                seg_hi = seg_n1
+            elif seg == 1:
+                seg_lo = seg_n1
+                seg_hi = seg_n2
+            else:
+                seg_lo = seg_n2
+                seg_hi = N
+            lo = tl.maximum(n_lo, seg_lo)
+            hi = tl.minimum(n_hi, seg_hi)
+            if lo < hi:  # u and scaling are loaded once per segment this program touches
+                u = _load_u(u_ptr + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r, stride_us, stride_um,
+                            stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
+                scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
+                _expand_rows(
+                    u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,
+                    stride_br, stride_bn, stride_yn, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                )
 
 
 def _launches(meta: LoRABatchMeta, expand: bool):
@@ -293,13 +300,11 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
     fused = u is None
     N = lora_b.shape[1]
     block_n = min(cfg.fused_block_n if fused else cfg.expand_block_n, max(16, triton.next_power_of_2(N)))
-    edges = ()
-    if segments is not None:
-        edges = tuple(segments) + (N,) * (2 - len(segments))
-        while any(e % block_n for e in segments) and block_n > 16:
-            block_n //= 2  # every column block must lie in one segment
-        if any(e % block_n for e in segments):
-            raise ValueError(f"segment edges {tuple(segments)} must be multiples of 16")
+    segments = tuple(segments or ())
+    while any(e % block_n for e in segments) and block_n > 16:
+        block_n //= 2  # every column block must lie in one segment
+    if any(e % block_n for e in segments):
+        raise ValueError(f"segment edges {segments} must be multiples of 16")
     launches = _launches(meta, expand=True)
     per_sm = cfg.fused_programs_per_sm if fused else cfg.expand_programs_per_sm
     n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, per_sm, y.device)
@@ -307,7 +312,8 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
     xs = (x.stride(0), x.stride(1)) if fused else (0, 0)
     a_s = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2)) if fused else (0, 0, 0)
     us = (0, 0, 0) if fused else (u.stride(0), u.stride(1), u.stride(2))
-    seg_args = (*edges, scaling.stride(0)) if segments is not None else (N, N, 0)
+    # A plain projection is one segment [0, N); merged ones read scaling row g for segment g.
+    seg_args = (*(segments + (N, N))[:2], scaling.stride(0) if segments else 0)
     for programs, tiles_per_slot, table, slot_list, class_rows in launches:
         _lora_expand_kernel[(programs, triton.cdiv(N, n_per_program))](
             x if fused else stand_in, lora_a if fused else stand_in, stand_in if fused else u, lora_b, y, scaling,
@@ -315,7 +321,7 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
             x.shape[1] if fused else 0, N, lora_b.shape[2], tiles_per_slot, n_per_program, *seg_args,
             *xs, *a_s, *us, lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
-            FUSED=fused, SEGMENTED=segments is not None, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m,
+            FUSED=fused, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m,
             BLOCK_N=block_n, BLOCK_R=padded_rank(lora_b.shape[2]), BLOCK_K=cfg.fused_block_k if fused else 16,
             DOT_PRECISION=_dot_precision(lora_b.dtype),
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,

@@ -58,14 +58,14 @@ def add_batched_lora_(
     Returns:
         `y`.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if meta.has_lora is False:
         return y
     if segments:
         return _add_merged_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, tuple(segments), backend, cfg)
     if backend == "reference":
         return y.add_(lora_delta_reference(x, lora_a, lora_b, scaling, meta.row_slot, lora_rank).to(y.dtype))
-    if backend != "triton":
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     cfg = cfg or get_kernel_config(y.device)
     if cfg.fused:
         return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
@@ -85,8 +85,6 @@ def _add_merged_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments, 
                                          meta.row_slot, lora_rank)
             y[:, lo:hi] += delta.to(y.dtype)
         return y
-    if backend != "triton":
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     cfg = cfg or get_kernel_config(y.device)
     u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank=False)
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank=False, segments=segments)

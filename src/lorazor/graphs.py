@@ -81,15 +81,15 @@ class DecodeGraphs:
         buffers (once per call); returns the static state the decode loop must use from then on."""
         bucket = self.buckets[(cache.batch_size, cache.max_len)]
         if bucket.state is None:
-            bucket.state = ReleaseState(*(t.clone() for t in (state.slot, state.active, state.release_step,
-                                                               state.override_k, state.use_override)))
-        bucket.state.copy_(state)
+            bucket.state = state.clone()
+        else:
+            bucket.state.copy_(state)
         if policy is not None and self._in_graph(policy):
             static = bucket.policy_tensors.get(type(policy))
             if static is None or static.keys() != policy.bound.keys() or any(
                     static[k].shape != v.shape for k, v in policy.bound.items()):
                 if static is not None:  # a new shape: the old graphs read the old buffers
-                    bucket.graphs = {k: v for k, v in bucket.graphs.items() if k[1] is not type(policy)}
+                    bucket.graphs = {k: v for k, v in bucket.graphs.items() if k[1:2] != (type(policy),)}
                 bucket.policy_tensors[type(policy)] = {k: v.clone() for k, v in policy.bound.items()}
             else:
                 for k, v in policy.bound.items():

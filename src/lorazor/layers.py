@@ -14,6 +14,22 @@ from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
 from .step import StepContext
 
 
+def add_step_lora_(y, x, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,
+                   segments: tuple[int, ...] = ()) -> torch.Tensor:
+    """Add the step's batched LoRA delta to the base output `y` of input `x` (any leading shape).
+
+    Nothing to do outside a step or when no row has an adapter. `segments`: merged projections.
+    """
+    meta = context.meta
+    if meta is None or meta.has_lora is False:
+        return y
+    if x.numel() // x.shape[-1] != meta.num_rows:
+        raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
+    add_lora_op_(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, meta,
+                 backend=context.backend, mask_rank=mask_rank, segments=segments)
+    return y
+
+
 class BatchedLoRALinear(nn.Module):
     """`y = base(x) + delta`, delta[m] = scaling[s] * B[s] A[s] x[m] for the slot s of row m.
 
@@ -45,18 +61,9 @@ class BatchedLoRALinear(nn.Module):
             out = group.forward(x, index)
             if out is not None:
                 return out
-        y = self.base_layer(x)
-        meta = self.context.meta
-        if meta is None or meta.has_lora is False:
-            return y
-        if x.numel() // x.shape[-1] != meta.num_rows:
-            raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
         lora = self.lora
-        add_lora_op_(
-            y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora.lora_a, lora.lora_b, lora.scaling,
-            lora.rank, meta, backend=self.context.backend, mask_rank=lora.mask_rank,
-        )
-        return y
+        return add_step_lora_(self.base_layer(x), x, self.context, lora.lora_a, lora.lora_b, lora.scaling, lora.rank,
+                              lora.mask_rank)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={self.lora.lora_a.shape[0]}"

@@ -15,8 +15,9 @@ input, or a bank whose ranks became mixed, takes its own per-module path (still 
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import add_lora_op_
 from torch import nn
+
+from .layers import BatchedLoRALinear, add_step_lora_
 
 # Modules that read the same input in the supported architectures (llama, mistral, qwen2).
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -71,13 +72,8 @@ class MergedGroup:
         if any(m.lora.mask_rank for m in self.members):
             self._input = self._output = None
             return None
-        y = nn.functional.linear(x, self.weight, self.bias)
-        meta = self.context.meta
-        if meta is not None and meta.has_lora is not False:
-            if x.numel() // x.shape[-1] != meta.num_rows:
-                raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
-            add_lora_op_(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b, self.scaling,
-                         self.rank, meta, backend=self.context.backend, mask_rank=False, segments=self.edges[:-1])
+        y = add_step_lora_(nn.functional.linear(x, self.weight, self.bias), x, self.context, self.lora_a,
+                           self.lora_b, self.scaling, self.rank, mask_rank=False, segments=self.edges[:-1])
         # Holding x keeps its identity unique until the next call replaces it.
         self._input, self._output = x, y
         return y[..., : self.edges[0]]
@@ -85,8 +81,6 @@ class MergedGroup:
 
 def _can_merge(members) -> str | None:
     """Why these members cannot be merged, or None."""
-    from .layers import BatchedLoRALinear
-
     if not all(isinstance(m, BatchedLoRALinear) for m in members):
         return "not every member has adapters"
     first = members[0]

@@ -195,9 +195,7 @@ class LoRazorModel(nn.Module):
             policy.bind(self.bank.names, self.bank.num_slots, device)
         hidden_size = self.model.config.hidden_size
         try:
-            # The sizes `generate` pads these batches to (the batch itself past max_batch_size's bucket).
-            sizes = {batch_bucket(b) if batch_bucket(b) <= self.config.max_batch_size else b for b in batch_sizes}
-            for size in sorted(sizes):
+            for size in sorted({self._graph_batch(b) for b in batch_sizes}):
                 cache = self.cache_for(size, self.config.max_cache_len, device)
                 # Rows without adapters: every kernel program exits, but the graph holds the full step.
                 state = self.begin_release(ReleaseState.create(torch.full((size,), -1, dtype=torch.int32,
@@ -210,6 +208,11 @@ class LoRazorModel(nn.Module):
         finally:
             self.context.enabled = enabled
         return self.graphs.num_graphs() - before
+
+    def _graph_batch(self, batch_size: int) -> int:
+        """The batch size a graph serves `batch_size` rows with: its bucket, or itself past max_batch_size."""
+        bucket = batch_bucket(batch_size)
+        return bucket if bucket <= self.config.max_batch_size else batch_size
 
     def run_decode_step(self, tokens, positions, write_pos, cache: KVCache, state: ReleaseState,
                         policy: ReleasePolicy | None, step: int, hidden: torch.Tensor):
@@ -365,9 +368,7 @@ class LoRazorModel(nn.Module):
         cache_len = T + max_new
         if self.uses_graphs:
             # Pad the batch to its graph bucket with backbone rows of one token; sliced off below.
-            bucket = batch_bucket(B)
-            if bucket > self.config.max_batch_size:
-                bucket = B
+            bucket = self._graph_batch(B)
             # One shared length when the config fixes it (one cache and graph set per bucket).
             cache_len = limit if limit is not None else cache_bucket(cache_len)
             if bucket > B:

@@ -15,6 +15,7 @@ from .profiled import (
     calibrate_profiled,
     evaluate_policy,
     evaluate_release,
+    generate_answers,
     pareto_front,
     profile_release_lengths,
     select_point,
@@ -23,6 +24,6 @@ from .profiled import (
 
 __all__ = [
     "DEFAULT_RELEASE_LENGTHS", "RELEASE_POSITIONS", "ReleaseExamples", "ReleasePoint", "ValidationSet",
-    "calibrate_learned", "calibrate_profiled", "collect_release_examples", "evaluate_policy", "evaluate_release",
+    "calibrate_learned", "calibrate_profiled", "collect_release_examples", "evaluate_policy", "evaluate_release", "generate_answers",
     "pareto_front", "profile_release_lengths", "select_point", "select_release_length", "train_risk_head",
 ]

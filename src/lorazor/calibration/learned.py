@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..policies import LearnedRelease, ProfiledRelease, ReleasePolicy
-from .profiled import ReleasePoint, ValidationSet, evaluate_policy, select_point
+from .profiled import ReleasePoint, ValidationSet, evaluate_policy, generate_answers, select_point
 
 if TYPE_CHECKING:
     from ..model import LoRazorModel
@@ -63,14 +63,6 @@ class _HiddenRecorder(ReleasePolicy):
         return torch.ones_like(state.active)
 
 
-def _answers(model, tokenizer, adapter, prompts, generate_kwargs, policy=None, release=None):
-    enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
-    ids = enc["input_ids"].to(model.device)
-    out = model.generate(ids, attention_mask=enc["attention_mask"].to(model.device), adapter_ids=[adapter] * len(prompts),
-                         release_policy=policy, release=release, **generate_kwargs)
-    return tokenizer.batch_decode(out.sequences[:, ids.shape[1]:], skip_special_tokens=True), out
-
-
 def collect_release_examples(
     model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str, data: ValidationSet,
     positions: Sequence[int] = RELEASE_POSITIONS, batch_size: int = 64,
@@ -80,30 +72,26 @@ def collect_release_examples(
         raise KeyError(f"unknown adapter {adapter!r}; loaded adapters: {model.adapter_names}")
     if not data.prompts:
         raise ValueError("prompts is empty: training the head needs prompts")
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
     hidden, risky, request, position = [], [], [], []
     never = ProfiledRelease({adapter: None})
-    try:
-        for start in range(0, len(data.prompts), batch_size):
-            chunk = list(data.prompts[start : start + batch_size])
-            recorder = _HiddenRecorder(positions)
-            texts, out = _answers(model, tokenizer, adapter, chunk, data.generate_kwargs, recorder)
-            on_ok = [bool(data.score(t, start + i)) for i, t in enumerate(texts)]
-            steps = out.decode_steps.tolist()
-            for t in positions:
-                reach = [i for i in range(len(chunk)) if t < steps[i] and t in recorder.seen]
-                if not reach:
-                    continue
-                off_texts, _ = _answers(model, tokenizer, adapter, chunk, data.generate_kwargs, never,
-                                        release=[t] * len(chunk))
-                for i in reach:
-                    off_ok = bool(data.score(off_texts[i], start + i))
-                    hidden.append(recorder.seen[t][i])
-                    risky.append(on_ok[i] and not off_ok)
-                    request.append(start + i)
-                    position.append(t)
-    finally:
-        tokenizer.padding_side = side
+    for start in range(0, len(data.prompts), batch_size):
+        chunk = list(data.prompts[start : start + batch_size])
+        recorder = _HiddenRecorder(positions)
+        texts, out = generate_answers(model, tokenizer, adapter, chunk, data.generate_kwargs, recorder)
+        on_ok = [bool(data.score(t, start + i)) for i, t in enumerate(texts)]
+        steps = out.decode_steps.tolist()
+        for t in positions:
+            reach = [i for i in range(len(chunk)) if t < steps[i] and t in recorder.seen]
+            if not reach:
+                continue
+            off_texts, _ = generate_answers(model, tokenizer, adapter, chunk, data.generate_kwargs, never,
+                                            release=[t] * len(chunk))
+            for i in reach:
+                off_ok = bool(data.score(off_texts[i], start + i))
+                hidden.append(recorder.seen[t][i])
+                risky.append(on_ok[i] and not off_ok)
+                request.append(start + i)
+                position.append(t)
     if not hidden:
         raise ValueError(f"no decode position of {list(positions)} was reached: answers are shorter than the positions")
     return ReleaseExamples(torch.stack(hidden), torch.tensor(risky), torch.tensor(request), torch.tensor(position))

@@ -69,6 +69,22 @@ class ValidationSet:
     generate_kwargs: dict = field(default_factory=dict)
 
 
+def generate_answers(
+    model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str | None, prompts: Sequence[str],
+    generate_kwargs: dict, policy: ReleasePolicy | None = None, release: Sequence | None = None,
+):
+    """(answer texts, `LoRazorOutput`) of one batch of prompts on `adapter`, left-padded."""
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
+    ids = enc["input_ids"].to(model.device)
+    out = model.generate(ids, attention_mask=enc["attention_mask"].to(model.device), adapter_ids=[adapter] * len(prompts),
+                         release_policy=policy, release=release, **generate_kwargs)
+    return tokenizer.batch_decode(out.sequences[:, ids.shape[1]:], skip_special_tokens=True), out
+
+
 def evaluate_policy(
     model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str | None, data: ValidationSet,
     policy: ReleasePolicy | None, batch_size: int = 64,
@@ -79,21 +95,13 @@ def evaluate_policy(
     """
     if not data.prompts:
         raise ValueError("prompts is empty: calibration needs validation prompts")
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
     correct, lora_calls, needed = 0, 0, 0
-    try:
-        for start in range(0, len(data.prompts), batch_size):
-            chunk = list(data.prompts[start : start + batch_size])
-            enc = tokenizer(chunk, return_tensors="pt", padding=True)
-            ids = enc["input_ids"].to(model.device)
-            out = model.generate(ids, attention_mask=enc["attention_mask"].to(model.device),
-                                 adapter_ids=[adapter] * len(chunk), release_policy=policy, **data.generate_kwargs)
-            texts = tokenizer.batch_decode(out.sequences[:, ids.shape[1]:], skip_special_tokens=True)
-            correct += sum(bool(data.score(text, start + i)) for i, text in enumerate(texts))
-            lora_calls += int(out.lora_decode_steps.sum())
-            needed += int(out.decode_steps.sum())
-    finally:
-        tokenizer.padding_side = side
+    for start in range(0, len(data.prompts), batch_size):
+        texts, out = generate_answers(model, tokenizer, adapter, data.prompts[start : start + batch_size],
+                                      data.generate_kwargs, policy)
+        correct += sum(bool(data.score(text, start + i)) for i, text in enumerate(texts))
+        lora_calls += int(out.lora_decode_steps.sum())
+        needed += int(out.decode_steps.sum())
     if adapter is None:
         return correct / len(data.prompts), 1.0
     return correct / len(data.prompts), (0.0 if needed == 0 else 1.0 - lora_calls / needed)

@@ -12,7 +12,7 @@ runner then captures the decision inside the decode-step graph, reading static c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -65,10 +65,13 @@ class ReleaseState:
             use_override=use_override.to(device),
         )
 
+    def clone(self) -> "ReleaseState":
+        return ReleaseState(**{f.name: getattr(self, f.name).clone() for f in fields(self)})
+
     def copy_(self, other: "ReleaseState") -> "ReleaseState":
         """Overwrite this state's tensors in place with `other`'s (same batch size)."""
-        for name in ("slot", "active", "release_step", "override_k", "use_override"):
-            getattr(self, name).copy_(getattr(other, name))
+        for f in fields(self):
+            getattr(self, f.name).copy_(getattr(other, f.name))
         return self
 
     def advance(self, step: int | torch.Tensor, policy_keep: torch.Tensor | None) -> torch.Tensor:

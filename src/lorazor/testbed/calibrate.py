@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -74,7 +73,7 @@ def main(argv=None) -> None:
     for name, curve in curves.items():
         kind, value = chosen[name]
         for p in curve:
-            mine = getattr(p, kind) == value or (isinstance(value, float) and math.isinf(value) and p.tau == value)
+            mine = getattr(p, kind) == value
             lines.append(f"| {name} | {setting(p)} | {p.accuracy:.1%} | {p.skip_fraction:.0%} | {'<-' if mine else ''} |")
     lines += ["", f"k=None / tau=-inf keep the adapter to the end. Command: `python -m lorazor.testbed.calibrate {given}`; "
               f"torch {torch.__version__}, {model.device.type}, {time.strftime('%Y-%m-%d')}; took {time.time() - start:.0f} s."]
