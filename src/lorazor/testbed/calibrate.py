@@ -27,9 +27,24 @@ def _task_set(task, split: str, limit: int | None, tokenizer):
     )
 
 
-def main(argv=None) -> None:
-    import torch
+def _environment(device) -> str:
+    """Commit (when run from a git checkout), package versions and device, for the results file."""
+    import subprocess
 
+    import peft
+    import torch
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return (f"commit {commit}; torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"peft {peft.__version__}; {device.type}")
+
+
+def main(argv=None) -> None:
     from lorazor import LoRazorConfig, LoRazorModel, save_release_policy
     from lorazor.calibration import calibrate_learned, calibrate_profiled
     from lorazor.testbed import load
@@ -76,7 +91,7 @@ def main(argv=None) -> None:
             mine = getattr(p, kind) == value
             lines.append(f"| {name} | {setting(p)} | {p.accuracy:.1%} | {p.skip_fraction:.0%} | {'<-' if mine else ''} |")
     lines += ["", f"k=None / tau=-inf keep the adapter to the end. Command: `python -m lorazor.testbed.calibrate {given}`; "
-              f"torch {torch.__version__}, {model.device.type}, {time.strftime('%Y-%m-%d')}; took {time.time() - start:.0f} s."]
+              f"{_environment(model.device)}; {time.strftime('%Y-%m-%d')}; took {time.time() - start:.0f} s."]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "calibration.md").write_text("\n".join(lines) + "\n")
     (args.out / "calibration.json").write_text(json.dumps(
