@@ -12,7 +12,7 @@ for step in "$@"; do
   start=$(date +%s)
   case $step in
     tests) timeout 280 python3 -m pytest tests -q -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
-    gpu-tests) timeout 300 python3 -m pytest tests/test_kernels.py tests/test_gpu.py tests/test_merged.py tests/test_release.py tests/test_add_adapter.py tests/test_compile.py tests/test_decode_attention.py -q -x --durations=15 -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
+    gpu-tests) timeout 300 python3 -m pytest tests/test_kernels.py tests/test_gpu.py tests/test_merged.py tests/test_release.py tests/test_add_adapter.py tests/test_compile.py tests/test_decode_attention.py -q --durations=15 -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
     kernels) timeout 120 python3 benchmarks/bench_kernels.py --out "$W" > "$W/kernels.log" 2>&1 ;;
     kernels-sweep) timeout 200 python3 benchmarks/bench_kernels.py --out "$W" --sweep > "$W/kernels.log" 2>&1 ;;
     e2e-llama) timeout 360 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --hf-compile --compile > "$W/e2e_llama.log" 2>&1 ;;
