@@ -2,11 +2,11 @@
 
     python benchmarks/bench_kernels.py --out benchmarks/results [--sweep]
 
-M = 256 decode rows spread uniformly over L adapters (L in 4..128), rank 8, bf16, plus a mixed
-case (192 prefill rows of one adapter + 64 decode rows over the others). Every grid mode runs the
-kernel path of the device config (shrink + expand on the H200); `full` and `exact` also run the
-other path (one fused kernel per projection) to compare the two, and with the per-slot rank load
-(mixed-rank banks) against without it (uniform ranks, the model's path for this bank). Each layer's 7 LoRA ops
+M = 256 decode rows spread uniformly over L adapters (L in 1..128), rank 8, bf16, plus a mixed
+case (192 prefill rows of one adapter + 64 decode rows over the others). Every grid mode runs
+shrink + expand per projection; `full` and `exact` also run the model's default layout (q/k/v and
+gate/up merged), `exact` also in a 128-slot bank with and without the distinct-adapter bound, and
+with the per-slot rank load (mixed-rank banks). Each layer's LoRA ops
 are captured in one CUDA graph over a pool of distinct layers (so weights come from HBM, not L2)
 and replayed; the step metadata is built once outside, as in a model step.
 Floor = (active adapters' A and B bytes + x read once + y read and written) / measured copy bandwidth.
@@ -34,6 +34,7 @@ from lorazor_kernels import (  # noqa: E402
     get_kernel_config,
     lora_expand,
     lora_shrink,
+    slot_bound_class,
 )
 
 # Projections that share an input and can run as one merged shrink + one segmented expand.
@@ -130,21 +131,29 @@ def time_backbone(shape: dict) -> float:
 
 
 def sweep(shape: dict, gen, base: KernelConfig) -> KernelConfig:
-    """Small search over the fused kernel's launch parameters for `exact`, scored at L = 8 and L = 128."""
-    best, best_t = None, float("inf")
-    cands = []
-    for bk in (128, 256, 512):
-        for pps in (1, 2, 4, 8):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    cands.append(dataclasses.replace(base, fused=True, fused_block_k=bk, fused_programs_per_sm=pps,
-                                                     fused_num_warps=warps, fused_num_stages=stages))
-    pools = {L: (layer_pool(shape, L)[:2], build_batch_meta(slot_map("decode", L, gen), L, "exact")) for L in (8, 128)}
-    for cfg in cands:
-        t = sum(time_mode(layers, meta, cfg) for layers, meta in pools.values())
+    """Coordinate search over shrink + expand launch parameters on the model's path (merged
+    projections, exact grid), scored at L = 8 and L = 128: shrink parameters first, then expand's."""
+    pools = {L: (merged_pool(layer_pool(shape, L)[:2]), build_batch_meta(slot_map("decode", L, gen), L, "exact"))
+             for L in (8, 128)}
+
+    def score(cfg):
+        t = sum(time_merged(pool, meta, cfg) for pool, meta in pools.values())
         print(f"sweep {cfg} -> {t:.1f} us (L=8 + L=128)", flush=True)
-        if t < best_t:
-            best, best_t = cfg, t
+        return t
+
+    best = dataclasses.replace(base, fused=False)
+    best_t = score(best)
+    shrink = [dict(shrink_block_k=bk, target_programs_per_sm=pps, shrink_num_warps=w)
+              for bk in (128, 256, 512) for pps in (1, 2, 4) for w in (2, 4)]
+    expand = [dict(expand_block_n=bn, expand_programs_per_sm=pps, expand_num_warps=w)
+              for bn in (64, 128, 256) for pps in (4, 8, 16) for w in (2, 4)]
+    for space in (shrink, expand):
+        start = best
+        for params in space:
+            cfg = dataclasses.replace(start, **params)
+            t = score(cfg)
+            if t < best_t:
+                best, best_t = cfg, t
     return best
 
 
@@ -167,49 +176,55 @@ def main() -> None:
         gemm = time_backbone(shape)
         # The model's setting: a bank of 128 slots (max_loras) of which the batch uses L. The exact
         # grid and its split sizes follow the bank's bound, not L.
-        bank = layer_pool(shape, 128)
+        bank = merged_pool(layer_pool(shape, 128))
         for case, Ls in (("decode", (1, 4, 8, 16, 32, 64, 128)), ("mixed", (128,))):
             for L in Ls:
                 layers = layer_pool(shape, L)
+                merged = merged_pool(layers)
                 slots = slot_map(case, L, gen)
                 row = dict(model=model, case=case, L=L, floor_us=floor_us(shape, L, bw), backbone_gemm_us=gemm)
                 for grid in GRID_MODES:
                     meta = build_batch_meta(slots, L, grid)
                     row[f"{grid}_us"] = time_mode(layers, meta, cfg)
+                    if grid in ("exact", "full"):
+                        row[f"{grid}_merged_us"] = time_merged(merged, meta, cfg)
                     if grid == "exact":
-                        other = dataclasses.replace(cfg, fused=not cfg.fused)
-                        row[f"exact_{'fused' if other.fused else 'split'}_us"] = time_mode(layers, meta, other)
                         row["exact_masked_us"] = time_mode(layers, meta, cfg, mask_rank=True)
-                        row["exact_bank128_us"] = time_mode(bank, build_batch_meta(slots, 128, "exact"), cfg)
-                        row["exact_merged_us"] = time_merged(merged_pool(layers), meta, cfg)
+                        # The model's bank holds 128 slots; the batch's distinct adapters bound the grid.
+                        bounded = build_batch_meta(slots, 128, "exact", max_active_slots=slot_bound_class(L, 128))
+                        row["exact_merged_bank128_us"] = time_merged(bank, bounded, cfg)
+                        row["exact_merged_bank128_unbounded_us"] = time_merged(bank, build_batch_meta(slots, 128, "exact"), cfg)
                 row["exact_over_full"] = row["exact_us"] / row["full_us"]
                 row["exact_over_floor"] = row["exact_us"] / row["floor_us"]
+                row["merged_over_full"] = row["exact_merged_us"] / row["full_merged_us"]
+                row["merged_over_floor"] = row["exact_merged_us"] / row["floor_us"]
                 rows.append(row)
                 print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-                del layers
+                del layers, merged
                 torch.cuda.empty_cache()
         del bank
     meta = dict(environment(), command=" ".join(sys.argv), copy_bandwidth_TBps=bw / 1e12, rank=RANK, rows_M=M,
                 kernel_config=dataclasses.asdict(cfg), date=time.strftime("%Y-%m-%d"))
-    alt = "split" if cfg.fused else "fused"
-    head = ("| model | case | L | full us | active_rows us | two_class us | exact us | floor us | exact/full | "
-            f"exact/floor | exact {alt} us | exact rank-masked us | exact, 128-slot bank us | exact merged us | "
-            "backbone GEMMs us |\n")
-    head += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    head = ("| model | case | L | full us | active_rows us | two_class us | exact us | full merged us | exact merged us | "
+            "floor us | exact/full | exact/floor | merged exact/full | merged exact/floor | "
+            "merged exact, 128-slot bank us | same, unbounded grid us | exact rank-masked us | backbone GEMMs us |\n")
+    head += "|---" * 18 + "|\n"
     body = "".join(
         f"| {r['model']} | {r['case']} | {r['L']} | {r['full_us']:.1f} | {r['active_rows_us']:.1f} | {r['two_class_us']:.1f} | "
-        f"{r['exact_us']:.1f} | {r['floor_us']:.1f} | {r['exact_over_full']:.2f} | {r['exact_over_floor']:.2f} | "
-        f"{r[f'exact_{alt}_us']:.1f} | {r['exact_masked_us']:.1f} | {r['exact_bank128_us']:.1f} | "
-        f"{r['exact_merged_us']:.1f} | {r['backbone_gemm_us']:.1f} |\n"
+        f"{r['exact_us']:.1f} | {r['full_merged_us']:.1f} | {r['exact_merged_us']:.1f} | {r['floor_us']:.1f} | "
+        f"{r['exact_over_full']:.2f} | {r['exact_over_floor']:.2f} | {r['merged_over_full']:.2f} | {r['merged_over_floor']:.2f} | "
+        f"{r['exact_merged_bank128_us']:.1f} | {r['exact_merged_bank128_unbounded_us']:.1f} | {r['exact_masked_us']:.1f} | "
+        f"{r['backbone_gemm_us']:.1f} |\n"
         for r in rows)
     table = f"# LoRA kernel time per layer (7 projections, rank {RANK}, M={M}, bf16)\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
-    table += (f"\nThe mode columns run {'the fused kernel' if cfg.fused else 'shrink + expand'} (the config's choice) "
-              "without the per-slot rank load, as the model does for a bank of uniform-rank adapters; "
-              f"the {alt} column runs {'shrink + expand (two launches per projection)' if cfg.fused else 'one fused kernel per projection'}, "
-              "the rank-masked column reads each slot's rank (what mixed-rank banks run); the 128-slot bank column "
-              "runs the same rows in a bank of 128 slots, as a model with max_loras=128 does; the merged column runs "
-              "q/k/v and gate/up as one shrink + one segmented expand each (8 launches per layer, not 14). Floor: active adapters' A and B + x read once + y read and "
-              "written, over the measured copy bandwidth.\n")
+    table += ("\nPer-projection columns (full, active_rows, two_class, exact) run shrink + expand for each of the 7 "
+              "projections (14 launches per layer) without the per-slot rank load, as the model does for a bank "
+              "of uniform-rank adapters. Merged columns run q/k/v and gate/up as one shrink + one segmented expand "
+              "each (8 launches per layer), the model's default. The 128-slot bank columns run the same rows in a "
+              "bank of 128 slots (a model with max_loras=128): bounded by the batch's distinct adapters (the model's "
+              "path: tile table of M/16 + max(16, 2^ceil(log2 L)) tiles) and unbounded (M/16 + 128 tiles). "
+              "Rank-masked: exact reading each slot's rank (mixed-rank banks). Floor: active adapters' A and B + x "
+              "read once + y read and written, over the measured copy bandwidth.\n")
     write_results(args.out, "kernels", rows, meta, table)
     print(table)
 

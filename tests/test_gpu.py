@@ -51,7 +51,9 @@ def test_graph_replay_equals_eager_across_adapter_mixes(grid):
     # all-backbone batch, which skips LoRA).
     assert len(graph.graphs.buckets) == 1
     if grid in ("exact", "full"):
-        assert set(next(iter(graph.graphs.buckets.values())).graphs) == {("device", None), ("backbone",)}
+        # The bank's 3 slots are one slot-bound class (min(16, 3)).
+        keys = {("device", None, 3) if grid == "exact" else ("device", None, None), ("backbone",)}
+        assert set(next(iter(graph.graphs.buckets.values())).graphs) == keys
 
 
 def test_set_grid_recaptures():
@@ -175,3 +177,19 @@ def test_merged_projections_graph_replay_equals_eager_and_fp32_peft():
     assert torch.equal(gen(graph, ids, mask, ADAPTERS16).sequences, ref)
     assert torch.equal(gen(eager, ids, mask, ADAPTERS16).sequences, ref)
     assert all(group._output is not None for group in graph.merged_groups)
+
+
+def test_slot_bound_classes_serve_few_and_many_adapters_from_one_bank():
+    from lorazor.tiny import AdapterSpec
+
+    specs = tuple(AdapterSpec(f"a{i}", 4, 8, ("q_proj", "v_proj", "down_proj")) for i in range(20))
+    base = tiny_peft_model("llama", specs, dtype=torch.bfloat16).cuda()
+    eager = LoRazorModel.from_peft(copy.deepcopy(base), LoRazorConfig(cuda_graphs=False))
+    graph = LoRazorModel.from_peft(base, LoRazorConfig())
+    ids, mask = make_batch(24, 7, seed=10, pad_rows=(3,))
+    few = [f"a{7 + i % 2}" for i in range(24)]
+    many = [f"a{i % 20}" if i % 5 else None for i in range(24)]
+    for adapters in (few, many, few):
+        assert torch.equal(gen(graph, ids, mask, adapters).sequences, gen(eager, ids, mask, adapters).sequences)
+    # Two adapters run the graph whose tile table is bounded by 16 slots; 19 run the 20-slot one.
+    assert set(next(iter(graph.graphs.buckets.values())).graphs) == {("device", None, 16), ("device", None, 20)}

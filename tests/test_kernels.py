@@ -3,7 +3,15 @@
 import pytest
 import torch
 from conftest import DEVICE, HAS_CUDA, KERNEL_DTYPES, TOL
-from lorazor_kernels import GRID_MODES, batched_lora, build_batch_meta, lora_delta_reference, row_bound
+from lorazor_kernels import (
+    GRID_MODES,
+    add_batched_lora_,
+    batched_lora,
+    build_batch_meta,
+    lora_delta_reference,
+    row_bound,
+    slot_bound_class,
+)
 
 
 def make_case(M, K, N, r, L, dtype, seed, frac_base=0.3, ranks=None, row_slot=None):
@@ -150,6 +158,37 @@ def test_exact_tile_table_covers_every_row_once():
             assert rows.numel() > 0 and torch.all(slot[rows] == s)
             seen[rows] += 1
         assert torch.equal(seen, (slot >= 0).long())
+
+
+@pytest.mark.parametrize("M, used, bound", [(64, 3, 16), (64, 16, 16), (256, 20, 32), (5, 5, 16)])
+def test_exact_grid_bounded_by_distinct_slots_in_a_big_bank(M, used, bound):
+    # A bank of 128 slots of which the batch uses `used` (scattered over the bank): the bounded tile
+    # table launches M/BM + bound tiles, and every row still gets its own adapter's delta.
+    L = 128
+    g = torch.Generator().manual_seed(M + used)
+    chosen = torch.randperm(L, generator=g)[:used]
+    slot = chosen[torch.randint(0, used, (M,), generator=g)]
+    slot[torch.rand(M, generator=g) < 0.2] = -1
+    x, a, b, s, slot, rank = make_case(M, 96, 80, 8, L, torch.float32, seed=used, row_slot=slot)
+    assert slot_bound_class(int(torch.unique(slot[slot >= 0]).numel()), L) == bound
+    meta = build_batch_meta(slot, L, "exact", max_active_slots=bound)
+    assert meta.num_tiles == -(-M // 16) + min(bound, M) <= build_batch_meta(slot, L, "exact").num_tiles
+    y = torch.zeros(M, 80, device=DEVICE)
+    add_batched_lora_(y, x, a, b, s, rank, meta)
+    ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), slot, rank)
+    torch.testing.assert_close(y.double(), ref, **TOL[torch.float32])
+    assert torch.all(y[slot < 0] == 0) and ref.abs().max() > 0.1
+
+
+def test_slot_bound_classes_and_a_broken_bound_fails_loudly():
+    assert [slot_bound_class(n, 128) for n in (0, 1, 16, 17, 64, 65, 128)] == [16, 16, 16, 32, 64, 128, 128]
+    assert slot_bound_class(3, 5) == 5
+    with pytest.raises(ValueError, match="max_active_slots must be >= 1"):
+        build_batch_meta(torch.zeros(4, dtype=torch.long), 8, "exact", max_active_slots=0)
+    if not HAS_CUDA:  # on the GPU this is a device-side assert, which ends the process's CUDA context
+        slot = torch.arange(40) % 20  # 20 distinct slots of 1-2 rows: more partial tiles than 3 + 2
+        with pytest.raises(RuntimeError, match="more distinct slots than max_active_slots"):
+            build_batch_meta(slot, 20, "exact", max_active_slots=2)
 
 
 def test_row_bound_buckets():

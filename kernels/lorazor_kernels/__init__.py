@@ -6,7 +6,7 @@ This package takes tensors and step metadata; it knows nothing about models.
 from .decode_attention import decode_attention, decode_attention_op, decode_attention_reference
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_kernels import lora_expand, lora_fused, lora_shrink
-from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound
+from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound, slot_bound_class
 from .ops import add_batched_lora_, add_lora_op_, batched_lora
 from .reference import NO_ADAPTER, lora_delta_reference
 
@@ -28,4 +28,5 @@ __all__ = [
     "lora_fused",
     "lora_shrink",
     "row_bound",
+    "slot_bound_class",
 ]

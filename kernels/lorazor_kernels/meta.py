@@ -75,11 +75,29 @@ class LoRABatchMeta:
 
     @property
     def num_tiles(self) -> int:
-        """Upper bound on exact tiles: each active slot adds at most one partial tile."""
-        return -(-self.num_rows // self.block_m) + min(self.num_slots, self.num_rows)
+        """Exact tiles launched: the tile table's length, else the bound for a step using every slot."""
+        if self.tile_slot is not None:
+            return self.tile_slot.shape[0]
+        return tile_table_size(self.num_rows, self.num_slots, self.block_m)
 
 
-def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact", block_m: int = 16) -> LoRABatchMeta:
+def tile_table_size(num_rows: int, num_slots: int, block_m: int, max_active_slots: int | None = None) -> int:
+    """Upper bound on exact tiles: the full row tiles plus one partial tile per slot in use."""
+    active = min(num_slots, num_rows, num_slots if max_active_slots is None else max_active_slots)
+    return -(-num_rows // block_m) + active
+
+
+def slot_bound_class(distinct_slots: int, num_slots: int, smallest: int = 16) -> int:
+    """The `max_active_slots` class of a batch using `distinct_slots` slots: a power of two
+    >= max(distinct_slots, smallest), at most `num_slots` (a few classes, so a few graphs)."""
+    bound = smallest
+    while bound < distinct_slots:
+        bound *= 2
+    return min(bound, num_slots)
+
+
+def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact", block_m: int = 16,
+                     max_active_slots: int | None = None) -> LoRABatchMeta:
     """Build the step metadata from the per-row slot map.
 
     Args:
@@ -87,6 +105,11 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
         num_slots: L, the number of slots in the adapter bank.
         grid: grid mode, one of `GRID_MODES`.
         block_m: row-tile height BM (a power of two >= 16).
+        max_active_slots: `exact` only: at most this many distinct slots appear in `row_slot` (known
+            on the host, e.g. from a request batch's adapter names). It bounds the tile table, and so
+            the launch grid and the split sizes chosen from it: a bank of 128 slots serving one
+            adapter launches 16 + 8 tiles, not 16 + 128. None: every slot may appear. A batch that
+            breaks the bound fails a device-side assert (never a silently dropped row).
 
     Returns:
         A `LoRABatchMeta` shared by every LoRA layer of the step.
@@ -108,9 +131,16 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
     meta = LoRABatchMeta(grid, num_rows, num_slots, block_m, sorted_rows, slot_start, row_slot)
 
     if grid == "exact":
+        if max_active_slots is not None and max_active_slots < 1:
+            raise ValueError(f"max_active_slots must be >= 1 or None, got {max_active_slots}")
         tiles = (counts[:num_slots] + block_m - 1) // block_m
         tile_end = torch.cumsum(tiles, 0)
-        t = torch.arange(meta.num_tiles, device=device)
+        num_tiles = tile_table_size(num_rows, num_slots, block_m, max_active_slots)
+        if max_active_slots is not None and max_active_slots < min(num_slots, num_rows):
+            # Asynchronous (no host sync, capturable): fails if the table cannot hold every tile.
+            torch._assert_async(tile_end[-1] <= num_tiles,
+                                "row_slot uses more distinct slots than max_active_slots")
+        t = torch.arange(num_tiles, device=device)
         slot_of_tile = torch.searchsorted(tile_end, t, right=True)
         valid = slot_of_tile < num_slots
         slot_c = slot_of_tile.clamp(max=num_slots - 1)

@@ -137,8 +137,9 @@ def decode_loop(
     state = ReleaseState.create(row_slot, release_overrides)
     if policy is not None:
         policy.bind(model.bank.names, model.bank.num_slots, device)
-    # One host check per call: a batch without adapters skips LoRA entirely (no kernel launches).
-    model.context.enabled = bool((row_slot >= 0).any())
+    # One host check per call: a batch without adapters skips LoRA entirely (no kernel launches),
+    # and the number of distinct adapters bounds the exact grid.
+    model.context.begin_batch(row_slot)
 
     tokens = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=device)
     tokens[:, :T] = input_ids

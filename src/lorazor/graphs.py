@@ -5,7 +5,8 @@ previous hidden states, applied one-way to the per-row release state), the LoRA 
 the resulting row -> slot map, the KV-cache position writes, the decoder with the batched LoRA
 layers, and the LM head on each row's last hidden state. Inputs, release state and policy tensors
 live in static buffers; a replay serves any tokens, positions, adapter mix and policy parameters
-without recapture. One graph per (bucket, policy class).
+without recapture. One graph per (bucket, policy class, class of the number of distinct adapters
+in the batch: 16, 32, 64, ... up to the bank's slots, which bounds the exact grid's tile table).
 
 The paper's grid modes (`active_rows`, `two_class`) fix their launch shape on the host: the release
 decision and their metadata are computed outside the graph (one host sync per step) into static
@@ -106,7 +107,7 @@ class DecodeGraphs:
         if not context.enabled:
             return ("backbone",), None
         if context.meta_on_device:
-            return ("device",), None
+            return ("device, eager release", context.slot_bound), None
         meta = context.build(row_slot)
         return (meta.row_bound, meta.class_split, meta.has_lora), meta
 
@@ -174,7 +175,8 @@ class DecodeGraphs:
                 bucket.hidden_in = torch.empty_like(hidden)
             bucket.hidden_in.copy_(hidden)
             bucket.step_index.fill_(step)
-            key, meta = ("device", type(policy) if policy is not None else None), None
+            key = ("device", type(policy) if policy is not None else None, self.model.context.slot_bound)
+            meta = None
         else:
             if self.model.context.enabled:
                 bucket.row_slot.copy_(release_step(policy, step, hidden, state))

@@ -26,6 +26,8 @@ from .policies.base import ReleasePolicy, ReleaseState, release_step
 from .step import StepContext
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Compiled decode-step specializations allowed (batch buckets x slot-bound classes, plus backbone).
+COMPILED_STEP_VARIANTS = 256
 
 
 def accepts_kwarg(fn, name: str) -> bool:
@@ -160,7 +162,8 @@ class LoRazorModel(nn.Module):
 
     @property
     def uses_graphs(self) -> bool:
-        return self.config.cuda_graphs and self.device.type == "cuda"
+        # The reference backend loops over slots on the host (a sync per layer): it runs eagerly.
+        return self.config.cuda_graphs and self.device.type == "cuda" and self.context.backend != "reference"
 
     def cache_for(self, batch_size: int, max_len: int, device: torch.device) -> KVCache:
         """A fresh cache, or with CUDA graphs the persistent cache of the graph bucket."""
@@ -179,7 +182,9 @@ class LoRazorModel(nn.Module):
 
     def capture(self, batch_sizes, policy: ReleasePolicy | None = None) -> int:
         """Capture the decode graphs of these batch sizes now (LoRA and backbone-only, with `policy`'s
-        class or none deciding release), at the cache length `max_cache_len`.
+        class or none deciding release), at the cache length `max_cache_len`. With the `exact` grid
+        there is one LoRA graph per class of distinct adapters in a batch (16, 32, ... up to
+        `max_loras`), so a batch of few adapters launches a grid sized for few.
 
         Does nothing without CUDA graphs (CPU, or `cuda_graphs=False`). Returns the graphs captured.
         """
@@ -189,7 +194,7 @@ class LoRazorModel(nn.Module):
             raise ValueError("capture needs LoRazorConfig.max_cache_len: graphs are captured per cache length")
         device = self.device
         before = self.graphs.num_graphs() if self.graphs is not None else 0
-        enabled = self.context.enabled
+        enabled, slot_bound = self.context.enabled, self.context.slot_bound
         policy = policy if policy is not None else self.release_policy
         if policy is not None:
             policy.bind(self.bank.names, self.bank.num_slots, device)
@@ -202,11 +207,12 @@ class LoRazorModel(nn.Module):
                                                                           device=device)), policy, cache)
                 zeros = torch.zeros(size, dtype=torch.long, device=device)
                 hidden = torch.zeros(size, hidden_size, dtype=self._lm_head.weight.dtype, device=device)
-                for lora in (True, False):
-                    self.context.enabled = lora
+                for bound in [*self.context.slot_bound_classes(), "backbone"]:
+                    self.context.enabled = bound != "backbone"
+                    self.context.slot_bound = bound if self.context.enabled else None
                     self.run_decode_step(zeros, zeros, zeros, cache, state, policy, 0, hidden)
         finally:
-            self.context.enabled = enabled
+            self.context.enabled, self.context.slot_bound = enabled, slot_bound
         return self.graphs.num_graphs() - before
 
     def _graph_batch(self, batch_size: int) -> int:
@@ -274,7 +280,10 @@ class LoRazorModel(nn.Module):
             if self.config.compile:
                 if self._compiled_core is None:
                     self._compiled_core = torch.compile(self._decode_core, dynamic=False)
-                return self._compiled_core(tokens, positions, write_pos, cache, row_slot, meta)
+                # One specialization per (batch bucket, slot-bound class or grid layout): more than
+                # dynamo's default limit of 8, past which it would silently run the step eagerly.
+                with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_VARIANTS):
+                    return self._compiled_core(tokens, positions, write_pos, cache, row_slot, meta)
             return self._decode_core(tokens, positions, write_pos, cache, row_slot, meta)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, adapter_ids=None):
@@ -284,7 +293,7 @@ class LoRazorModel(nn.Module):
         """
         attention_mask = self._check_batch(input_ids, attention_mask, adapter_ids)
         row_slot = self._row_slot(input_ids, adapter_ids)
-        self.context.enabled = bool((row_slot >= 0).any())
+        self.context.begin_batch(row_slot)
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1], input_ids.device)
         hidden = self._prefill_hidden(input_ids, attention_mask, cache, row_slot)
         with torch.inference_mode():

@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from lorazor_kernels import LoRABatchMeta, build_batch_meta
+from lorazor_kernels import LoRABatchMeta, build_batch_meta, slot_bound_class
 
 
 class StepContext:
@@ -31,15 +31,32 @@ class StepContext:
         self.meta: LoRABatchMeta | None = None
         # False when no row of the batch has an adapter: the layers then run the backbone alone.
         self.enabled = True
+        # `exact` grid: at most this many distinct slots in the batch (None: any of the bank's).
+        self.slot_bound: int | None = None
+
+    def begin_batch(self, row_slot: torch.Tensor) -> None:
+        """Per call (one host sync, never per step): whether any row has an adapter, and the class
+        of the number of distinct adapters, which bounds the `exact` tile table. A bank of 128 slots
+        serving a batch of 3 adapters then launches the grid of 16, not 128 (release only lowers it)."""
+        distinct = torch.unique(row_slot[row_slot >= 0]).numel()
+        self.enabled = distinct > 0
+        self.slot_bound = slot_bound_class(distinct, self.num_slots) if self.grid == "exact" else None
 
     @property
     def meta_on_device(self) -> bool:
         """Whether building the metadata needs no host sync (so it can be captured in a graph)."""
         return self.grid in ("exact", "full") or self.backend == "reference"
 
+    def slot_bound_classes(self) -> list[int | None]:
+        """Every `slot_bound` a batch can get (one set of graphs each)."""
+        if self.grid != "exact":
+            return [None]
+        return sorted({slot_bound_class(n, self.num_slots) for n in range(1, self.num_slots + 1)})
+
     def build(self, row_slot: torch.Tensor, tokens_per_row: int = 1) -> LoRABatchMeta:
         token_slot = row_slot if tokens_per_row == 1 else row_slot.repeat_interleave(tokens_per_row)
-        return build_batch_meta(token_slot, self.num_slots, self.grid, self.block_m)
+        bound = self.slot_bound if self.grid == "exact" else None
+        return build_batch_meta(token_slot, self.num_slots, self.grid, self.block_m, bound)
 
     def begin(self, row_slot: torch.Tensor, tokens_per_row: int = 1, meta: LoRABatchMeta | None = None) -> None:
         """Set the metadata of the forward about to run (no context manager: torch.compile-friendly)."""
