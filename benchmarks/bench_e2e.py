@@ -168,7 +168,7 @@ def main() -> None:
     graphs = model.graphs
     meta = dict(environment(), command=" ".join(sys.argv), batch=B, prompt=T, new_tokens=NEW, rank=RANK,
                 compile=args.compile, peft_new_tokens=args.peft_new, graphs=graphs.num_graphs(),
-                graph_capture_s=round(graphs.capture_seconds, 2), graph_capture_GB=round(graphs.capture_bytes / 1e9, 3),
+                graph_capture_s_all_runs=round(graphs.capture_seconds, 2), graph_GB_last_sweep=round(graphs.capture_bytes / 1e9, 3),
                 date=time.strftime("%Y-%m-%d"))
     render(rows, meta, args.out, f"e2e_{args.model}{args.tag}")
 

@@ -64,8 +64,8 @@ class DecodeGraphs:
         self.model = model
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple[int, int], _Bucket] = {}
-        self.capture_seconds = 0.0
-        self.capture_bytes = 0
+        self.capture_seconds = 0.0  # every capture of this model, cumulative
+        self.capture_bytes = 0  # GPU memory the live graphs reserved (reset by `clear`)
 
     def cache(self, batch_size: int, max_len: int, device: torch.device) -> KVCache:
         """The persistent KV cache of the (batch, length) bucket; prefill writes into it eagerly."""
@@ -200,6 +200,7 @@ class DecodeGraphs:
             bucket.graphs.clear()
         # A pool whose graphs are all gone cannot take new captures: start a fresh one.
         self.pool = torch.cuda.graph_pool_handle()
+        self.capture_bytes = 0
 
     def num_graphs(self) -> int:
         return sum(len(b.graphs) for b in self.buckets.values())
