@@ -13,14 +13,14 @@ for step in "$@"; do
   case $step in
     tests) timeout 280 python3 -m pytest tests -q -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
     gpu-tests) timeout 300 python3 -m pytest tests/test_kernels.py tests/test_gpu.py tests/test_merged.py tests/test_release.py tests/test_add_adapter.py tests/test_compile.py tests/test_decode_attention.py -q --durations=15 -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
-    kernels) timeout 100 python3 benchmarks/bench_kernels.py --out "$W" > "$W/kernels.log" 2>&1 ;;
+    kernels) timeout 90 python3 benchmarks/bench_kernels.py --out "$W" > "$W/kernels.log" 2>&1 ;;
     kernels-sweep) timeout 200 python3 benchmarks/bench_kernels.py --out "$W" --sweep > "$W/kernels.log" 2>&1 ;;
     # Later steps of this call use the swept config (the file comes back in all.tgz to be committed).
     apply-tuned) cp "$W/tuned_kernel_config.json" kernels/lorazor_kernels/configs/NVIDIA_H200.json ;;
-    gpu-tests-changed) timeout 130 python3 -m pytest tests/test_gpu.py tests/test_merged.py tests/test_compile.py tests/test_kernels.py -k "bound or slot or merged or graph or tile or bad or compile or logits or recapture" -q --durations=10 -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
+    gpu-tests-changed) timeout 110 python3 -m pytest tests/test_gpu.py tests/test_merged.py tests/test_compile.py tests/test_kernels.py -k "bound or slot or merged or graph or tile or bad or compile or logits or recapture" -q --durations=10 -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
     e2e-llama) timeout 360 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --hf-compile --compile > "$W/e2e_llama.log" 2>&1 ;;
     e2e-exact) timeout 400 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,32,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
-    e2e-quick) timeout 260 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
+    e2e-quick) timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
     e2e-per-projection) timeout 190 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --per-projection --tag _per_projection > "$W/e2e_per_projection.log" 2>&1 ;;
     e2e-mistral) timeout 430 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1 --adapters 1,32,128 --grids exact --compile > "$W/e2e_mistral.log" 2>&1 ;;
     release) timeout 300 python3 benchmarks/bench_release.py --out "$W" > "$W/release.log" 2>&1 ;;
