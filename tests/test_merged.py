@@ -23,8 +23,8 @@ def test_merged_projections_match_peft(arch, backend):
     assert len(model.merged_groups) == 2 * model.model.config.num_hidden_layers
     ids, mask = make_batch(6, 5, seed=11, pad_rows=(1, 4))
     assert torch.equal(generate(model, ids, mask), peft_generate(oracle, ids, mask, ADAPTERS, max_new_tokens=6))
-    # The merged computation ran: every group holds the output it served its members from.
-    assert all(group._output is not None for group in model.merged_groups)
+    # The merged computation ran, and no group holds its buffers past the last member.
+    assert all(group.ran_merged and group._output is None for group in model.merged_groups)
     # Logits of a full forward too (prefill path), against PEFT's.
     with torch.no_grad():
         ref = oracle(input_ids=ids, attention_mask=mask,
@@ -38,7 +38,7 @@ def test_mixed_ranks_fall_back_to_per_module_and_stay_exact():
     ids, mask = make_batch(4, 5, seed=12)
     adapters = ["math", "sql", None, "med"]
     assert torch.equal(generate(model, ids, mask, adapters), peft_generate(oracle, ids, mask, adapters, max_new_tokens=6))
-    assert all(group._output is None for group in model.merged_groups)
+    assert not any(group.ran_merged for group in model.merged_groups)
 
 
 def test_merged_weights_are_views_not_copies():

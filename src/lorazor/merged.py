@@ -59,6 +59,7 @@ class MergedGroup:
         self.rank = loras[0].rank
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
+        self.ran_merged = False  # set once the merged computation has served the members
         for g, member in enumerate(members):
             member.merged = (self, g)
 
@@ -68,14 +69,21 @@ class MergedGroup:
             if self._input is not x:
                 return None
             lo, hi = self.spans[index]
-            return self._output[..., lo:hi]
+            out = self._output[..., lo:hi]
+            if index == len(self.members) - 1:
+                # Every member has its slice: drop the references, so the merged buffers live no
+                # longer than the slices (held past a graph capture, they would pin ~14 MB per
+                # layer at batch 256 in the graph pool, and as much between eager steps).
+                self._input = self._output = None
+            return out
         if any(m.lora.mask_rank for m in self.members):
             self._input = self._output = None
             return None
         y = add_step_lora_(nn.functional.linear(x, self.weight, self.bias), x, self.context, self.lora_a,
                            self.lora_b, self.scaling, self.rank, mask_rank=False, segments=self.edges[:-1])
-        # Holding x keeps its identity unique until the next call replaces it.
+        # Holding x keeps its identity unique until the last member has read its slice.
         self._input, self._output = x, y
+        self.ran_merged = True
         return y[..., : self.edges[0]]
 
 
