@@ -32,6 +32,7 @@ from lorazor_kernels import (  # noqa: E402
     add_batched_lora_,
     build_batch_meta,
     get_kernel_config,
+    linear_with_lora,
     lora_expand,
     lora_shrink,
     slot_bound_class,
@@ -124,6 +125,24 @@ def time_merged(pool, meta, cfg) -> float:
     return time_graph(run) * 1e3 / len(pool)
 
 
+def base_weights(pool, n_layers: int = 2):
+    """Base weights [sum N, K] per merged group for the first layers of a merged pool (2 layers of
+    Llama's are ~400 MB, far past the L2)."""
+    return [[torch.randn(g["y"].shape[1], g["x"].shape[1], device="cuda", dtype=torch.bfloat16) / g["x"].shape[1] ** 0.5
+             for g in groups] for groups in pool[:n_layers]]
+
+
+def time_with_gemms(pool, weights, meta, cfg, overlap: bool) -> float:
+    """us per layer of the base GEMMs + merged LoRA: GEMM then LoRA, or shrink beside the GEMM."""
+    def run():
+        for groups, ws in zip(pool, weights):
+            for g, w in zip(groups, ws):
+                scaling = g["s"] if g["edges"] else g["s"][0]
+                linear_with_lora(g["x"], w, None, g["a"], g["b"], scaling, g["r"], meta, cfg=cfg, mask_rank=False,
+                                 segments=g["edges"], overlap=overlap)
+    return time_graph(run) * 1e3 / len(weights)
+
+
 def time_backbone(shape: dict) -> float:
     ws = [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), torch.randn(M, k, device="cuda", dtype=torch.bfloat16))
           for k, n in projections(shape).values()]
@@ -194,6 +213,10 @@ def main() -> None:
                         bounded = build_batch_meta(slots, 128, "exact", max_active_slots=slot_bound_class(L, 128))
                         row["exact_merged_bank128_us"] = time_merged(bank, bounded, cfg)
                         row["exact_merged_bank128_unbounded_us"] = time_merged(bank, build_batch_meta(slots, 128, "exact"), cfg)
+                        weights = base_weights(merged)
+                        row["gemm_lora_serial_us"] = time_with_gemms(merged, weights, meta, cfg, overlap=False)
+                        row["gemm_lora_overlap_us"] = time_with_gemms(merged, weights, meta, cfg, overlap=True)
+                        del weights
                 row["exact_over_full"] = row["exact_us"] / row["full_us"]
                 row["exact_over_floor"] = row["exact_us"] / row["floor_us"]
                 row["merged_over_full"] = row["exact_merged_us"] / row["full_merged_us"]
@@ -207,14 +230,15 @@ def main() -> None:
                 kernel_config=dataclasses.asdict(cfg), date=time.strftime("%Y-%m-%d"))
     head = ("| model | case | L | full us | active_rows us | two_class us | exact us | full merged us | exact merged us | "
             "floor us | exact/full | exact/floor | merged exact/full | merged exact/floor | "
-            "merged exact, 128-slot bank us | same, unbounded grid us | exact rank-masked us | backbone GEMMs us |\n")
-    head += "|---" * 18 + "|\n"
+            "merged exact, 128-slot bank us | same, unbounded grid us | exact rank-masked us | backbone GEMMs us | "
+            "GEMMs + merged exact, serial us | same, shrink beside GEMM us |\n")
+    head += "|---" * 20 + "|\n"
     body = "".join(
         f"| {r['model']} | {r['case']} | {r['L']} | {r['full_us']:.1f} | {r['active_rows_us']:.1f} | {r['two_class_us']:.1f} | "
         f"{r['exact_us']:.1f} | {r['full_merged_us']:.1f} | {r['exact_merged_us']:.1f} | {r['floor_us']:.1f} | "
         f"{r['exact_over_full']:.2f} | {r['exact_over_floor']:.2f} | {r['merged_over_full']:.2f} | {r['merged_over_floor']:.2f} | "
         f"{r['exact_merged_bank128_us']:.1f} | {r['exact_merged_bank128_unbounded_us']:.1f} | {r['exact_masked_us']:.1f} | "
-        f"{r['backbone_gemm_us']:.1f} |\n"
+        f"{r['backbone_gemm_us']:.1f} | {r['gemm_lora_serial_us']:.1f} | {r['gemm_lora_overlap_us']:.1f} |\n"
         for r in rows)
     table = f"# LoRA kernel time per layer (7 projections, rank {RANK}, M={M}, bf16)\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
     table += ("\nPer-projection columns (full, active_rows, two_class, exact) run shrink + expand for each of the 7 "
@@ -224,7 +248,9 @@ def main() -> None:
               "bank of 128 slots (a model with max_loras=128): bounded by the batch's distinct adapters (the model's "
               "path: tile table of M/16 + max(16, 2^ceil(log2 L)) tiles) and unbounded (M/16 + 128 tiles). "
               "Rank-masked: exact reading each slot's rank (mixed-rank banks). Floor: active adapters' A and B + x "
-              "read once + y read and written, over the measured copy bandwidth.\n")
+              "read once + y read and written, over the measured copy bandwidth. The last two columns add each "
+              "group's base GEMM (4 per layer, merged weights): the GEMM then LoRA, or LoRA's shrink on a side "
+              "stream beside the GEMM (`overlap_shrink`).\n")
     write_results(args.out, "kernels", rows, meta, table)
     print(table)
 

@@ -21,6 +21,7 @@ for step in "$@"; do
     e2e-llama) timeout 360 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --hf-compile --compile > "$W/e2e_llama.log" 2>&1 ;;
     e2e-exact) timeout 400 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,32,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
     e2e-quick) timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
+    e2e-overlap) timeout 230 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --overlap --tag _overlap > "$W/e2e_overlap.log" 2>&1 ;;
     e2e-per-projection) timeout 190 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --per-projection --tag _per_projection > "$W/e2e_per_projection.log" 2>&1 ;;
     e2e-mistral) timeout 430 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1 --adapters 1,32,128 --grids exact --compile > "$W/e2e_mistral.log" 2>&1 ;;
     release) timeout 300 python3 benchmarks/bench_release.py --out "$W" > "$W/release.log" 2>&1 ;;

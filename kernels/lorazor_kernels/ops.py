@@ -73,6 +73,56 @@ def add_batched_lora_(
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    # One per device, created on first use (the graph runner's warm-up runs before any capture).
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def linear_with_lora(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    lora_rank: torch.Tensor,
+    meta: LoRABatchMeta,
+    backend: str = "triton",
+    cfg: KernelConfig | None = None,
+    mask_rank: bool = True,
+    segments: tuple[int, ...] | list[int] | None = None,
+    overlap: bool = True,
+) -> torch.Tensor:
+    """`linear(x, weight, bias)` plus the batched LoRA delta (arguments as `add_batched_lora_`).
+
+    With `overlap` on a GPU (Triton backend, split path), LoRA's shrink runs on a side stream while
+    the base GEMM runs on the current one: shrink needs only x, and a decode-size GEMM leaves SMs
+    idle. Expand waits for both and adds into the GEMM's output. Capturable: the side stream forks
+    from and joins back into the current stream inside the call. Otherwise: GEMM, then the delta.
+    """
+    cfg = cfg or get_kernel_config(x.device)
+    serial = (not overlap or backend != "triton" or x.device.type != "cuda" or cfg.fused
+              or meta.has_lora is False)
+    if serial:
+        y = torch.nn.functional.linear(x, weight, bias)
+        return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank, segments)
+    if segments:
+        mask_rank = False  # merged projections: uniform ranks (see add_batched_lora_)
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)  # x is ready; and u's memory (side-stream blocks) is free again
+    with torch.cuda.stream(side):
+        u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
+    y = torch.nn.functional.linear(x, weight, bias)
+    main.wait_stream(side)
+    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None)
+
+
 def _add_merged_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments, backend, cfg):
     """Merged projections: one shrink over the stacked A, one segmented expand (or the reference)."""
     if backend == "reference":
@@ -125,6 +175,39 @@ def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, 
         meta.row_bound, meta.class_split, backend, mask_rank, list(segments),
     )
     return y
+
+
+@torch.library.custom_op("lorazor::linear_lora", mutates_args=())
+def _linear_lora_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor,
+    scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor,
+    slot_start: torch.Tensor, tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None,
+    large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
+    backend: str, mask_rank: bool, segments: list[int], overlap: bool,
+) -> torch.Tensor:
+    meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
+                         tile_rows, row_bound, large_slots, class_split)
+    return linear_with_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
+                            segments=segments or None, overlap=overlap)
+
+
+@_linear_lora_op.register_fake
+def _(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
+      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments, overlap):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton",
+                   mask_rank: bool = True, segments: tuple[int, ...] = (), overlap: bool = True) -> torch.Tensor:
+    """`linear_with_lora` as the registered custom op `lorazor::linear_lora` (opaque to torch.compile,
+    so the side-stream fork and join stay as written)."""
+    if meta.has_lora is False:
+        return torch.nn.functional.linear(x, weight, bias)
+    return torch.ops.lorazor.linear_lora(
+        x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
+        meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
+        meta.row_bound, meta.class_split, backend, mask_rank, list(segments), overlap,
+    )
 
 
 def batched_lora(

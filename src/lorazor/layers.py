@@ -7,7 +7,7 @@ no copy) and returns what `unpatch_lora_layers` needs to put the PEFT layers bac
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import add_lora_op_
+from lorazor_kernels import add_lora_op_, linear_lora_op
 from torch import nn
 
 from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
@@ -23,11 +23,31 @@ def add_step_lora_(y, x, context: StepContext, lora_a, lora_b, scaling, rank, ma
     meta = context.meta
     if meta is None or meta.has_lora is False:
         return y
-    if x.numel() // x.shape[-1] != meta.num_rows:
-        raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
-    add_lora_op_(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, meta,
+    add_lora_op_(y.view(-1, y.shape[-1]), _step_rows(x, meta), lora_a, lora_b, scaling, rank, meta,
                  backend=context.backend, mask_rank=mask_rank, segments=segments)
     return y
+
+
+def _step_rows(x: torch.Tensor, meta) -> torch.Tensor:
+    if x.numel() // x.shape[-1] != meta.num_rows:
+        raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
+    return x.reshape(-1, x.shape[-1])
+
+
+def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,
+                     segments: tuple[int, ...] = ()) -> torch.Tensor:
+    """`linear(x, weight, bias)` plus the step's batched LoRA delta.
+
+    With `context.overlap` (`LoRazorConfig(overlap_shrink=True)`), one op runs LoRA's shrink on a
+    side stream beside the base GEMM; otherwise the GEMM, then `add_step_lora_`.
+    """
+    meta = context.meta
+    if not context.overlap or meta is None or meta.has_lora is False:
+        return add_step_lora_(nn.functional.linear(x, weight, bias), x, context, lora_a, lora_b, scaling, rank,
+                              mask_rank, segments)
+    y = linear_lora_op(_step_rows(x, meta), weight, bias, lora_a, lora_b, scaling, rank, meta,
+                       backend=context.backend, mask_rank=mask_rank, segments=segments)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 class BatchedLoRALinear(nn.Module):
@@ -61,9 +81,9 @@ class BatchedLoRALinear(nn.Module):
             out = group.forward(x, index)
             if out is not None:
                 return out
-        lora = self.lora
-        return add_step_lora_(self.base_layer(x), x, self.context, lora.lora_a, lora.lora_b, lora.scaling, lora.rank,
-                              lora.mask_rank)
+        lora, base = self.lora, self.base_layer
+        return linear_step_lora(x, base.weight, base.bias, self.context, lora.lora_a, lora.lora_b, lora.scaling,
+                                lora.rank, lora.mask_rank)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={self.lora.lora_a.shape[0]}"

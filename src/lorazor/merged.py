@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import BatchedLoRALinear, add_step_lora_
+from .layers import BatchedLoRALinear, linear_step_lora
 
 # Modules that read the same input in the supported architectures (llama, mistral, qwen2).
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -79,8 +79,8 @@ class MergedGroup:
         if any(m.lora.mask_rank for m in self.members):
             self._input = self._output = None
             return None
-        y = add_step_lora_(nn.functional.linear(x, self.weight, self.bias), x, self.context, self.lora_a,
-                           self.lora_b, self.scaling, self.rank, mask_rank=False, segments=self.edges[:-1])
+        y = linear_step_lora(x, self.weight, self.bias, self.context, self.lora_a, self.lora_b, self.scaling,
+                             self.rank, mask_rank=False, segments=self.edges[:-1])
         # Holding x keeps its identity unique until the last member has read its slice.
         self._input, self._output = x, y
         self.ran_merged = True
