@@ -22,3 +22,26 @@ def test_compiled_decode_step_matches_peft():
     model.generate(ids, attention_mask=mask, adapter_ids=["sql", "sql", None, "med"], max_new_tokens=6,
                    pad_token_id=PAD, eos_token_id=EOS)
     assert counters["stats"]["unique_graphs"] == frames
+
+
+def test_one_compile_serves_every_slot_bound_class():
+    from torch._dynamo.utils import counters
+
+    from lorazor.tiny import AdapterSpec
+
+    counters.clear()
+    specs = tuple(AdapterSpec(f"a{i}", 4, 8, ("q_proj", "v_proj")) for i in range(20))
+    model, oracle = build_pair("llama", LoRazorConfig(compile=True, cuda_graphs=False, backend="triton"),
+                               adapters=specs)
+    ids, mask = make_batch(24, 5, seed=8, pad_rows=(1,))
+    few = [f"a{3 + i % 2}" for i in range(24)]
+    many = [f"a{i % 20}" if i < 21 else None for i in range(24)]
+    graphs = []
+    for adapters in (few, many):
+        out = model.generate(ids, attention_mask=mask, adapter_ids=adapters, max_new_tokens=4, pad_token_id=PAD,
+                             eos_token_id=EOS)
+        assert torch.equal(out.sequences, peft_generate(oracle, ids, mask, adapters, max_new_tokens=4))
+        graphs.append(counters["stats"]["unique_graphs"])
+    # Slot-bound classes 16 and 20 (tile tables of 2 + 16 and 2 + 20 tiles): the same compiled step.
+    assert graphs[0] >= 1 and graphs[1] == graphs[0]
+    assert dict(counters["graph_break"]) == {}

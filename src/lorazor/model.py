@@ -26,7 +26,7 @@ from .policies.base import ReleasePolicy, ReleaseState, release_step
 from .step import StepContext
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-# Compiled decode-step specializations allowed (batch buckets x slot-bound classes, plus backbone).
+# Compiled decode-step specializations allowed (batch buckets x grid layouts, plus backbone).
 COMPILED_STEP_VARIANTS = 256
 
 
@@ -280,8 +280,16 @@ class LoRazorModel(nn.Module):
             if self.config.compile:
                 if self._compiled_core is None:
                     self._compiled_core = torch.compile(self._decode_core, dynamic=False)
-                # One specialization per (batch bucket, slot-bound class or grid layout): more than
-                # dynamo's default limit of 8, past which it would silently run the step eagerly.
+                if meta is None and self.context.enabled:
+                    # Build the metadata outside the compiled function (still inside a captured
+                    # graph), its tile table's length dynamic: one compiled step then serves every
+                    # slot-bound class instead of one compile (~a minute) per class.
+                    meta = self.context.build(row_slot)
+                    for table in (meta.tile_slot, meta.tile_rows):
+                        if table is not None:
+                            torch._dynamo.maybe_mark_dynamic(table, 0)
+                # One specialization per (batch bucket, grid layout): more than dynamo's default
+                # limit of 8, past which it would silently run the step eagerly.
                 with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_VARIANTS):
                     return self._compiled_core(tokens, positions, write_pos, cache, row_slot, meta)
             return self._decode_core(tokens, positions, write_pos, cache, row_slot, meta)
