@@ -140,6 +140,19 @@ def _add_merged_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments, 
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank=False, segments=segments)
 
 
+def _meta_args(meta: LoRABatchMeta) -> tuple:
+    """The step metadata as custom-op arguments (ops take tensors and scalars, not dataclasses)."""
+    return (meta.row_slot, meta.sorted_rows, meta.slot_start, meta.tile_slot, meta.tile_rows, meta.large_slots,
+            meta.grid, meta.num_slots, meta.block_m, meta.row_bound, meta.class_split)
+
+
+def _meta_of(num_rows, row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid, num_slots, block_m,
+             row_bound, class_split) -> LoRABatchMeta:
+    """Inverse of `_meta_args` inside an op."""
+    return LoRABatchMeta(grid, num_rows, num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
+                         tile_rows, row_bound, large_slots, class_split)
+
+
 @torch.library.custom_op("lorazor::add_lora_", mutates_args=("y",))
 def _add_lora_op(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor,
@@ -148,8 +161,8 @@ def _add_lora_op(
     grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool, backend: str, mask_rank: bool,
     segments: list[int],
 ) -> None:
-    meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
-                         tile_rows, row_bound, large_slots, class_split)
+    meta = _meta_of(x.shape[0], row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid,
+                    num_slots, block_m, row_bound, class_split)
     add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
                       segments=segments or None)
 
@@ -169,11 +182,8 @@ def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, 
     """
     if meta.has_lora is False:
         return y
-    torch.ops.lorazor.add_lora_(
-        y, x, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
-        meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
-        meta.row_bound, meta.class_split, backend, mask_rank, list(segments),
-    )
+    torch.ops.lorazor.add_lora_(y, x, lora_a, lora_b, scaling, lora_rank, *_meta_args(meta), backend, mask_rank,
+                                list(segments))
     return y
 
 
@@ -185,8 +195,8 @@ def _linear_lora_op(
     large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
     backend: str, mask_rank: bool, segments: list[int], overlap: bool,
 ) -> torch.Tensor:
-    meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
-                         tile_rows, row_bound, large_slots, class_split)
+    meta = _meta_of(x.shape[0], row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid,
+                    num_slots, block_m, row_bound, class_split)
     return linear_with_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
                             segments=segments or None, overlap=overlap)
 
@@ -203,11 +213,8 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
     so the side-stream fork and join stay as written)."""
     if meta.has_lora is False:
         return torch.nn.functional.linear(x, weight, bias)
-    return torch.ops.lorazor.linear_lora(
-        x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
-        meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
-        meta.row_bound, meta.class_split, backend, mask_rank, list(segments), overlap,
-    )
+    return torch.ops.lorazor.linear_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, *_meta_args(meta),
+                                         backend, mask_rank, list(segments), overlap)
 
 
 def batched_lora(
