@@ -75,10 +75,8 @@ class LoRABatchMeta:
 
     @property
     def num_tiles(self) -> int:
-        """Exact tiles launched: the tile table's length, else the bound for a step using every slot."""
-        if self.tile_slot is not None:
-            return self.tile_slot.shape[0]
-        return tile_table_size(self.num_rows, self.num_slots, self.block_m)
+        """Exact tiles launched (`exact` only): the tile table's length."""
+        return self.tile_slot.shape[0]
 
 
 def tile_table_size(num_rows: int, num_slots: int, block_m: int, max_active_slots: int | None = None) -> int:

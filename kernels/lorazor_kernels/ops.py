@@ -53,7 +53,7 @@ def add_batched_lora_(
             a row uses has zero weights past its rank (the `AdapterBank` layout) and rank ~r_max.
         segments: merged projections (see `lora_expand`): y is `[M, N_1 + ... + N_G]`, lora_a is
             the members' A stacked `[L, G * r, K]`, lora_b `[L, sum N, r]`, scaling `[G, L]`, and
-            `segments` the inner column edges. Needs `mask_rank=False`.
+            `segments` the inner column edges. Members must share one rank (no rank load).
 
     Returns:
         `y`.
@@ -62,15 +62,12 @@ def add_batched_lora_(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if meta.has_lora is False:
         return y
-    if segments:
-        return _add_merged_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, tuple(segments), backend, cfg)
     if backend == "reference":
-        return y.add_(lora_delta_reference(x, lora_a, lora_b, scaling, meta.row_slot, lora_rank).to(y.dtype))
+        return _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments)
     cfg = cfg or get_kernel_config(y.device)
-    if cfg.fused:
+    if cfg.fused and not segments:
         return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
-    u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
-    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
+    return _shrink_expand(lambda: y, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -82,6 +79,27 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]
+
+
+def _shrink_expand(base, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, side=None):
+    """The split path: `y = base()` (the base output), shrink, then expand into y.
+
+    With a `side` stream, shrink runs there while `base()` (the GEMM) runs on the current stream;
+    expand waits for both. The fork and join happen inside the call, so it can be captured.
+    Merged projections (`segments`) hold uniform ranks: the rank load is skipped.
+    """
+    mask_rank = mask_rank and not segments
+    if side is None:
+        y = base()
+        u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
+    else:
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)  # x is ready; and u's memory (side-stream blocks) is free again
+        with torch.cuda.stream(side):
+            u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
+        y = base()
+        main.wait_stream(side)
+    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None)
 
 
 def linear_with_lora(
@@ -103,41 +121,30 @@ def linear_with_lora(
 
     With `overlap` on a GPU (Triton backend, split path), LoRA's shrink runs on a side stream while
     the base GEMM runs on the current one: shrink needs only x, and a decode-size GEMM leaves SMs
-    idle. Expand waits for both and adds into the GEMM's output. Capturable: the side stream forks
-    from and joins back into the current stream inside the call. Otherwise: GEMM, then the delta.
+    idle. Otherwise: the GEMM, then `add_batched_lora_`.
     """
     cfg = cfg or get_kernel_config(x.device)
-    serial = (not overlap or backend != "triton" or x.device.type != "cuda" or cfg.fused
-              or meta.has_lora is False)
-    if serial:
+    if (not overlap or backend != "triton" or x.device.type != "cuda" or cfg.fused
+            or meta.has_lora is False):
         y = torch.nn.functional.linear(x, weight, bias)
         return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank, segments)
-    if segments:
-        mask_rank = False  # merged projections: uniform ranks (see add_batched_lora_)
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-    side.wait_stream(main)  # x is ready; and u's memory (side-stream blocks) is free again
-    with torch.cuda.stream(side):
-        u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
-    y = torch.nn.functional.linear(x, weight, bias)
-    main.wait_stream(side)
-    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None)
+    return _shrink_expand(lambda: torch.nn.functional.linear(x, weight, bias), x, lora_a, lora_b, scaling,
+                          lora_rank, meta, cfg, mask_rank, segments, side=_side_stream(x.device))
 
 
-def _add_merged_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments, backend, cfg):
-    """Merged projections: one shrink over the stacked A, one segmented expand (or the reference)."""
-    if backend == "reference":
-        G = scaling.shape[0]
-        r = lora_a.shape[1] // G
-        edges = (0, *segments, y.shape[1])
-        for g in range(G):
-            lo, hi = edges[g], edges[g + 1]
-            delta = lora_delta_reference(x, lora_a[:, g * r:(g + 1) * r], lora_b[:, lo:hi], scaling[g],
-                                         meta.row_slot, lora_rank)
-            y[:, lo:hi] += delta.to(y.dtype)
-        return y
-    cfg = cfg or get_kernel_config(y.device)
-    u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank=False)
-    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank=False, segments=segments)
+def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
+    """The reference delta added into y; merged projections one segment at a time."""
+    if not segments:
+        return y.add_(lora_delta_reference(x, lora_a, lora_b, scaling, meta.row_slot, lora_rank).to(y.dtype))
+    G = scaling.shape[0]
+    r = lora_a.shape[1] // G
+    edges = (0, *segments, y.shape[1])
+    for g in range(G):
+        lo, hi = edges[g], edges[g + 1]
+        delta = lora_delta_reference(x, lora_a[:, g * r:(g + 1) * r], lora_b[:, lo:hi], scaling[g],
+                                     meta.row_slot, lora_rank)
+        y[:, lo:hi] += delta.to(y.dtype)
+    return y
 
 
 def _meta_args(meta: LoRABatchMeta) -> tuple:

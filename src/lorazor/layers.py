@@ -14,40 +14,28 @@ from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
 from .step import StepContext
 
 
-def add_step_lora_(y, x, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,
-                   segments: tuple[int, ...] = ()) -> torch.Tensor:
-    """Add the step's batched LoRA delta to the base output `y` of input `x` (any leading shape).
+def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,
+                     segments: tuple[int, ...] = ()) -> torch.Tensor:
+    """`linear(x, weight, bias)` plus the step's batched LoRA delta (x of any leading shape).
 
-    Nothing to do outside a step or when no row has an adapter. `segments`: merged projections.
+    Outside a step, or when no row has an adapter, the plain linear. `segments`: merged projections.
+    With `context.overlap` (`LoRazorConfig(overlap_shrink=True)`), one op runs LoRA's shrink on a
+    side stream beside the base GEMM; otherwise the GEMM, then the delta added in place.
     """
     meta = context.meta
     if meta is None or meta.has_lora is False:
-        return y
-    add_lora_op_(y.view(-1, y.shape[-1]), _step_rows(x, meta), lora_a, lora_b, scaling, rank, meta,
-                 backend=context.backend, mask_rank=mask_rank, segments=segments)
-    return y
-
-
-def _step_rows(x: torch.Tensor, meta) -> torch.Tensor:
+        return nn.functional.linear(x, weight, bias)
     if x.numel() // x.shape[-1] != meta.num_rows:
         raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
-    return x.reshape(-1, x.shape[-1])
-
-
-def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,
-                     segments: tuple[int, ...] = ()) -> torch.Tensor:
-    """`linear(x, weight, bias)` plus the step's batched LoRA delta.
-
-    With `context.overlap` (`LoRazorConfig(overlap_shrink=True)`), one op runs LoRA's shrink on a
-    side stream beside the base GEMM; otherwise the GEMM, then `add_step_lora_`.
-    """
-    meta = context.meta
-    if not context.overlap or meta is None or meta.has_lora is False:
-        return add_step_lora_(nn.functional.linear(x, weight, bias), x, context, lora_a, lora_b, scaling, rank,
-                              mask_rank, segments)
-    y = linear_lora_op(_step_rows(x, meta), weight, bias, lora_a, lora_b, scaling, rank, meta,
-                       backend=context.backend, mask_rank=mask_rank, segments=segments)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    rows = x.reshape(-1, x.shape[-1])
+    if context.overlap:
+        y = linear_lora_op(rows, weight, bias, lora_a, lora_b, scaling, rank, meta, backend=context.backend,
+                           mask_rank=mask_rank, segments=segments)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    y = nn.functional.linear(x, weight, bias)
+    add_lora_op_(y.view(-1, y.shape[-1]), rows, lora_a, lora_b, scaling, rank, meta, backend=context.backend,
+                 mask_rank=mask_rank, segments=segments)
+    return y
 
 
 class BatchedLoRALinear(nn.Module):

@@ -207,10 +207,11 @@ class LoRazorModel(nn.Module):
                                                                           device=device)), policy, cache)
                 zeros = torch.zeros(size, dtype=torch.long, device=device)
                 hidden = torch.zeros(size, hidden_size, dtype=self._lm_head.weight.dtype, device=device)
-                for bound in [*self.context.slot_bound_classes(), "backbone"]:
-                    self.context.enabled = bound != "backbone"
-                    self.context.slot_bound = bound if self.context.enabled else None
+                for bound in self.context.slot_bound_classes():
+                    self.context.enabled, self.context.slot_bound = True, bound
                     self.run_decode_step(zeros, zeros, zeros, cache, state, policy, 0, hidden)
+                self.context.enabled, self.context.slot_bound = False, None  # the backbone-only graph
+                self.run_decode_step(zeros, zeros, zeros, cache, state, policy, 0, hidden)
         finally:
             self.context.enabled, self.context.slot_bound = enabled, slot_bound
         return self.graphs.num_graphs() - before
@@ -277,14 +278,16 @@ class LoRazorModel(nn.Module):
         fused; the LoRA kernels stay opaque custom ops). Returns (last hidden `[B, H]`, logits `[B, V]`).
         """
         with torch.inference_mode():
+            if meta is None and self.context.enabled:
+                # Built here, once per step (inside a captured graph when graphs are on), and
+                # outside the compiled function: see below.
+                meta = self.context.build(row_slot)
             if self.config.compile:
                 if self._compiled_core is None:
                     self._compiled_core = torch.compile(self._decode_core, dynamic=False)
-                if meta is None and self.context.enabled:
-                    # Build the metadata outside the compiled function (still inside a captured
-                    # graph), its tile table's length dynamic: one compiled step then serves every
-                    # slot-bound class instead of one compile (~a minute) per class.
-                    meta = self.context.build(row_slot)
+                if meta is not None:
+                    # The tile table's length is dynamic: one compiled step serves every slot-bound
+                    # class instead of one compile (~a minute) per class.
                     for table in (meta.tile_slot, meta.tile_rows):
                         if table is not None:
                             torch._dynamo.maybe_mark_dynamic(table, 0)

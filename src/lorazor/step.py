@@ -48,7 +48,7 @@ class StepContext:
     @property
     def meta_on_device(self) -> bool:
         """Whether building the metadata needs no host sync (so it can be captured in a graph)."""
-        return self.grid in ("exact", "full") or self.backend == "reference"
+        return self.grid in ("exact", "full")
 
     def slot_bound_classes(self) -> list[int | None]:
         """Every `slot_bound` a batch can get (one set of graphs each)."""
@@ -58,8 +58,7 @@ class StepContext:
 
     def build(self, row_slot: torch.Tensor, tokens_per_row: int = 1) -> LoRABatchMeta:
         token_slot = row_slot if tokens_per_row == 1 else row_slot.repeat_interleave(tokens_per_row)
-        bound = self.slot_bound if self.grid == "exact" else None
-        return build_batch_meta(token_slot, self.num_slots, self.grid, self.block_m, bound)
+        return build_batch_meta(token_slot, self.num_slots, self.grid, self.block_m, self.slot_bound)
 
     def begin(self, row_slot: torch.Tensor, tokens_per_row: int = 1, meta: LoRABatchMeta | None = None) -> None:
         """Set the metadata of the forward about to run (no context manager: torch.compile-friendly)."""
