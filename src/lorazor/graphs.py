@@ -50,7 +50,11 @@ class _Bucket:
     hidden_in: torch.Tensor | None = None  # the previous step's final hidden states
     state: ReleaseState | None = None  # static release state of the generate call in flight
     policy_tensors: dict = field(default_factory=dict)  # policy class -> static copies of `bound`
-    graphs: dict = field(default_factory=dict)  # key -> (graph, hidden, logits, step slot, static meta)
+    graphs: dict = field(default_factory=dict)  # key -> (graph, step slot, static meta)
+    # Every graph of the bucket writes its outputs here, so a bucket holds one `[B, V]` logits
+    # buffer, not one per graph (~66 MB each for Llama-3.2-3B at batch 256).
+    hidden_out: torch.Tensor | None = None
+    logits_out: torch.Tensor | None = None
 
 
 class DecodeGraphs:
@@ -112,6 +116,11 @@ class DecodeGraphs:
         return (meta.row_bound, meta.class_split, meta.has_lora), meta
 
     def _capture(self, bucket: _Bucket, meta: LoRABatchMeta | None, policy, decide: bool):
+        if bucket.logits_out is None:
+            # Allocated outside the graph pool and counted once as graph memory.
+            before = torch.cuda.memory_allocated()
+            bucket.hidden_out, bucket.logits_out = self.model.new_step_outputs(bucket.tokens.shape[0])
+            self.capture_bytes += torch.cuda.memory_allocated() - before
         static_meta = None
         if meta is not None:
             # Static copies whose contents are refreshed before every replay of this layout.
@@ -123,9 +132,11 @@ class DecodeGraphs:
             # so the warm-up runs below leave the same state as a single replay would.
             row_slot = (release_step(policy, bucket.step_index, bucket.hidden_in, bucket.state) if decide
                         else bucket.row_slot)
-            hidden, logits = self.model.decode_step(bucket.tokens, bucket.positions, bucket.write_pos,
-                                                    bucket.cache, row_slot, meta=static_meta)
-            return hidden, logits, row_slot
+            hidden, _ = self.model.decode_step(bucket.tokens, bucket.positions, bucket.write_pos,
+                                               bucket.cache, row_slot, meta=static_meta,
+                                               logits_out=bucket.logits_out)
+            bucket.hidden_out.copy_(hidden)
+            return row_slot
 
         saved = None
         if decide and policy is not None:
@@ -147,7 +158,7 @@ class DecodeGraphs:
             reserved = torch.cuda.memory_reserved()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                hidden, logits, row_slot = step()
+                row_slot = step()
             end.record()
             end.synchronize()
         finally:
@@ -155,7 +166,7 @@ class DecodeGraphs:
                 policy.bound = saved
         self.capture_seconds += start.elapsed_time(end) / 1e3
         self.capture_bytes += torch.cuda.memory_reserved() - reserved
-        return graph, hidden, logits, row_slot, static_meta
+        return graph, row_slot, static_meta
 
     def step(self, tokens, positions, write_pos, cache: KVCache, state: ReleaseState,
              policy: ReleasePolicy | None, step: int, hidden: torch.Tensor):
@@ -185,19 +196,20 @@ class DecodeGraphs:
             key, meta = self._layout(bucket.row_slot)
         if key not in bucket.graphs:
             bucket.graphs[key] = self._capture(bucket, meta, policy, decide)
-        graph, hidden_out, logits, row_slot, static_meta = bucket.graphs[key]
+        graph, row_slot, static_meta = bucket.graphs[key]
         if static_meta is not None:
             for name in ("sorted_rows", "slot_start", "row_slot", "large_slots"):
                 src = getattr(meta, name)
                 if src is not None:
                     getattr(static_meta, name).copy_(src)
         graph.replay()
-        return hidden_out, logits, row_slot
+        return bucket.hidden_out, bucket.logits_out, row_slot
 
     def clear(self) -> None:
         """Drop every captured graph (the KV caches stay); the next step recaptures."""
         for bucket in self.buckets.values():
             bucket.graphs.clear()
+            bucket.hidden_out = bucket.logits_out = None
         # A pool whose graphs are all gone cannot take new captures: start a fresh one.
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_bytes = 0

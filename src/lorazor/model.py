@@ -268,14 +268,27 @@ class LoRazorModel(nn.Module):
             **{self._cache_kwarg: cache}, **extra,
         )
         self.context.meta = None
-        last = out.last_hidden_state[:, -1]
-        return last, self._lm_head(last)
+        return out.last_hidden_state[:, -1]
 
-    def decode_step(self, tokens, positions, write_pos, cache: KVCache, row_slot, meta=None):
+    def new_step_outputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty (hidden `[B, H]`, logits `[B, V]`) buffers for `decode_step(..., logits_out=)`."""
+        weight = self._lm_head.weight
+        hidden = torch.empty(batch_size, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        return hidden, torch.empty(batch_size, weight.shape[0], dtype=weight.dtype, device=weight.device)
+
+    def _head(self, last: torch.Tensor, logits_out: torch.Tensor | None) -> torch.Tensor:
+        if logits_out is None:
+            return self._lm_head(last)
+        if isinstance(self._lm_head, nn.Linear) and self._lm_head.bias is None:
+            return torch.mm(last, self._lm_head.weight.t(), out=logits_out)
+        return logits_out.copy_(self._lm_head(last))
+
+    def decode_step(self, tokens, positions, write_pos, cache: KVCache, row_slot, meta=None, logits_out=None):
         """One decode forward for every row: token `[B]` at position `[B]` written at `write_pos [B]`.
 
-        With `LoRazorConfig(compile=True)` the step runs through torch.compile (elementwise ops
-        fused; the LoRA kernels stay opaque custom ops). Returns (last hidden `[B, H]`, logits `[B, V]`).
+        With `LoRazorConfig(compile=True)` the decoder runs through torch.compile (elementwise ops
+        fused; the LoRA kernels stay opaque custom ops). Returns (last hidden `[B, H]`, logits `[B, V]`);
+        the logits are written into `logits_out` when given (CUDA graphs share one buffer).
         """
         with torch.inference_mode():
             if meta is None and self.context.enabled:
@@ -294,8 +307,12 @@ class LoRazorModel(nn.Module):
                 # One specialization per (batch bucket, grid layout): more than dynamo's default
                 # limit of 8, past which it would silently run the step eagerly.
                 with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_VARIANTS):
-                    return self._compiled_core(tokens, positions, write_pos, cache, row_slot, meta)
-            return self._decode_core(tokens, positions, write_pos, cache, row_slot, meta)
+                    last = self._compiled_core(tokens, positions, write_pos, cache, row_slot, meta)
+            else:
+                last = self._decode_core(tokens, positions, write_pos, cache, row_slot, meta)
+            # The LM head stays outside the compiled function: it is one GEMM either way, and here
+            # it can write into a caller's buffer.
+            return last, self._head(last, logits_out)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, adapter_ids=None):
         """Logits `[B, T, V]` of one full forward with per-row adapters (left or no padding).
