@@ -16,12 +16,18 @@ for step in "$@"; do
     # The same suite in two calls' worth of steps (it took 288 s at c012cc0, before test_overlap.py).
     gpu-tests-kernels) timeout 200 python3 -m pytest tests/test_kernels.py tests/test_decode_attention.py -q --durations=10 -p no:cacheprovider > "$W/tests_kernels.log" 2>&1 ;;
     gpu-tests-model) timeout 250 python3 -m pytest tests/test_gpu.py tests/test_merged.py tests/test_overlap.py tests/test_release.py tests/test_add_adapter.py tests/test_compile.py -q --durations=10 -p no:cacheprovider > "$W/tests_model.log" 2>&1 ;;
+    # The kernel tests past the first 240 (a 200 s run stops near there) and the overlap tests.
+    gpu-tests-tail) python3 -m pytest tests/test_kernels.py tests/test_decode_attention.py --collect-only -q -p no:cacheprovider | grep :: | tail -n +240 > "$W/tail_ids.txt"
+               timeout 150 python3 -m pytest $(cat "$W/tail_ids.txt") tests/test_overlap.py -q -p no:cacheprovider > "$W/tests_tail.log" 2>&1 ;;
     kernels) timeout 130 python3 benchmarks/bench_kernels.py --out "$W" > "$W/kernels.log" 2>&1 ;;
     kernels-sweep) timeout 200 python3 benchmarks/bench_kernels.py --out "$W" --sweep > "$W/kernels.log" 2>&1 ;;
     # Later steps of this call use the swept config (the file comes back in all.tgz to be committed).
     apply-tuned) cp "$W/tuned_kernel_config.json" kernels/lorazor_kernels/configs/NVIDIA_H200.json ;;
     gpu-tests-changed) timeout 110 python3 -m pytest tests/test_gpu.py tests/test_merged.py tests/test_compile.py tests/test_kernels.py -k "bound or slot or merged or graph or tile or bad or compile or logits or recapture" -q --durations=10 -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
     e2e-llama) timeout 360 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --hf-compile --compile > "$W/e2e_llama.log" 2>&1 ;;
+    # The full table without the compiled sweep (it does not fit one call beside it): every grid, PEFT, HF.
+    e2e-grids) timeout 330 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --hf-compile > "$W/e2e_llama.log" 2>&1 ;;
+    e2e-mistral-graphs) timeout 200 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1 --adapters 1,32,128 > "$W/e2e_mistral.log" 2>&1 ;;
     e2e-exact) timeout 400 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,32,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
     e2e-quick) timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
     e2e-overlap) timeout 230 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --overlap --tag _overlap > "$W/e2e_overlap.log" 2>&1 ;;
