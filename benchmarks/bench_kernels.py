@@ -166,10 +166,10 @@ def sweep(shape: dict, gen, base: KernelConfig) -> KernelConfig:
     # reaches past the defaults towards more, shorter programs and deeper pipelines.
     spaces = (
         [dict(shrink_block_k=bk, target_programs_per_sm=pps, shrink_num_warps=w)
-         for bk in (128, 256, 512) for pps in (2, 4, 8, 16) for w in (2, 4)],
+         for bk in (128, 256) for pps in (2, 4, 8, 16) for w in (2, 4)],
         [dict(shrink_num_stages=st) for st in (2, 3, 4)],
         [dict(expand_block_n=bn, expand_programs_per_sm=pps, expand_num_warps=w)
-         for bn in (64, 128, 256) for pps in (4, 8, 16, 32) for w in (2, 4)],
+         for bn in (128, 256) for pps in (4, 8, 16, 32) for w in (2, 4)],
         [dict(expand_num_stages=st) for st in (2, 3, 4)],
     )
     for space in spaces:
