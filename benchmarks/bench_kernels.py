@@ -162,14 +162,15 @@ def sweep(shape: dict, gen, base: KernelConfig) -> KernelConfig:
 
     best = dataclasses.replace(base, fused=False)
     best_t = score(best)
-    # Decode LoRA is latency-bound per program (a few small loads per loop step), so the search
-    # reaches past the defaults towards more, shorter programs and deeper pipelines.
+    # Decode LoRA is latency-bound per program (a few small loads per loop step). The ranges are
+    # centred on the last best (d51fc64: shrink BK 128 at 8 programs/SM on 2 warps; expand BN 256 at
+    # 4 programs/SM, both at the edge of that search) and reach one step past it.
     spaces = (
         [dict(shrink_block_k=bk, target_programs_per_sm=pps, shrink_num_warps=w)
-         for bk in (128, 256) for pps in (2, 4, 8, 16) for w in (2, 4)],
+         for bk in (64, 128) for pps in (4, 8, 16) for w in (2, 4)],
         [dict(shrink_num_stages=st) for st in (2, 3, 4)],
         [dict(expand_block_n=bn, expand_programs_per_sm=pps, expand_num_warps=w)
-         for bn in (128, 256) for pps in (4, 8, 16, 32) for w in (2, 4)],
+         for bn in (128, 256, 512) for pps in (2, 4, 8, 16) for w in (4, 8)],
         [dict(expand_num_stages=st) for st in (2, 3, 4)],
     )
     for space in spaces:
