@@ -227,7 +227,7 @@ def test_exact_graph_replay_follows_new_slot_map():
         torch.testing.assert_close(out.double(), ref, **TOL[torch.bfloat16])
 
 
-def check_merged(grid, widths, M, K, r, L, dtype):
+def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False):
     # q/k/v (or gate/up) share x: one shrink over A stacked [L, G*r, K], one expand into the merged
     # [M, sum(N)] output, segment g using its r columns of u, its B columns and its scaling row.
     from lorazor_kernels import lora_expand, lora_shrink
@@ -246,8 +246,21 @@ def check_merged(grid, widths, M, K, r, L, dtype):
     edges = tuple(torch.tensor(widths[:-1]).cumsum(0).tolist())
     meta = build_batch_meta(slot, L, grid)
     y = torch.zeros(M, sum(widths), **to)
-    u = lora_shrink(x, a_stack, torch.full((L,), G * r, dtype=torch.int32, device=DEVICE), meta, mask_rank=False)
-    lora_expand(u, b_merged, scaling, rank, y, meta, mask_rank=False, segments=edges)
+
+    def run():
+        u = lora_shrink(x, a_stack, torch.full((L,), G * r, dtype=torch.int32, device=DEVICE), meta, cfg,
+                        mask_rank=False)
+        lora_expand(u, b_merged, scaling, rank, y, meta, cfg, mask_rank=False, segments=edges)
+
+    run()
+    if graph:  # replay twice more from zero: a captured launch sequence must give the same delta
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            y.zero_()
+            run()
+        y.fill_(float("nan"))
+        captured.replay()
+        captured.replay()
     ref = torch.cat([lora_delta_reference(x.double(), a[i].double(), b[i].double(), scaling[i].double(), slot, rank)
                      for i in range(G)], dim=1)
     torch.testing.assert_close(y.double(), ref, **TOL[dtype])
@@ -265,6 +278,28 @@ def test_merged_projections_in_one_shrink_and_one_expand(grid, widths):
 @pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072), ((4096, 1024, 1024), 4096)])
 def test_gpu_bf16_merged_projections(grid, widths, K):
     check_merged(grid, widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072)])
+def test_gpu_programmatic_dependent_launch_matches_reference(widths, K):
+    import dataclasses
+
+    from lorazor_kernels import get_kernel_config
+
+    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), pdl=True)
+    check_merged("exact", widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16, cfg=cfg, graph=True)
+
+
+def test_programmatic_dependent_launch_is_ignored_off_hopper():
+    import dataclasses
+
+    from lorazor_kernels import KernelConfig
+    from lorazor_kernels.lora_kernels import _pdl_options
+
+    assert _pdl_options(dataclasses.replace(KernelConfig(), pdl=True), torch.device("cpu")) == {"USE_GDC": False}
+    check_merged("exact", (48, 16, 32), M=37, K=72, r=8, L=5, dtype=torch.float32,
+                 cfg=dataclasses.replace(KernelConfig(), pdl=True))
 
 
 def test_merged_projections_reject_bad_segments():

@@ -31,6 +31,9 @@ class KernelConfig:
         fused_block_k / fused_block_n: K chunk of the fused shrink loop, N chunk of its expand loop.
         fused_programs_per_sm: split N over about this many fused programs per multiprocessor.
         fused_num_warps / fused_num_stages: Triton launch options of the fused kernel.
+        pdl: launch the kernels with programmatic dependent launch on Hopper or newer GPUs, so a
+            kernel's programs are scheduled while the kernel ahead of it drains (each waits for
+            it before reading anything). Ignored elsewhere. Experimental: not yet measured.
     """
 
     shrink_block_k: int = 128
@@ -48,6 +51,7 @@ class KernelConfig:
     fused_programs_per_sm: int = 2
     fused_num_warps: int = 4
     fused_num_stages: int = 3
+    pdl: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -149,6 +149,17 @@ def _expand_rows(
 
 
 @triton.jit
+def _dependent_launch_prologue(USE_GDC: tl.constexpr):
+    """Programmatic dependent launch (Hopper+, `KernelConfig.pdl`): the programs of this kernel may
+    be scheduled before the kernel ahead of it in the stream has finished, which hides the launch
+    gap. Wait for that kernel before reading anything (it may have written the metadata, x, u or
+    y), then let the next kernel be scheduled in turn: its own wait covers all of this kernel."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, u_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
@@ -156,7 +167,9 @@ def _lora_shrink_kernel(
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    _dependent_launch_prologue(USE_GDC)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -188,6 +201,7 @@ def _lora_expand_kernel(
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
     fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote.
@@ -197,6 +211,7 @@ def _lora_expand_kernel(
     (`u[:, g * r_max :]`) and its own scaling row (`scaling_ptr + g * stride_sg`): merged
     projections, e.g. q/k/v in one output. Segment edges are multiples of BLOCK_N.
     """
+    _dependent_launch_prologue(USE_GDC)
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot, rows, mask_m, rank = _tile(
@@ -274,6 +289,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _pdl_options(cfg: KernelConfig, device: torch.device) -> dict:
+    """Launch options for programmatic dependent launch: `cfg.pdl` on a Hopper or newer GPU."""
+    on = cfg.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
+
+
 def _split_k(meta: LoRABatchMeta, K: int, rank_blocks: int, cfg: KernelConfig, device: torch.device) -> int:
     """Split K so that shrink launches enough programs to keep the GPU's memory system busy."""
     max_splits = triton.cdiv(K, cfg.shrink_block_k)
@@ -326,6 +347,7 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
             DOT_PRECISION=_dot_precision(lora_b.dtype),
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
             num_stages=cfg.fused_num_stages if fused else cfg.expand_num_stages,
+            **_pdl_options(cfg, y.device),
         )
     return y
 
@@ -368,6 +390,7 @@ def lora_shrink(
             BLOCK_M=meta.block_m, BLOCK_R=BLOCK_R, BLOCK_K=cfg.shrink_block_k,
             DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages,
+            **_pdl_options(cfg, x.device),
         )
     return u
 
