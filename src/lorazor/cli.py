@@ -56,6 +56,8 @@ def demo_testbed(args: argparse.Namespace) -> int:
         prompt = ex["prompt"].replace("\n", " / ")
         print(f"[{str(name):7}] {prompt[-60:]!r}\n          -> {text.strip()[:70]!r} {verdict}")
     print(f"\nall {len(rows)} rows equal PEFT generate(adapter_names=...): {ok}")
+    print("(correct/wrong is each task's own check on the first two test prompts; a model this small is often "
+          "wrong, see docs/testbed.md for its accuracy. The point here is equality with PEFT.)")
     policy = ProfiledRelease({"mcq": 2, "math": 16, "explain": 32})
     released = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], adapter_ids=adapters,
                               release_policy=policy, **kw)
