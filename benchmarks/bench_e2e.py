@@ -94,7 +94,6 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also run backbone + exact with a compiled decode step")
     ap.add_argument("--per-projection", action="store_true",
                     help="merge_projections=False: one base GEMM and LoRA per projection (7 and 14 launches per layer)")
-    ap.add_argument("--overlap", action="store_true", help="overlap_shrink=True: LoRA shrink beside the base GEMM")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--from-log", type=Path, nargs="*", help="render tables/plot from logged JSON rows instead")
     ap.add_argument("--meta", default="{}", help="with --from-log: JSON metadata of the run(s)")
@@ -147,8 +146,7 @@ def main() -> None:
     # One cache length for every call, as a server sets it: gen(1), gen(2) and gen(NEW) share graphs.
     model = LoRazorModel.from_peft(peft_model, LoRazorConfig(max_loras=max(max_l, n_peft), max_batch_size=B,
                                                              max_cache_len=T + NEW,
-                                                             merge_projections=not args.per_projection,
-                                                             overlap_shrink=args.overlap))
+                                                             merge_projections=not args.per_projection))
     names = list(model.bank.names) + fill_random_adapters(model, n_peft, max(max_l, n_peft) - n_peft)
 
     def lorazor(adapter_ids):

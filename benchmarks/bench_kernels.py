@@ -32,7 +32,6 @@ from lorazor_kernels import (  # noqa: E402
     add_batched_lora_,
     build_batch_meta,
     get_kernel_config,
-    linear_with_lora,
     lora_expand,
     lora_shrink,
     slot_bound_class,
@@ -132,14 +131,14 @@ def base_weights(pool, n_layers: int = 2):
              for g in groups] for groups in pool[:n_layers]]
 
 
-def time_with_gemms(pool, weights, meta, cfg, overlap: bool) -> float:
-    """us per layer of the base GEMMs + merged LoRA: GEMM then LoRA, or shrink beside the GEMM."""
+def time_with_gemms(pool, weights, meta, cfg) -> float:
+    """us per layer of the base GEMMs + merged LoRA (each group's GEMM, then its LoRA), as the model runs."""
     def run():
         for groups, ws in zip(pool, weights):
             for g, w in zip(groups, ws):
                 scaling = g["s"] if g["edges"] else g["s"][0]
-                linear_with_lora(g["x"], w, None, g["a"], g["b"], scaling, g["r"], meta, cfg=cfg, mask_rank=False,
-                                 segments=g["edges"], overlap=overlap)
+                add_batched_lora_(g["x"] @ w.T, g["x"], g["a"], g["b"], scaling, g["r"], meta, cfg=cfg,
+                                  mask_rank=False, segments=g["edges"])
     return time_graph(run) * 1e3 / len(weights)
 
 
@@ -222,12 +221,11 @@ def main() -> None:
                         row["exact_merged_bank128_us"] = time_merged(bank, bounded, cfg)
                         row["exact_merged_bank128_unbounded_us"] = time_merged(bank, build_batch_meta(slots, 128, "exact"), cfg)
                         weights = base_weights(merged)
-                        row["gemm_lora_serial_us"] = time_with_gemms(merged, weights, meta, cfg, overlap=False)
-                        row["gemm_lora_overlap_us"] = time_with_gemms(merged, weights, meta, cfg, overlap=True)
+                        row["gemm_lora_us"] = time_with_gemms(merged, weights, meta, cfg)
                         # Programmatic dependent launch: LoRA kernels scheduled while the kernel ahead drains.
                         pdl = dataclasses.replace(cfg, pdl=True)
                         row["exact_merged_pdl_us"] = time_merged(merged, meta, pdl)
-                        row["gemm_lora_serial_pdl_us"] = time_with_gemms(merged, weights, meta, pdl, overlap=False)
+                        row["gemm_lora_pdl_us"] = time_with_gemms(merged, weights, meta, pdl)
                         del weights
                 row["exact_over_full"] = row["exact_us"] / row["full_us"]
                 row["exact_over_floor"] = row["exact_us"] / row["floor_us"]
@@ -243,16 +241,15 @@ def main() -> None:
     head = ("| model | case | L | full us | active_rows us | two_class us | exact us | full merged us | exact merged us | "
             "floor us | exact/full | exact/floor | merged exact/full | merged exact/floor | "
             "merged exact, 128-slot bank us | same, unbounded grid us | exact rank-masked us | backbone GEMMs us | "
-            "GEMMs + merged exact, serial us | same, shrink beside GEMM us | exact merged, PDL us | "
-            "GEMMs + merged exact, serial, PDL us |\n")
-    head += "|---" * 22 + "|\n"
+            "GEMMs + merged exact us | exact merged, PDL us | GEMMs + merged exact, PDL us |\n")
+    head += "|---" * 21 + "|\n"
     body = "".join(
         f"| {r['model']} | {r['case']} | {r['L']} | {r['full_us']:.1f} | {r['active_rows_us']:.1f} | {r['two_class_us']:.1f} | "
         f"{r['exact_us']:.1f} | {r['full_merged_us']:.1f} | {r['exact_merged_us']:.1f} | {r['floor_us']:.1f} | "
         f"{r['exact_over_full']:.2f} | {r['exact_over_floor']:.2f} | {r['merged_over_full']:.2f} | {r['merged_over_floor']:.2f} | "
         f"{r['exact_merged_bank128_us']:.1f} | {r['exact_merged_bank128_unbounded_us']:.1f} | {r['exact_masked_us']:.1f} | "
-        f"{r['backbone_gemm_us']:.1f} | {r['gemm_lora_serial_us']:.1f} | {r['gemm_lora_overlap_us']:.1f} | "
-        f"{r['exact_merged_pdl_us']:.1f} | {r['gemm_lora_serial_pdl_us']:.1f} |\n"
+        f"{r['backbone_gemm_us']:.1f} | {r['gemm_lora_us']:.1f} | {r['exact_merged_pdl_us']:.1f} | "
+        f"{r['gemm_lora_pdl_us']:.1f} |\n"
         for r in rows)
     table = f"# LoRA kernel time per layer (7 projections, rank {RANK}, M={M}, bf16)\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
     table += ("\nPer-projection columns (full, active_rows, two_class, exact) run shrink + expand for each of the 7 "
@@ -263,9 +260,8 @@ def main() -> None:
               "path: tile table of M/16 + max(16, 2^ceil(log2 L)) tiles) and unbounded (M/16 + 128 tiles). "
               "Rank-masked: exact reading each slot's rank (mixed-rank banks). Floor: active adapters' A and B + x "
               "read once + y read and written, over the measured copy bandwidth. The GEMMs + LoRA columns add each "
-              "group's base GEMM (4 per layer, merged weights): the GEMM then LoRA, or LoRA's shrink on a side "
-              "stream beside the GEMM (`overlap_shrink`). PDL columns: the same with programmatic dependent launch "
-              "(`KernelConfig(pdl=True)`).\n")
+              "group's base GEMM (4 per layer, merged weights), then its LoRA. PDL columns: the same with "
+              "programmatic dependent launch (`KernelConfig(pdl=True)`).\n")
     write_results(args.out, "kernels", rows, meta, table)
     print(table)
 

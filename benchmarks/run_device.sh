@@ -12,14 +12,14 @@ for step in "$@"; do
   start=$(date +%s)
   case $step in
     tests) timeout 280 python3 -m pytest tests -q -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
-    gpu-tests) timeout 300 python3 -m pytest tests/test_kernels.py tests/test_gpu.py tests/test_merged.py tests/test_overlap.py tests/test_release.py tests/test_add_adapter.py tests/test_compile.py tests/test_decode_attention.py -q --durations=15 -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
-    # The same suite in two calls' worth of steps (it took 288 s at c012cc0, before test_overlap.py).
+    gpu-tests) timeout 300 python3 -m pytest tests/test_kernels.py tests/test_gpu.py tests/test_merged.py tests/test_release.py tests/test_add_adapter.py tests/test_compile.py tests/test_decode_attention.py -q --durations=15 -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
+    # The same suite in two calls' worth of steps (it took 288 s at c012cc0).
     # The kernel half alone ran past 200 s at 3321966 (about 240 of 283 tests done).
     gpu-tests-kernels) timeout 300 python3 -m pytest tests/test_kernels.py tests/test_decode_attention.py -q --durations=10 -p no:cacheprovider > "$W/tests_kernels.log" 2>&1 ;;
-    gpu-tests-model) timeout 250 python3 -m pytest tests/test_gpu.py tests/test_merged.py tests/test_overlap.py tests/test_release.py tests/test_add_adapter.py tests/test_compile.py -q --durations=10 -p no:cacheprovider > "$W/tests_model.log" 2>&1 ;;
-    # The kernel tests past the first 240 (a 200 s run stops near there) and the overlap tests.
+    gpu-tests-model) timeout 250 python3 -m pytest tests/test_gpu.py tests/test_merged.py tests/test_release.py tests/test_add_adapter.py tests/test_compile.py -q --durations=10 -p no:cacheprovider > "$W/tests_model.log" 2>&1 ;;
+    # The kernel tests past the first 240 (a 200 s run stops near there).
     gpu-tests-tail) python3 -m pytest tests/test_kernels.py tests/test_decode_attention.py --collect-only -q -p no:cacheprovider | grep :: | tail -n +240 > "$W/tail_ids.txt"
-               timeout 150 python3 -m pytest $(cat "$W/tail_ids.txt") tests/test_overlap.py -q -p no:cacheprovider > "$W/tests_tail.log" 2>&1 ;;
+               timeout 150 python3 -m pytest $(cat "$W/tail_ids.txt") -q -p no:cacheprovider > "$W/tests_tail.log" 2>&1 ;;
     kernels) timeout 170 python3 benchmarks/bench_kernels.py --out "$W" > "$W/kernels.log" 2>&1 ;;
     kernels-sweep) timeout 200 python3 benchmarks/bench_kernels.py --out "$W" --sweep > "$W/kernels.log" 2>&1 ;;
     # Later steps of this call use the swept config (the file comes back in all.tgz to be committed).
@@ -31,7 +31,6 @@ for step in "$@"; do
     e2e-mistral-graphs) timeout 200 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1 --adapters 1,32,128 > "$W/e2e_mistral.log" 2>&1 ;;
     e2e-exact) timeout 400 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,32,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
     e2e-quick) timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
-    e2e-overlap) timeout 230 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --overlap --tag _overlap > "$W/e2e_overlap.log" 2>&1 ;;
     e2e-per-projection) timeout 190 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --per-projection --tag _per_projection > "$W/e2e_per_projection.log" 2>&1 ;;
     e2e-mistral) timeout 430 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1 --adapters 1,32,128 --grids exact --compile > "$W/e2e_mistral.log" 2>&1 ;;
     release) timeout 300 python3 benchmarks/bench_release.py --out "$W" > "$W/release.log" 2>&1 ;;

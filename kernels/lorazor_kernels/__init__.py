@@ -7,7 +7,7 @@ from .decode_attention import decode_attention, decode_attention_op, decode_atte
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_kernels import lora_expand, lora_fused, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound, slot_bound_class
-from .ops import add_batched_lora_, add_lora_op_, batched_lora, linear_lora_op, linear_with_lora
+from .ops import add_batched_lora_, add_lora_op_, batched_lora
 from .reference import NO_ADAPTER, lora_delta_reference
 
 __all__ = [
@@ -23,8 +23,6 @@ __all__ = [
     "decode_attention_op",
     "decode_attention_reference",
     "get_kernel_config",
-    "linear_lora_op",
-    "linear_with_lora",
     "lora_delta_reference",
     "lora_expand",
     "lora_fused",

@@ -27,6 +27,8 @@ largest rank is 64; without it (uniform-rank banks, zeros past each rank) the ra
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -289,9 +291,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def _pdl_options(cfg: KernelConfig, device: torch.device) -> dict:
     """Launch options for programmatic dependent launch: `cfg.pdl` on a Hopper or newer GPU."""
-    on = cfg.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    on = cfg.pdl and device.type == "cuda" and _hopper_or_newer(
+        device.index if device.index is not None else torch.cuda.current_device())
     return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
 
 

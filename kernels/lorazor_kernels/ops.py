@@ -67,69 +67,9 @@ def add_batched_lora_(
     cfg = cfg or get_kernel_config(y.device)
     if cfg.fused and not segments:
         return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
-    return _shrink_expand(lambda: y, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    # One per device, created on first use (the graph runner's warm-up runs before any capture).
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
-def _shrink_expand(base, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, side=None):
-    """The split path: `y = base()` (the base output), shrink, then expand into y.
-
-    With a `side` stream, shrink runs there while `base()` (the GEMM) runs on the current stream;
-    expand waits for both. The fork and join happen inside the call, so it can be captured.
-    Merged projections (`segments`) hold uniform ranks: the rank load is skipped.
-    """
-    mask_rank = mask_rank and not segments
-    if side is None:
-        y = base()
-        u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
-    else:
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)  # x is ready; and u's memory (side-stream blocks) is free again
-        with torch.cuda.stream(side):
-            u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
-        y = base()
-        main.wait_stream(side)
+    mask_rank = mask_rank and not segments  # merged projections hold uniform ranks: no rank load
+    u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None)
-
-
-def linear_with_lora(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: torch.Tensor,
-    lora_rank: torch.Tensor,
-    meta: LoRABatchMeta,
-    backend: str = "triton",
-    cfg: KernelConfig | None = None,
-    mask_rank: bool = True,
-    segments: tuple[int, ...] | list[int] | None = None,
-    overlap: bool = True,
-) -> torch.Tensor:
-    """`linear(x, weight, bias)` plus the batched LoRA delta (arguments as `add_batched_lora_`).
-
-    With `overlap` on a GPU (Triton backend, split path), LoRA's shrink runs on a side stream while
-    the base GEMM runs on the current one: shrink needs only x, and a decode-size GEMM leaves SMs
-    idle. Otherwise: the GEMM, then `add_batched_lora_`.
-    """
-    cfg = cfg or get_kernel_config(x.device)
-    if (not overlap or backend != "triton" or x.device.type != "cuda" or cfg.fused
-            or meta.has_lora is False):
-        y = torch.nn.functional.linear(x, weight, bias)
-        return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank, segments)
-    return _shrink_expand(lambda: torch.nn.functional.linear(x, weight, bias), x, lora_a, lora_b, scaling,
-                          lora_rank, meta, cfg, mask_rank, segments, side=_side_stream(x.device))
 
 
 def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
@@ -147,19 +87,6 @@ def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
     return y
 
 
-def _meta_args(meta: LoRABatchMeta) -> tuple:
-    """The step metadata as custom-op arguments (ops take tensors and scalars, not dataclasses)."""
-    return (meta.row_slot, meta.sorted_rows, meta.slot_start, meta.tile_slot, meta.tile_rows, meta.large_slots,
-            meta.grid, meta.num_slots, meta.block_m, meta.row_bound, meta.class_split)
-
-
-def _meta_of(num_rows, row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid, num_slots, block_m,
-             row_bound, class_split) -> LoRABatchMeta:
-    """Inverse of `_meta_args` inside an op."""
-    return LoRABatchMeta(grid, num_rows, num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
-                         tile_rows, row_bound, large_slots, class_split)
-
-
 @torch.library.custom_op("lorazor::add_lora_", mutates_args=("y",))
 def _add_lora_op(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor,
@@ -168,8 +95,8 @@ def _add_lora_op(
     grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool, backend: str, mask_rank: bool,
     segments: list[int],
 ) -> None:
-    meta = _meta_of(x.shape[0], row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid,
-                    num_slots, block_m, row_bound, class_split)
+    meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
+                         tile_rows, row_bound, large_slots, class_split)
     add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
                       segments=segments or None)
 
@@ -189,39 +116,12 @@ def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, 
     """
     if meta.has_lora is False:
         return y
-    torch.ops.lorazor.add_lora_(y, x, lora_a, lora_b, scaling, lora_rank, *_meta_args(meta), backend, mask_rank,
-                                list(segments))
+    torch.ops.lorazor.add_lora_(
+        y, x, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
+        meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
+        meta.row_bound, meta.class_split, backend, mask_rank, list(segments),
+    )
     return y
-
-
-@torch.library.custom_op("lorazor::linear_lora", mutates_args=())
-def _linear_lora_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor,
-    scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor,
-    slot_start: torch.Tensor, tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None,
-    large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
-    backend: str, mask_rank: bool, segments: list[int], overlap: bool,
-) -> torch.Tensor:
-    meta = _meta_of(x.shape[0], row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid,
-                    num_slots, block_m, row_bound, class_split)
-    return linear_with_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
-                            segments=segments or None, overlap=overlap)
-
-
-@_linear_lora_op.register_fake
-def _(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
-      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments, overlap):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton",
-                   mask_rank: bool = True, segments: tuple[int, ...] = (), overlap: bool = True) -> torch.Tensor:
-    """`linear_with_lora` as the registered custom op `lorazor::linear_lora` (opaque to torch.compile,
-    so the side-stream fork and join stay as written)."""
-    if meta.has_lora is False:
-        return torch.nn.functional.linear(x, weight, bias)
-    return torch.ops.lorazor.linear_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, *_meta_args(meta),
-                                         backend, mask_rank, list(segments), overlap)
 
 
 def batched_lora(

@@ -43,11 +43,6 @@ class LoRazorConfig:
             each (4 base GEMMs and 8 LoRA launches per layer instead of 7 and 14), when the
             members' adapters share one rank; other layers keep the per-module path. On the H200
             this cuts LoRA time per layer by a fifth (benchmarks/results/kernels.md).
-        overlap_shrink: run each LoRA shrink on a side stream while the base GEMM runs (it reads
-            only the layer input; a decode-size GEMM leaves SMs idle); expand then adds into the
-            GEMM's output. GPU and Triton backend only. Off by default: on the H200 it saves 3%
-            of a layer's GEMM + LoRA time at 128 adapters and costs 2% at one
-            (benchmarks/results/kernels.md, last two columns).
         capture_batch_sizes: batch sizes whose decode graphs `from_peft` captures up front (with
             CUDA graphs on the GPU; needs `max_cache_len`), so no request pays for capture (or,
             with `compile=True`, compilation). Other sizes are captured when first used.
@@ -67,7 +62,6 @@ class LoRazorConfig:
     max_cache_len: int | None = None
     capture_batch_sizes: tuple[int, ...] = ()
     merge_projections: bool = True
-    overlap_shrink: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

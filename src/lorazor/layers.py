@@ -7,7 +7,7 @@ no copy) and returns what `unpatch_lora_layers` needs to put the PEFT layers bac
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import add_lora_op_, linear_lora_op
+from lorazor_kernels import add_lora_op_
 from torch import nn
 
 from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
@@ -19,22 +19,15 @@ def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scal
     """`linear(x, weight, bias)` plus the step's batched LoRA delta (x of any leading shape).
 
     Outside a step, or when no row has an adapter, the plain linear. `segments`: merged projections.
-    With `context.overlap` (`LoRazorConfig(overlap_shrink=True)`), one op runs LoRA's shrink on a
-    side stream beside the base GEMM; otherwise the GEMM, then the delta added in place.
     """
+    y = nn.functional.linear(x, weight, bias)
     meta = context.meta
     if meta is None or meta.has_lora is False:
-        return nn.functional.linear(x, weight, bias)
+        return y
     if x.numel() // x.shape[-1] != meta.num_rows:
         raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
-    rows = x.reshape(-1, x.shape[-1])
-    if context.overlap:
-        y = linear_lora_op(rows, weight, bias, lora_a, lora_b, scaling, rank, meta, backend=context.backend,
-                           mask_rank=mask_rank, segments=segments)
-        return y.view(*x.shape[:-1], weight.shape[0])
-    y = nn.functional.linear(x, weight, bias)
-    add_lora_op_(y.view(-1, y.shape[-1]), rows, lora_a, lora_b, scaling, rank, meta, backend=context.backend,
-                 mask_rank=mask_rank, segments=segments)
+    add_lora_op_(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, meta,
+                 backend=context.backend, mask_rank=mask_rank, segments=segments)
     return y
 
 

@@ -52,7 +52,7 @@ class LoRazorModel(nn.Module):
         backend = config.backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "reference"
-        self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m, config.overlap_shrink)
+        self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_lora_layers(peft_model, bank, self.context)
         self.merged_groups = merge_projections(self.model, self.context) if config.merge_projections else []
         self._decoder = self.model.get_decoder()

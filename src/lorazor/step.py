@@ -21,13 +21,10 @@ class StepContext:
         grid: kernel grid mode.
         backend: "triton" or "reference".
         block_m: row-tile height of the kernels.
-        overlap: run LoRA's shrink beside the base GEMM (GPU, Triton backend).
     """
 
-    def __init__(self, num_slots: int, grid: str, backend: str, block_m: int = 16, overlap: bool = False):
+    def __init__(self, num_slots: int, grid: str, backend: str, block_m: int = 16):
         self.num_slots = num_slots
-        # Run LoRA's shrink on a side stream beside each base GEMM (LoRazorConfig.overlap_shrink).
-        self.overlap = overlap
         self.grid = grid
         self.backend = backend
         self.block_m = block_m
