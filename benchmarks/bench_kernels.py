@@ -142,6 +142,12 @@ def time_with_gemms(pool, weights, meta, cfg) -> float:
     return time_graph(run) * 1e3 / len(weights)
 
 
+def time_gemms(pool, weights) -> float:
+    """us per layer of the merged base GEMMs alone (the baseline of `time_with_gemms`)."""
+    return time_graph(lambda: [g["x"] @ w.T for groups, ws in zip(pool, weights) for g, w in zip(groups, ws)]) \
+        * 1e3 / len(weights)
+
+
 def time_backbone(shape: dict) -> float:
     ws = [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), torch.randn(M, k, device="cuda", dtype=torch.bfloat16))
           for k, n in projections(shape).values()]
@@ -221,6 +227,7 @@ def main() -> None:
                         row["exact_merged_bank128_us"] = time_merged(bank, bounded, cfg)
                         row["exact_merged_bank128_unbounded_us"] = time_merged(bank, build_batch_meta(slots, 128, "exact"), cfg)
                         weights = base_weights(merged)
+                        row["merged_gemm_us"] = time_gemms(merged, weights)
                         row["gemm_lora_us"] = time_with_gemms(merged, weights, meta, cfg)
                         # Programmatic dependent launch: LoRA kernels scheduled while the kernel ahead drains.
                         pdl = dataclasses.replace(cfg, pdl=True)
@@ -241,14 +248,14 @@ def main() -> None:
     head = ("| model | case | L | full us | active_rows us | two_class us | exact us | full merged us | exact merged us | "
             "floor us | exact/full | exact/floor | merged exact/full | merged exact/floor | "
             "merged exact, 128-slot bank us | same, unbounded grid us | exact rank-masked us | backbone GEMMs us | "
-            "GEMMs + merged exact us | exact merged, PDL us | GEMMs + merged exact, PDL us |\n")
-    head += "|---" * 21 + "|\n"
+            "merged GEMMs us | GEMMs + merged exact us | exact merged, PDL us | GEMMs + merged exact, PDL us |\n")
+    head += "|---" * 22 + "|\n"
     body = "".join(
         f"| {r['model']} | {r['case']} | {r['L']} | {r['full_us']:.1f} | {r['active_rows_us']:.1f} | {r['two_class_us']:.1f} | "
         f"{r['exact_us']:.1f} | {r['full_merged_us']:.1f} | {r['exact_merged_us']:.1f} | {r['floor_us']:.1f} | "
         f"{r['exact_over_full']:.2f} | {r['exact_over_floor']:.2f} | {r['merged_over_full']:.2f} | {r['merged_over_floor']:.2f} | "
         f"{r['exact_merged_bank128_us']:.1f} | {r['exact_merged_bank128_unbounded_us']:.1f} | {r['exact_masked_us']:.1f} | "
-        f"{r['backbone_gemm_us']:.1f} | {r['gemm_lora_us']:.1f} | {r['exact_merged_pdl_us']:.1f} | "
+        f"{r['backbone_gemm_us']:.1f} | {r['merged_gemm_us']:.1f} | {r['gemm_lora_us']:.1f} | {r['exact_merged_pdl_us']:.1f} | "
         f"{r['gemm_lora_pdl_us']:.1f} |\n"
         for r in rows)
     table = f"# LoRA kernel time per layer (7 projections, rank {RANK}, M={M}, bf16)\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
@@ -259,8 +266,9 @@ def main() -> None:
               "bank of 128 slots (a model with max_loras=128): bounded by the batch's distinct adapters (the model's "
               "path: tile table of M/16 + max(16, 2^ceil(log2 L)) tiles) and unbounded (M/16 + 128 tiles). "
               "Rank-masked: exact reading each slot's rank (mixed-rank banks). Floor: active adapters' A and B + x "
-              "read once + y read and written, over the measured copy bandwidth. The GEMMs + LoRA columns add each "
-              "group's base GEMM (4 per layer, merged weights), then its LoRA. PDL columns: the same with "
+              "read once + y read and written, over the measured copy bandwidth. Backbone GEMMs: the 7 projections' "
+              "GEMMs; merged GEMMs: the model's 4 (q/k/v and gate/up merged). The GEMMs + LoRA columns run each "
+              "merged group's base GEMM, then its LoRA: minus merged GEMMs, that is LoRA's cost in place. PDL columns: the same with "
               "programmatic dependent launch (`KernelConfig(pdl=True)`).\n")
     write_results(args.out, "kernels", rows, meta, table)
     print(table)

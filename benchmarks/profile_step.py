@@ -1,18 +1,58 @@
-"""Where one decode step's GPU time goes: torch.profiler over a few eager decode steps.
+"""Where one decode step's GPU time goes: backbone-only against LoRA, kernel by kernel.
 
-    python benchmarks/profile_step.py --model llama-3.2-3b --adapters 128 [--compile]
+    python benchmarks/profile_step.py --model llama-3.2-3b --adapters 128 [--compile] [--no-graphs]
+
+Runs `generate` as a user does (CUDA graphs on unless --no-graphs), profiles a call of 1 and of
+`--new` tokens, and takes the difference: what remains is `--new - 1` decode steps, prefill and
+setup cancel out. Per kernel name: launches and GPU microseconds per step, for the backbone-only
+call and the LoRA call, then their difference. The last lines compare the step's wall time with
+its summed kernel time; the rest is the time between kernels (launch gaps inside the graph).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import RANK, TARGETS, assign, build_base, fill_random_adapters  # noqa: E402
+from common import environment, timed  # noqa: E402
+
+
+def kernel_times(fn) -> tuple[Counter, Counter]:
+    """(microseconds, launches) per GPU kernel name over one call of `fn`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    us, count = Counter(), Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us[event.name] += event.time_range.elapsed_us()
+            count[event.name] += 1
+    return us, count
+
+
+def per_step(gen, new: int) -> tuple[Counter, Counter, float]:
+    """Per decode step: (us per kernel name, launches per kernel name, wall ms)."""
+    gen(1), gen(2), gen(new)  # capture and compile outside the measurement
+    us_1, n_1 = kernel_times(lambda: gen(1))
+    us_n, n_n = kernel_times(lambda: gen(new))
+    steps = new - 1
+    us = Counter({k: (us_n[k] - us_1[k]) / steps for k in us_n})
+    count = Counter({k: (n_n[k] - n_1[k]) / steps for k in n_n})
+    wall = (timed(lambda: gen(new)) - timed(lambda: gen(1))) / steps * 1e3
+    return us, count, wall
+
+
+def short(name: str, width: int = 70) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def main() -> None:
@@ -20,40 +60,50 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.2-3b")
     ap.add_argument("--adapters", type=int, default=128)
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=17)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--rows", type=int, default=30, help="kernel names shown, largest difference first")
     args = ap.parse_args()
     from peft import LoraConfig, get_peft_model
-    from torch.profiler import ProfilerActivity, profile
 
     from lorazor import LoRazorConfig, LoRazorModel
 
     base = build_base(args.model)
     pm = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False),
                         adapter_name="a0").eval()
-    model = LoRazorModel.from_peft(pm, LoRazorConfig(max_loras=args.adapters, cuda_graphs=False, compile=args.compile))
+    model = LoRazorModel.from_peft(pm, LoRazorConfig(
+        max_loras=args.adapters, max_batch_size=args.batch, max_cache_len=args.prompt + args.new,
+        cuda_graphs=not args.no_graphs, compile=args.compile))
     names = ["a0"] + fill_random_adapters(model, 1, args.adapters - 1)
-    B, T = args.batch, 128
-    ids = torch.randint(3, base.config.vocab_size, (B, T), device="cuda")
+    B = args.batch
+    ids = torch.randint(3, base.config.vocab_size, (B, args.prompt), device="cuda")
     mask = torch.ones_like(ids)
-    row_slot = model.bank.slots_for(assign(B, args.adapters, names), device="cuda")
-    model.context.enabled = True
-    cache = model.new_cache(B, 256, torch.device("cuda"))
-    model.prefill(ids, mask, cache, row_slot)
-    tok = ids[:, -1]
-    pos = mask.sum(-1)
-    for i in range(3):
-        model.decode_step(tok, pos, torch.full((B,), T + i, device="cuda"), cache, row_slot)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(3):
-            model.decode_step(tok, pos, torch.full((B,), T + 3 + i, device="cuda"), cache, row_slot)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
-    print(table)
-    events = [e for e in prof.key_averages()]
-    total = sum(e.device_time_total for e in events) / 3 / 1e3
-    count = sum(e.count for e in events if e.device_time_total > 0) / 3
-    print(f"GPU time per step {total:.2f} ms over {count:.0f} kernels (compile={args.compile})")
+
+    def gen(adapter_ids):
+        return lambda n: model.generate(ids, attention_mask=mask, adapter_ids=adapter_ids, max_new_tokens=n,
+                                        min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    print(environment(), f"compile={args.compile} graphs={not args.no_graphs}", flush=True)
+    base_us, base_n, base_wall = per_step(gen([None] * B), args.new)
+    lora_us, lora_n, lora_wall = per_step(gen(assign(B, args.adapters, names)), args.new)
+    layers = model.model.config.num_hidden_layers
+    print(f"\nper decode step, batch {B}, {args.adapters} adapters, {layers} layers "
+          f"(us; launches in brackets)\n")
+    print(f"| kernel | backbone | LoRA | LoRA - backbone |\n|---|---|---|---|")
+    names_all = set(base_us) | set(lora_us)
+    for name in sorted(names_all, key=lambda k: -abs(lora_us[k] - base_us[k]))[: args.rows]:
+        print(f"| {short(name)} | {base_us[name]:.1f} [{base_n[name]:.0f}] | {lora_us[name]:.1f} [{lora_n[name]:.0f}] "
+              f"| {lora_us[name] - base_us[name]:+.1f} |")
+    for label, us, count, wall in (("backbone", base_us, base_n, base_wall), ("LoRA", lora_us, lora_n, lora_wall)):
+        busy = sum(us.values()) / 1e3
+        print(f"{label}: wall {wall:.3f} ms/step, kernels {busy:.3f} ms over {sum(count.values()):.0f} launches, "
+              f"between kernels {wall - busy:.3f} ms")
+    extra = lora_wall - base_wall
+    print(f"LoRA adds {extra:.3f} ms/step = {extra * 1e3 / layers:.1f} us/layer "
+          f"(kernels {(sum(lora_us.values()) - sum(base_us.values())) / layers:.1f} us/layer, "
+          f"{(sum(lora_n.values()) - sum(base_n.values())) / layers:.1f} launches/layer)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, kernel benchmark, end-to-end benchmarks. Everything lands in
 # $OUT/all.tgz (the device returns at most 8 files). Usage on the device:
-#   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh tests kernels e2e-llama [e2e-mistral] [release] [explore]
+#   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh tests kernels e2e-llama [e2e-mistral] [release] [profile]
 set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -34,14 +34,20 @@ for step in "$@"; do
     e2e-per-projection) timeout 190 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --per-projection --tag _per_projection > "$W/e2e_per_projection.log" 2>&1 ;;
     e2e-mistral) timeout 430 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1 --adapters 1,32,128 --grids exact --compile > "$W/e2e_mistral.log" 2>&1 ;;
     release) timeout 300 python3 benchmarks/bench_release.py --out "$W" > "$W/release.log" 2>&1 ;;
-    explore) timeout 150 python3 benchmarks/profile_step.py > "$W/profile_eager.log" 2>&1
-             timeout 200 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
+    # Backbone against LoRA kernel by kernel in the decode step users run (graphs; then graphs + compile).
+    profile) timeout 120 python3 benchmarks/profile_step.py > "$W/profile_graphs.log" 2>&1
+             timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
+    # e2e-quick with programmatic dependent launch, through a config file beside the tuned one.
+    e2e-quick-pdl) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['pdl']=True; json.dump(c, open(sys.argv[2], 'w'))" \
+                     kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/pdl_config.json"
+               LORAZOR_KERNEL_CONFIG="$W/pdl_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \
+                 --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag _exact_pdl > "$W/e2e_exact_pdl.log" 2>&1 ;;
   esac
   echo "== $step rc=$? $(( $(date +%s) - start ))s"
 done
 tar czf "$OUT/all.tgz" -C "$W" .
 for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f" | tail -12; done
 grep '^|' "$W"/kernels.log 2>/dev/null | tail -16
-for f in "$W"/profile_*.log; do [ -f "$f" ] && head -20 "$f" | cut -c1-150 && tail -1 "$f"; done
+for f in "$W"/profile_*.log; do [ -f "$f" ] && grep -E "^\||wall|adds|Error" "$f" | cut -c1-160 | head -40; done
 grep '^|' "$W"/release.log 2>/dev/null
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done

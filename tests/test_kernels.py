@@ -302,6 +302,29 @@ def test_programmatic_dependent_launch_is_ignored_off_hopper():
                  cfg=dataclasses.replace(KernelConfig(), pdl=True))
 
 
+def test_kernel_config_file_from_the_environment(tmp_path, monkeypatch):
+    import json
+
+    from lorazor_kernels import get_kernel_config
+    from lorazor_kernels.kernel_config import CONFIG_ENV
+
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"shrink_block_k": 64, "pdl": True}))
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    cfg = get_kernel_config(torch.device("cpu"))
+    assert (cfg.shrink_block_k, cfg.pdl) == (64, True)
+    path_bad = tmp_path / "bad.json"
+    path_bad.write_text(json.dumps({"shrink_blok_k": 64}))
+    monkeypatch.setenv(CONFIG_ENV, str(path_bad))
+    with pytest.raises(ValueError, match="shrink_blok_k"):
+        get_kernel_config(torch.device("cpu"))
+    monkeypatch.setenv(CONFIG_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        get_kernel_config(torch.device("cpu"))
+    monkeypatch.delenv(CONFIG_ENV)
+    assert get_kernel_config(torch.device("cpu")).shrink_block_k != 64 or not get_kernel_config(torch.device("cpu")).pdl
+
+
 def test_merged_projections_reject_bad_segments():
     from lorazor_kernels import lora_expand
 
