@@ -51,7 +51,7 @@ def per_step(gen, new: int) -> tuple[Counter, Counter, float]:
     return us, count, wall
 
 
-def short(name: str, width: int = 70) -> str:
+def short(name: str, width: int = 150) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 

@@ -37,6 +37,14 @@ for step in "$@"; do
     # Backbone against LoRA kernel by kernel in the decode step users run (graphs; then graphs + compile).
     profile) timeout 120 python3 benchmarks/profile_step.py > "$W/profile_graphs.log" 2>&1
              timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
+    profile-compile) timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
+    kernels-llama) timeout 120 python3 benchmarks/bench_kernels.py --out "$W" --models llama-3.2-3b > "$W/kernels.log" 2>&1 ;;
+    # The model's GPU tests with programmatic dependent launch on (graph replay against eager and the reference).
+    gpu-tests-pdl) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['pdl']=True; json.dump(c, open(sys.argv[2], 'w'))" \
+                     kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/pdl_config.json"
+               LORAZOR_KERNEL_CONFIG="$W/pdl_config.json" timeout 150 python3 -m pytest tests/test_gpu.py tests/test_merged.py \
+                 tests/test_compile.py tests/test_release.py -q -p no:cacheprovider > "$W/tests_pdl.log" 2>&1
+               timeout 60 python3 -m pytest tests/test_kernels.py -k programmatic -q -p no:cacheprovider >> "$W/tests_pdl.log" 2>&1 ;;
     # e2e-quick with programmatic dependent launch, through a config file beside the tuned one.
     e2e-quick-pdl) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['pdl']=True; json.dump(c, open(sys.argv[2], 'w'))" \
                      kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/pdl_config.json"
@@ -48,6 +56,6 @@ done
 tar czf "$OUT/all.tgz" -C "$W" .
 for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f" | tail -12; done
 grep '^|' "$W"/kernels.log 2>/dev/null | tail -16
-for f in "$W"/profile_*.log; do [ -f "$f" ] && grep -E "^\||wall|adds|Error" "$f" | cut -c1-160 | head -40; done
+for f in "$W"/profile_*.log; do [ -f "$f" ] && grep -E "^\||wall|adds|Error" "$f" | cut -c1-220 | head -40; done
 grep '^|' "$W"/release.log 2>/dev/null
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done

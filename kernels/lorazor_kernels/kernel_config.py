@@ -35,9 +35,10 @@ class KernelConfig:
         fused_programs_per_sm: split N over about this many fused programs per multiprocessor.
         fused_num_warps / fused_num_stages: Triton launch options of the fused kernel.
         pdl: launch the kernels with programmatic dependent launch on Hopper or newer GPUs, so a
-            kernel's programs are scheduled while the kernel ahead of it drains (each waits for
-            it before reading anything). Ignored elsewhere. Off on the H200: measured there, it
-        saved 3.6% of a Llama layer's GEMMs + LoRA and cost 1.1% of a Mistral layer's.
+            kernel's programs are scheduled while the kernel ahead of it drains: each reads its
+            tile of the step metadata, then waits for that kernel before touching activations.
+            Needs the metadata written before the kernel ahead was launched (true in the model,
+            which builds it at the start of the step, and in `batched_lora`). Ignored elsewhere.
     """
 
     shrink_block_k: int = 128

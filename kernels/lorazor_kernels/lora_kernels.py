@@ -154,8 +154,11 @@ def _expand_rows(
 def _dependent_launch_prologue(USE_GDC: tl.constexpr):
     """Programmatic dependent launch (Hopper+, `KernelConfig.pdl`): the programs of this kernel may
     be scheduled before the kernel ahead of it in the stream has finished, which hides the launch
-    gap. Wait for that kernel before reading anything (it may have written the metadata, x, u or
-    y), then let the next kernel be scheduled in turn: its own wait covers all of this kernel."""
+    gap. Called after the program has read its tile (tile table, rows, rank): the step metadata is
+    written at the start of the step, well before the kernel ahead was launched, so those reads
+    overlap that kernel's tail. Then wait for it before reading activations (it may have written
+    x, u or y) or writing anything, and let the next kernel be scheduled in turn: its own wait
+    covers all of this kernel."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -171,7 +174,6 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    _dependent_launch_prologue(USE_GDC)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -181,6 +183,7 @@ def _lora_shrink_kernel(
     )
     if pid_r * BLOCK_R >= rank:
         return
+    _dependent_launch_prologue(USE_GDC)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     k_lo = pid_k * k_per_split
@@ -213,7 +216,6 @@ def _lora_expand_kernel(
     (`u[:, g * r_max :]`) and its own scaling row (`scaling_ptr + g * stride_sg`): merged
     projections, e.g. q/k/v in one output. Segment edges are multiples of BLOCK_N.
     """
-    _dependent_launch_prologue(USE_GDC)
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot, rows, mask_m, rank = _tile(
@@ -222,6 +224,7 @@ def _lora_expand_kernel(
     )
     if rank == 0:
         return
+    _dependent_launch_prologue(USE_GDC)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     slot64 = slot.to(tl.int64)

@@ -121,7 +121,8 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
     device = row_slot.device
     num_rows = row_slot.shape[0]
     key = torch.where(row_slot >= 0, row_slot.long(), torch.full_like(row_slot, num_slots, dtype=torch.long))
-    sorted_rows = torch.sort(key, stable=True).indices
+    # 32-bit keys: half the radix passes of 64-bit ones (the int64 sort took 28 us of a decode step at M=256).
+    sorted_rows = torch.sort(key.int(), stable=True).indices
     counts = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, key, torch.ones_like(key))
     slot_start = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
