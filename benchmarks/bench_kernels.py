@@ -233,6 +233,10 @@ def main() -> None:
                         pdl = dataclasses.replace(cfg, pdl=True)
                         row["exact_merged_pdl_us"] = time_merged(merged, meta, pdl)
                         row["gemm_lora_pdl_us"] = time_with_gemms(merged, weights, meta, pdl)
+                        # ... and o/down (the unmerged projections) as one fused kernel each.
+                        pdl_fused = dataclasses.replace(pdl, fused=True)
+                        row["exact_merged_pdl_fused_us"] = time_merged(merged, meta, pdl_fused)
+                        row["gemm_lora_pdl_fused_us"] = time_with_gemms(merged, weights, meta, pdl_fused)
                         del weights
                 row["exact_over_full"] = row["exact_us"] / row["full_us"]
                 row["exact_over_floor"] = row["exact_us"] / row["floor_us"]
@@ -248,15 +252,16 @@ def main() -> None:
     head = ("| model | case | L | full us | active_rows us | two_class us | exact us | full merged us | exact merged us | "
             "floor us | exact/full | exact/floor | merged exact/full | merged exact/floor | "
             "merged exact, 128-slot bank us | same, unbounded grid us | exact rank-masked us | backbone GEMMs us | "
-            "merged GEMMs us | GEMMs + merged exact us | exact merged, PDL us | GEMMs + merged exact, PDL us |\n")
-    head += "|---" * 22 + "|\n"
+            "merged GEMMs us | GEMMs + merged exact us | exact merged, PDL us | GEMMs + merged exact, PDL us | "
+            "exact merged, PDL, fused o/down us | GEMMs + same us |\n")
+    head += "|---" * 24 + "|\n"
     body = "".join(
         f"| {r['model']} | {r['case']} | {r['L']} | {r['full_us']:.1f} | {r['active_rows_us']:.1f} | {r['two_class_us']:.1f} | "
         f"{r['exact_us']:.1f} | {r['full_merged_us']:.1f} | {r['exact_merged_us']:.1f} | {r['floor_us']:.1f} | "
         f"{r['exact_over_full']:.2f} | {r['exact_over_floor']:.2f} | {r['merged_over_full']:.2f} | {r['merged_over_floor']:.2f} | "
         f"{r['exact_merged_bank128_us']:.1f} | {r['exact_merged_bank128_unbounded_us']:.1f} | {r['exact_masked_us']:.1f} | "
         f"{r['backbone_gemm_us']:.1f} | {r['merged_gemm_us']:.1f} | {r['gemm_lora_us']:.1f} | {r['exact_merged_pdl_us']:.1f} | "
-        f"{r['gemm_lora_pdl_us']:.1f} |\n"
+        f"{r['gemm_lora_pdl_us']:.1f} | {r['exact_merged_pdl_fused_us']:.1f} | {r['gemm_lora_pdl_fused_us']:.1f} |\n"
         for r in rows)
     table = f"# LoRA kernel time per layer (7 projections, rank {RANK}, M={M}, bf16)\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
     table += ("\nPer-projection columns (full, active_rows, two_class, exact) run shrink + expand for each of the 7 "
@@ -269,7 +274,8 @@ def main() -> None:
               "read once + y read and written, over the measured copy bandwidth. Backbone GEMMs: the 7 projections' "
               "GEMMs; merged GEMMs: the model's 4 (q/k/v and gate/up merged). The GEMMs + LoRA columns run each "
               "merged group's base GEMM, then its LoRA: minus merged GEMMs, that is LoRA's cost in place. PDL columns: the same with "
-              "programmatic dependent launch (`KernelConfig(pdl=True)`).\n")
+              "programmatic dependent launch (`KernelConfig(pdl=True)`); fused o/down: also `fused=True`, which runs "
+              "each unmerged projection (o_proj, down_proj) as one fused shrink + expand kernel.\n")
     write_results(args.out, "kernels", rows, meta, table)
     print(table)
 

@@ -38,20 +38,21 @@ for step in "$@"; do
     profile) timeout 120 python3 benchmarks/profile_step.py > "$W/profile_graphs.log" 2>&1
              timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
     profile-compile) timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
-    kernels-llama) timeout 120 python3 benchmarks/bench_kernels.py --out "$W" --models llama-3.2-3b > "$W/kernels.log" 2>&1 ;;
-    # The model's GPU tests with programmatic dependent launch on (graph replay against eager and the reference).
-    gpu-tests-pdl) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['pdl']=True; json.dump(c, open(sys.argv[2], 'w'))" \
-                     kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/pdl_config.json"
-               LORAZOR_KERNEL_CONFIG="$W/pdl_config.json" timeout 150 python3 -m pytest tests/test_gpu.py tests/test_merged.py \
-                 tests/test_compile.py tests/test_release.py -q -p no:cacheprovider > "$W/tests_pdl.log" 2>&1
-               timeout 60 python3 -m pytest tests/test_kernels.py -k programmatic -q -p no:cacheprovider >> "$W/tests_pdl.log" 2>&1 ;;
-    # e2e-quick with programmatic dependent launch, through a config file beside the tuned one.
-    e2e-quick-pdl) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['pdl']=True; json.dump(c, open(sys.argv[2], 'w'))" \
-                     kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/pdl_config.json"
-               LORAZOR_KERNEL_CONFIG="$W/pdl_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \
-                 --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag _exact_pdl > "$W/e2e_exact_pdl.log" 2>&1 ;;
+    kernels-llama) timeout 150 python3 benchmarks/bench_kernels.py --out "$W" --models llama-3.2-3b > "$W/kernels.log" 2>&1 ;;
+    # The model's GPU tests with the tuned config patched by $PATCH (as e2e-quick-patched), then the PDL kernel tests.
+    gpu-tests-patched) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c.update(json.loads(sys.argv[3])); json.dump(c, open(sys.argv[2], 'w'))" \
+                     kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/patched_config.json" "${PATCH:-{\}}"
+               LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 150 python3 -m pytest tests/test_gpu.py tests/test_merged.py \
+                 tests/test_compile.py tests/test_release.py -q -p no:cacheprovider > "$W/tests_patched.log" 2>&1
+               timeout 60 python3 -m pytest tests/test_kernels.py -k programmatic -q -p no:cacheprovider >> "$W/tests_patched.log" 2>&1 ;;
+    # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
+    e2e-quick-patched) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c.update(json.loads(sys.argv[3])); json.dump(c, open(sys.argv[2], 'w'))" \
+                     kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/patched_config.json" "${PATCH:-{\}}"
+               LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \
+                 --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag "_exact${TAG:-_patched}" > "$W/e2e_exact${TAG:-_patched}.log" 2>&1 ;;
   esac
   echo "== $step rc=$? $(( $(date +%s) - start ))s"
+  tar czf "$OUT/all.tgz" -C "$W" .  # after every step: a call cut short still returns what it finished
 done
 tar czf "$OUT/all.tgz" -C "$W" .
 for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f" | tail -12; done
