@@ -11,7 +11,9 @@ are timed separately and taken out. Every number comes from this one run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -170,7 +172,12 @@ def main() -> None:
     if args.compile:
         sweep(True, ["exact"])
     graphs = model.graphs
+    from lorazor_kernels import get_kernel_config
+    from lorazor_kernels.kernel_config import CONFIG_ENV
+
     meta = dict(environment(), command=" ".join(sys.argv), batch=B, prompt=T, new_tokens=NEW, rank=RANK,
+                kernel_config=dataclasses.asdict(get_kernel_config(torch.device("cuda"))),
+                kernel_config_file=os.environ.get(CONFIG_ENV, "tuned file of the GPU"),
                 compile=args.compile, peft_new_tokens=args.peft_new, graphs=graphs.num_graphs(),
                 graph_capture_s_all_runs=round(graphs.capture_seconds, 2), graph_GB_last_sweep=round(graphs.capture_bytes / 1e9, 3),
                 date=time.strftime("%Y-%m-%d"))

@@ -202,6 +202,8 @@ def main() -> None:
         cfg = sweep(SHAPES["llama-3.2-3b"], gen, cfg)
         (args.out / "tuned_kernel_config.json").parent.mkdir(parents=True, exist_ok=True)
         (args.out / "tuned_kernel_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    # Every column without programmatic dependent launch, except the PDL columns (whatever the file says).
+    cfg = dataclasses.replace(cfg, pdl=False)
     rows = []
     for model in args.models.split(","):
         shape = SHAPES[model]
@@ -273,7 +275,8 @@ def main() -> None:
               "Rank-masked: exact reading each slot's rank (mixed-rank banks). Floor: active adapters' A and B + x "
               "read once + y read and written, over the measured copy bandwidth. Backbone GEMMs: the 7 projections' "
               "GEMMs; merged GEMMs: the model's 4 (q/k/v and gate/up merged). The GEMMs + LoRA columns run each "
-              "merged group's base GEMM, then its LoRA: minus merged GEMMs, that is LoRA's cost in place. PDL columns: the same with "
+              "merged group's base GEMM, then its LoRA: minus merged GEMMs, that is LoRA's cost in place. Columns run "
+              "without programmatic dependent launch, whatever the GPU's file says; PDL columns: the same with "
               "programmatic dependent launch (`KernelConfig(pdl=True)`); fused o/down: also `fused=True`, which runs "
               "each unmerged projection (o_proj, down_proj) as one fused shrink + expand kernel.\n")
     write_results(args.out, "kernels", rows, meta, table)
