@@ -15,7 +15,7 @@ for step in "$@"; do
     gpu-tests) timeout 300 python3 -m pytest tests/test_kernels.py tests/test_gpu.py tests/test_merged.py tests/test_release.py tests/test_add_adapter.py tests/test_compile.py tests/test_decode_attention.py -q --durations=15 -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
     # The same suite in two calls' worth of steps (it took 288 s at c012cc0).
     # The kernel half alone ran past 200 s at 3321966 (about 240 of 283 tests done).
-    gpu-tests-kernels) timeout 300 python3 -m pytest tests/test_kernels.py tests/test_decode_attention.py -q --durations=10 -p no:cacheprovider > "$W/tests_kernels.log" 2>&1 ;;
+    gpu-tests-kernels) timeout 300 python3 -m pytest tests/test_kernels.py tests/test_meta.py tests/test_decode_attention.py -q --durations=10 -p no:cacheprovider > "$W/tests_kernels.log" 2>&1 ;;
     gpu-tests-model) timeout 250 python3 -m pytest tests/test_gpu.py tests/test_merged.py tests/test_release.py tests/test_add_adapter.py tests/test_compile.py -q --durations=10 -p no:cacheprovider > "$W/tests_model.log" 2>&1 ;;
     # The kernel tests past the first 240 (a 200 s run stops near there).
     gpu-tests-tail) python3 -m pytest tests/test_kernels.py tests/test_decode_attention.py --collect-only -q -p no:cacheprovider | grep :: | tail -n +240 > "$W/tail_ids.txt"
@@ -43,7 +43,7 @@ for step in "$@"; do
     gpu-tests-patched) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c.update(json.loads(sys.argv[3])); json.dump(c, open(sys.argv[2], 'w'))" \
                      kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/patched_config.json" "${PATCH:-{\}}"
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 150 python3 -m pytest tests/test_gpu.py tests/test_merged.py \
-                 tests/test_compile.py tests/test_release.py -q -p no:cacheprovider > "$W/tests_patched.log" 2>&1
+                 tests/test_compile.py tests/test_release.py tests/test_meta.py -q -p no:cacheprovider > "$W/tests_patched.log" 2>&1
                timeout 60 python3 -m pytest tests/test_kernels.py -k programmatic -q -p no:cacheprovider >> "$W/tests_patched.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c.update(json.loads(sys.argv[3])); json.dump(c, open(sys.argv[2], 'w'))" \

@@ -41,6 +41,8 @@ class KernelConfig:
             which builds it at the start of the step, and in `batched_lora`). Ignored elsewhere.
             On in the H200 file: compiled decode of Llama-3.2-3B at 128 adapters went from
             33.4k to 34.7k tok/s (benchmarks/results/e2e_llama-3.2-3b_exact_pdl.md).
+        one_program_meta: build the `exact`/`full` step metadata in one Triton program
+            (`meta_kernel.py`) instead of about 25 small torch kernels. Off until measured on a GPU.
     """
 
     shrink_block_k: int = 128
@@ -59,6 +61,7 @@ class KernelConfig:
     fused_num_warps: int = 4
     fused_num_stages: int = 3
     pdl: bool = False
+    one_program_meta: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

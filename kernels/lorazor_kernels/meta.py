@@ -2,6 +2,8 @@
 
 All tensors are computed on the device from `row_slot` with sort/scatter/cumsum/searchsorted: no host
 sync, so building the metadata can live inside a captured CUDA graph (`exact` and `full` modes).
+On a GPU whose `KernelConfig.one_program_meta` is on, `exact` and `full` steps of up to 1024 rows
+are built by one Triton program instead (`meta_kernel.py`), checked against this torch build.
 `active_rows` and `two_class` need the largest group size on the host to pick their row bound R, as
 the paper's host-side scheduler does: building them costs one sync per step (never per layer).
 
@@ -29,6 +31,7 @@ SMALL_CLASS_ROWS = 16
 LARGE_CLASS_CAPACITY = 16
 # two_class is enabled only with at least this many small slots (paper 3.1.3).
 MIN_SMALL_SLOTS = 8
+BUILDERS = ("auto", "torch", "triton")
 
 
 def row_bound(max_rows: int, num_rows: int) -> int:
@@ -95,7 +98,7 @@ def slot_bound_class(distinct_slots: int, num_slots: int, smallest: int = 16) ->
 
 
 def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact", block_m: int = 16,
-                     max_active_slots: int | None = None) -> LoRABatchMeta:
+                     max_active_slots: int | None = None, builder: str = "auto") -> LoRABatchMeta:
     """Build the step metadata from the per-row slot map.
 
     Args:
@@ -108,6 +111,9 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
             the launch grid and the split sizes chosen from it: a bank of 128 slots serving one
             adapter launches 16 + 8 tiles, not 16 + 128. None: every slot may appear. A batch that
             breaks the bound fails a device-side assert (never a silently dropped row).
+        builder: `exact`/`full` only: "torch" (sort, scatter, cumsum: the reference), "triton" (one
+            program, `meta_kernel.py`; steps up to 1024 rows and 1023 slots) or "auto" (triton on a
+            GPU whose `KernelConfig.one_program_meta` is on and when the step fits, else torch).
 
     Returns:
         A `LoRABatchMeta` shared by every LoRA layer of the step.
@@ -118,8 +124,14 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
         raise ValueError(f"block_m must be a power of two >= {MIN_ROW_BOUND}, got {block_m}")
     if row_slot.dim() != 1:
         raise ValueError(f"row_slot must be 1-D [M], got shape {tuple(row_slot.shape)}")
-    device = row_slot.device
+    if builder not in BUILDERS:
+        raise ValueError(f"builder must be one of {BUILDERS}, got {builder!r}")
+    if grid == "exact" and max_active_slots is not None and max_active_slots < 1:
+        raise ValueError(f"max_active_slots must be >= 1 or None, got {max_active_slots}")
     num_rows = row_slot.shape[0]
+    if grid in ("exact", "full") and _use_one_program(builder, row_slot, num_rows, num_slots):
+        return _build_in_one_program(row_slot, num_slots, grid, block_m, max_active_slots)
+    device = row_slot.device
     key = torch.where(row_slot >= 0, row_slot.long(), torch.full_like(row_slot, num_slots, dtype=torch.long))
     # 32-bit keys: half the radix passes of 64-bit ones (the int64 sort took 28 us of a decode step at M=256).
     sorted_rows = torch.sort(key.int(), stable=True).indices
@@ -130,8 +142,6 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
     meta = LoRABatchMeta(grid, num_rows, num_slots, block_m, sorted_rows, slot_start, row_slot)
 
     if grid == "exact":
-        if max_active_slots is not None and max_active_slots < 1:
-            raise ValueError(f"max_active_slots must be >= 1 or None, got {max_active_slots}")
         tiles = (counts[:num_slots] + block_m - 1) // block_m
         tile_end = torch.cumsum(tiles, 0)
         num_tiles = tile_table_size(num_rows, num_slots, block_m, max_active_slots)
@@ -167,4 +177,36 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
                 ids = torch.nonzero(large_mask).squeeze(1).to(torch.int32)
                 large[: ids.numel()] = ids
                 meta.large_slots = large
+    return meta
+
+
+def _use_one_program(builder: str, row_slot: torch.Tensor, num_rows: int, num_slots: int) -> bool:
+    from .meta_kernel import MAX_ROWS, MAX_SLOTS, fits_one_program
+
+    if builder == "torch":
+        return False
+    fits = fits_one_program(num_rows, num_slots)
+    if builder == "triton":
+        if not fits:
+            raise ValueError(f"the one-program build takes 1..{MAX_ROWS} rows and "
+                             f"1..{MAX_SLOTS} slots, got {num_rows} rows and {num_slots} slots")
+        return True
+    if row_slot.device.type != "cuda" or not fits:
+        return False
+    from .kernel_config import get_kernel_config
+
+    return get_kernel_config(row_slot.device).one_program_meta
+
+
+def _build_in_one_program(row_slot, num_slots, grid, block_m, max_active_slots) -> LoRABatchMeta:
+    from .meta_kernel import build_meta_tensors
+
+    num_rows = row_slot.shape[0]
+    num_tiles = tile_table_size(num_rows, num_slots, block_m, max_active_slots) if grid == "exact" else None
+    sorted_rows, slot_start, tile_slot, tile_rows, needed = build_meta_tensors(row_slot, num_slots, block_m, num_tiles)
+    meta = LoRABatchMeta(grid, num_rows, num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot, tile_rows)
+    if grid == "full":
+        meta.row_bound = num_rows
+    elif max_active_slots is not None and max_active_slots < min(num_slots, num_rows):
+        torch._assert_async(needed[0] <= num_tiles, "row_slot uses more distinct slots than max_active_slots")
     return meta
