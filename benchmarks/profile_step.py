@@ -23,8 +23,9 @@ from bench_e2e import RANK, TARGETS, assign, build_base, fill_random_adapters  #
 from common import environment, timed  # noqa: E402
 
 
-def kernel_times(fn) -> tuple[Counter, Counter]:
-    """(microseconds, launches) per GPU kernel name over one call of `fn`."""
+def kernel_times(fn, trace: list | None = None) -> tuple[Counter, Counter]:
+    """(microseconds, launches) per GPU kernel name over one call of `fn`; `trace` gets every
+    kernel's (start us, name, us) in launch order."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -36,14 +37,18 @@ def kernel_times(fn) -> tuple[Counter, Counter]:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             us[event.name] += event.time_range.elapsed_us()
             count[event.name] += 1
+            if trace is not None:
+                trace.append((event.time_range.start, event.name, event.time_range.elapsed_us()))
+    if trace is not None:
+        trace.sort()
     return us, count
 
 
-def per_step(gen, new: int) -> tuple[Counter, Counter, float]:
+def per_step(gen, new: int, trace: list | None = None) -> tuple[Counter, Counter, float]:
     """Per decode step: (us per kernel name, launches per kernel name, wall ms)."""
     gen(1), gen(2), gen(new)  # capture and compile outside the measurement
     us_1, n_1 = kernel_times(lambda: gen(1))
-    us_n, n_n = kernel_times(lambda: gen(new))
+    us_n, n_n = kernel_times(lambda: gen(new), trace)
     steps = new - 1
     us = Counter({k: (us_n[k] - us_1[k]) / steps for k in us_n})
     count = Counter({k: (n_n[k] - n_1[k]) / steps for k in n_n})
@@ -87,7 +92,8 @@ def main() -> None:
 
     print(environment(), f"compile={args.compile} graphs={not args.no_graphs}", flush=True)
     base_us, base_n, base_wall = per_step(gen([None] * B), args.new)
-    lora_us, lora_n, lora_wall = per_step(gen(assign(B, args.adapters, names)), args.new)
+    trace = []
+    lora_us, lora_n, lora_wall = per_step(gen(assign(B, args.adapters, names)), args.new, trace)
     layers = model.model.config.num_hidden_layers
     print(f"\nper decode step, batch {B}, {args.adapters} adapters, {layers} layers "
           f"(us; launches in brackets)\n")
@@ -100,6 +106,13 @@ def main() -> None:
         busy = sum(us.values()) / 1e3
         print(f"{label}: wall {wall:.3f} ms/step, kernels {busy:.3f} ms over {sum(count.values()):.0f} launches, "
               f"between kernels {wall - busy:.3f} ms")
+    # One layer in the middle of the last decode step, in launch order: each LoRA launch in place.
+    lora_at = [i for i, (_, name, _) in enumerate(trace) if name.startswith("_lora_")]
+    if len(lora_at) >= 8 * layers:
+        middle = lora_at[-8 * (layers // 2)]
+        print("\none layer, in launch order (us; LoRA launches marked *):")
+        for _, name, us in trace[middle - 3: middle + 20]:
+            print(f"  {'*' if name.startswith('_lora_') else ' '} {us:7.1f}  {short(name, 90)}")
     extra = lora_wall - base_wall
     print(f"LoRA adds {extra:.3f} ms/step = {extra * 1e3 / layers:.1f} us/layer "
           f"(kernels {(sum(lora_us.values()) - sum(base_us.values())) / layers:.1f} us/layer, "

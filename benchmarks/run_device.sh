@@ -57,6 +57,6 @@ done
 tar czf "$OUT/all.tgz" -C "$W" .
 for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f" | tail -12; done
 grep '^|' "$W"/kernels.log 2>/dev/null | tail -16
-for f in "$W"/profile_*.log; do [ -f "$f" ] && grep -E "^\||wall|adds|Error" "$f" | cut -c1-220 | head -40; done
+for f in "$W"/profile_*.log; do [ -f "$f" ] && grep -E "^\||wall|adds|Error|^  [ *] " "$f" | cut -c1-220 | head -70; done
 grep '^|' "$W"/release.log 2>/dev/null
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done
