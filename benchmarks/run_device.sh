@@ -7,6 +7,11 @@ export PYTHONPATH=$PWD/src:$PWD/kernels PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 W=$OUT/work
 mkdir -p "$W"
+# $W/patched_config.json: the H200 kernel config with $PATCH (JSON) applied, for LORAZOR_KERNEL_CONFIG.
+patched_config() {
+  python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c.update(json.loads(sys.argv[3])); json.dump(c, open(sys.argv[2], 'w'))" \
+    kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/patched_config.json" "${PATCH:-{\}}"
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$W/gpu.txt"
 for step in "$@"; do
   start=$(date +%s)
@@ -40,14 +45,12 @@ for step in "$@"; do
     profile-compile) timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
     kernels-llama) timeout 150 python3 benchmarks/bench_kernels.py --out "$W" --models llama-3.2-3b > "$W/kernels.log" 2>&1 ;;
     # The model's GPU tests with the tuned config patched by $PATCH (as e2e-quick-patched), then the PDL kernel tests.
-    gpu-tests-patched) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c.update(json.loads(sys.argv[3])); json.dump(c, open(sys.argv[2], 'w'))" \
-                     kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/patched_config.json" "${PATCH:-{\}}"
+    gpu-tests-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 150 python3 -m pytest tests/test_gpu.py tests/test_merged.py \
                  tests/test_compile.py tests/test_release.py tests/test_meta.py -q -p no:cacheprovider > "$W/tests_patched.log" 2>&1
                timeout 60 python3 -m pytest tests/test_kernels.py -k programmatic -q -p no:cacheprovider >> "$W/tests_patched.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
-    e2e-quick-patched) python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c.update(json.loads(sys.argv[3])); json.dump(c, open(sys.argv[2], 'w'))" \
-                     kernels/lorazor_kernels/configs/NVIDIA_H200.json "$W/patched_config.json" "${PATCH:-{\}}"
+    e2e-quick-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \
                  --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag "_exact${TAG:-_patched}" > "$W/e2e_exact${TAG:-_patched}.log" 2>&1 ;;
   esac
