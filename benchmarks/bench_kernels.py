@@ -156,13 +156,17 @@ def time_backbone(shape: dict) -> float:
 
 def sweep(shape: dict, gen, base: KernelConfig) -> KernelConfig:
     """Coordinate search over shrink + expand launch parameters on the model's path (merged
-    projections, exact grid), scored at L = 8 and L = 128: shrink parameters first, then expand's."""
-    pools = {L: (merged_pool(layer_pool(shape, L)[:2]), build_batch_meta(slot_map("decode", L, gen), L, "exact"))
-             for L in (8, 128)}
+    projections, exact grid, each group's base GEMM ahead of its LoRA as in the model, so that
+    programmatic dependent launch acts as it does there), scored at L = 8 and L = 128: shrink
+    parameters first, then expand's."""
+    pools = {}
+    for L in (8, 128):
+        pool = merged_pool(layer_pool(shape, L)[:2])
+        pools[L] = (pool, base_weights(pool), build_batch_meta(slot_map("decode", L, gen), L, "exact"))
 
     def score(cfg):
-        t = sum(time_merged(pool, meta, cfg) for pool, meta in pools.values())
-        print(f"sweep {cfg} -> {t:.1f} us (L=8 + L=128)", flush=True)
+        t = sum(time_with_gemms(pool, weights, meta, cfg) for pool, weights, meta in pools.values())
+        print(f"sweep {cfg} -> {t:.1f} us (GEMMs + LoRA, L=8 + L=128)", flush=True)
         return t
 
     best = dataclasses.replace(base, fused=False)

@@ -26,7 +26,7 @@ for step in "$@"; do
     gpu-tests-tail) python3 -m pytest tests/test_kernels.py tests/test_decode_attention.py --collect-only -q -p no:cacheprovider | grep :: | tail -n +240 > "$W/tail_ids.txt"
                timeout 150 python3 -m pytest $(cat "$W/tail_ids.txt") -q -p no:cacheprovider > "$W/tests_tail.log" 2>&1 ;;
     kernels) timeout 170 python3 benchmarks/bench_kernels.py --out "$W" > "$W/kernels.log" 2>&1 ;;
-    kernels-sweep) timeout 200 python3 benchmarks/bench_kernels.py --out "$W" --sweep > "$W/kernels.log" 2>&1 ;;
+    kernels-sweep) timeout 300 python3 benchmarks/bench_kernels.py --out "$W" --sweep --models llama-3.2-3b > "$W/kernels.log" 2>&1 ;;
     # Later steps of this call use the swept config (the file comes back in all.tgz to be committed).
     apply-tuned) cp "$W/tuned_kernel_config.json" kernels/lorazor_kernels/configs/NVIDIA_H200.json ;;
     gpu-tests-changed) timeout 110 python3 -m pytest tests/test_gpu.py tests/test_merged.py tests/test_compile.py tests/test_kernels.py -k "bound or slot or merged or graph or tile or bad or compile or logits or recapture" -q --durations=10 -p no:cacheprovider > "$W/tests.log" 2>&1 ;;
