@@ -104,11 +104,21 @@ def _tile(
 def _shrink_rows(
     x_rows, a_rows, mask_m, mask_r, k_lo, k_hi, K, stride_xk, stride_ak,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
-    """fp32 `[BM, BR]` = x[rows, k_lo:k_hi] @ A[slot, r, k_lo:k_hi].T; x_rows `[BM, 1]`, a_rows `[BR, 1]` pointers."""
+    """fp32 `[BM, BR]` = x[rows, k_lo:k_hi] @ A[slot, r, k_lo:k_hi].T; x_rows `[BM, 1]`, a_rows `[BR, 1]` pointers.
+
+    The first A chunk is loaded before `_dependent_launch_prologue` (the wait for the kernel ahead):
+    adapter weights never depend on it, so with PDL that load overlaps its tail. k_lo < k_hi.
+    """
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k = k_lo + offs_k
+    mask_k = k < K
+    a_tile = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+    _dependent_launch_prologue(USE_GDC)
+    x_tile = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    acc = tl.dot(x_tile.to(a_tile.dtype), tl.trans(a_tile), input_precision=DOT_PRECISION)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < K
         x_tile = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -130,35 +140,53 @@ def _load_u(u_ptr, rows, mask_m, offs_r, mask_r, stride_us, stride_um, stride_ur
 
 
 @triton.jit
+def _load_b(b_slot, offs_r, mask_r, n0, N, stride_br, stride_bn, BLOCK_N: tl.constexpr):
+    """B's `[BR, BN]` tile at columns n0: contiguous along N when B is stored [L, r, N] (stride_bn == 1)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(b_slot + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
+                   mask=mask_r[:, None] & (offs_n < N)[None, :], other=0.0)
+
+
+@triton.jit
+def _expand_block(u, b_tile, y_rows, mask_m, scale, n0, N, stride_yn, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """y[rows, n0:n0 + BN] += scale * u @ b_tile."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    acc = tl.dot(u, b_tile, input_precision=DOT_PRECISION)  # [BM, BR] @ [BR, BN]
+    y_tile = y_rows + offs_n[None, :] * stride_yn
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    y_old = tl.load(y_tile, mask=mask, other=0.0)
+    tl.store(y_tile, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=mask)
+
+
+@triton.jit
 def _expand_rows(
     u, b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N, stride_br, stride_bn, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    b_first, n_first, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """y[rows, n_lo:n_hi] += scale * u @ B[slot, :, r].T, with u `[BM, BR]` in the weights' dtype."""
-    for n0 in range(n_lo, tl.minimum(n_hi, N), BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        # [BR, BN]: contiguous along N when B is stored [L, r, N] (stride_bn == 1).
-        b_tile = tl.load(
-            b_slot + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-            mask=mask_r[:, None] & mask_n[None, :], other=0.0,
-        )
-        acc = tl.dot(u, b_tile, input_precision=DOT_PRECISION)  # [BM, BR] @ [BR, BN]
-        y_tile = y_rows + offs_n[None, :] * stride_yn
-        mask = mask_m[:, None] & mask_n[None, :]
-        y_old = tl.load(y_tile, mask=mask, other=0.0)
-        tl.store(y_tile, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=mask)
+    """y[rows, n_lo:n_hi] += scale * u @ B[slot, :, r].T, with u `[BM, BR]` in the weights' dtype.
+
+    `b_first`: B's tile at column n_first (the program's first block, loaded before the wait for
+    the kernel ahead), used when this range starts there.
+    """
+    start = n_lo
+    if n_lo == n_first:
+        _expand_block(u, b_first, y_rows, mask_m, scale, n_lo, N, stride_yn, BLOCK_N, DOT_PRECISION)
+        start = n_lo + BLOCK_N
+    for n0 in range(start, tl.minimum(n_hi, N), BLOCK_N):
+        b_tile = _load_b(b_slot, offs_r, mask_r, n0, N, stride_br, stride_bn, BLOCK_N)
+        _expand_block(u, b_tile, y_rows, mask_m, scale, n0, N, stride_yn, BLOCK_N, DOT_PRECISION)
 
 
 @triton.jit
 def _dependent_launch_prologue(USE_GDC: tl.constexpr):
     """Programmatic dependent launch (Hopper+, `KernelConfig.pdl`): the programs of this kernel may
     be scheduled before the kernel ahead of it in the stream has finished, which hides the launch
-    gap. Called after the program has read its tile (tile table, rows, rank): the step metadata is
-    written at the start of the step, well before the kernel ahead was launched, so those reads
-    overlap that kernel's tail. Then wait for it before reading activations (it may have written
-    x, u or y) or writing anything, and let the next kernel be scheduled in turn: its own wait
-    covers all of this kernel."""
+    gap. Called after the program has read its tile (tile table, rows, rank) and its first adapter
+    weight tile: the step metadata is written at the start of the step, well before the kernel ahead
+    was launched, and weights never change within a step, so those reads overlap that kernel's tail.
+    Then wait for it before reading activations (it may have written x, u or y) or writing anything,
+    and let the next kernel be scheduled in turn: its own wait covers all of this kernel."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -183,14 +211,13 @@ def _lora_shrink_kernel(
     )
     if pid_r * BLOCK_R >= rank:
         return
-    _dependent_launch_prologue(USE_GDC)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     k_lo = pid_k * k_per_split
-    acc = _shrink_rows(
+    acc = _shrink_rows(  # waits for the kernel ahead after its first A load (USE_GDC)
         x_ptr + rows[:, None] * stride_xm, a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar,
         mask_m, mask_r, k_lo, k_lo + k_per_split, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K,
-        DOT_PRECISION,
+        DOT_PRECISION, USE_GDC,
     )
     u_tile = u_ptr + pid_k * stride_us + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
     tl.store(u_tile, acc, mask=mask_m[:, None] & mask_r[None, :])
@@ -224,7 +251,6 @@ def _lora_expand_kernel(
     )
     if rank == 0:
         return
-    _dependent_launch_prologue(USE_GDC)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     slot64 = slot.to(tl.int64)
@@ -234,17 +260,20 @@ def _lora_expand_kernel(
     # tile lookup and keep several independent B loads in flight.
     n_lo = pid_n * n_per_program
     n_hi = tl.minimum(n_lo + n_per_program, N)
-    if FUSED:  # one segment: u is shrunk here, over the whole rank
+    # The first B tile before the wait for the kernel ahead (adapter weights never depend on it).
+    b_first = _load_b(b_slot, offs_r, mask_r, n_lo, N, stride_br, stride_bn, BLOCK_N)
+    if FUSED:  # one segment: u is shrunk here, over the whole rank (waiting after its first A load)
         u = _shrink_rows(
             x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_r[:, None] * stride_ar,
-            mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION,
+            mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, USE_GDC,
         )
         scale = tl.load(scaling_ptr + slot).to(tl.float32)
         _expand_rows(
             u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N,
-            stride_br, stride_bn, stride_yn, BLOCK_M, BLOCK_N, DOT_PRECISION,
+            stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION,
         )
     else:
+        _dependent_launch_prologue(USE_GDC)
         for seg in tl.static_range(3):
             if seg == 0:
                 seg_lo = 0
@@ -263,7 +292,7 @@ def _lora_expand_kernel(
                 scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
                 _expand_rows(
                     u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,
-                    stride_br, stride_bn, stride_yn, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                    stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION,
                 )
 
 
