@@ -36,7 +36,8 @@ class KernelConfig:
         fused_num_warps / fused_num_stages: Triton launch options of the fused kernel.
         pdl: launch the kernels with programmatic dependent launch on Hopper or newer GPUs, so a
             kernel's programs are scheduled while the kernel ahead of it drains: each reads its
-            tile of the step metadata, then waits for that kernel before touching activations.
+            tile of the step metadata and its first adapter weight tile, then waits for that
+            kernel before touching activations.
             Needs the metadata written before the kernel ahead was launched (true in the model,
             which builds it at the start of the step, and in `batched_lora`). Ignored elsewhere.
             On in the H200 file: compiled decode of Llama-3.2-3B at 128 adapters went from
