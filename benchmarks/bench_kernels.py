@@ -178,9 +178,11 @@ def sweep(shape: dict, gen, base: KernelConfig) -> KernelConfig:
         [dict(shrink_block_k=bk, target_programs_per_sm=pps, shrink_num_warps=w)
          for bk in (64, 128) for pps in (4, 8, 16) for w in (2, 4)],
         [dict(shrink_num_stages=st) for st in (2, 3, 4)],
+        [dict(shrink_max_steps=steps) for steps in (0, 1, 2, 4)],
         [dict(expand_block_n=bn, expand_programs_per_sm=pps, expand_num_warps=w)
          for bn in (128, 256, 512) for pps in (2, 4, 8, 16) for w in (4, 8)],
         [dict(expand_num_stages=st) for st in (2, 3, 4)],
+        [dict(expand_max_steps=steps) for steps in (0, 2, 4, 8)],
     )
     for space in spaces:
         start = best

@@ -325,6 +325,26 @@ def test_kernel_config_file_from_the_environment(tmp_path, monkeypatch):
     assert get_kernel_config(torch.device("cpu")).shrink_block_k != 64 or not get_kernel_config(torch.device("cpu")).pdl
 
 
+def test_step_caps_split_long_loops_and_keep_the_result():
+    import dataclasses
+
+    from lorazor_kernels import KernelConfig
+    from lorazor_kernels.lora_kernels import _at_most_steps
+
+    assert [_at_most_steps(2, 64, s) for s in (0, 4, 16, 64)] == [2, 16, 4, 2]
+    # One K chunk and one column block per program: many more programs, the same delta.
+    cfg = dataclasses.replace(KernelConfig(), shrink_block_k=16, shrink_max_steps=1, expand_block_n=16,
+                              expand_max_steps=1)
+    check_merged("exact", (48, 16, 32), M=37, K=72, r=8, L=5, dtype=torch.float32, cfg=cfg)
+    x, a, b, s, slot, rank = make_case(29, 72, 40, 8, 4, torch.float32, seed=4)
+    meta = build_batch_meta(slot, 4, "exact")
+    y = torch.zeros(29, 40, device=DEVICE)
+    add_batched_lora_(y, x, a, b, s, rank, meta, cfg=cfg)
+    ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), slot, rank)
+    torch.testing.assert_close(y.double(), ref, **TOL[torch.float32])
+    assert ref.abs().max() > 0.1
+
+
 def test_merged_projections_reject_bad_segments():
     from lorazor_kernels import lora_expand
 

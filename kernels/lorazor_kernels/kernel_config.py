@@ -24,9 +24,13 @@ class KernelConfig:
         shrink_split_k: fixed number of K splits; 0 picks one from the grid size.
         target_programs_per_sm: with `shrink_split_k == 0`, split K until the shrink launch has
             about this many programs per multiprocessor.
+        shrink_max_steps: if > 0, split K further so that no shrink program loops over more than
+            this many K chunks (a long K, down_proj's, gets more programs than a short one).
         shrink_num_warps / shrink_num_stages: Triton launch options of shrink.
         expand_block_n: output columns per expand loop iteration.
         expand_programs_per_sm: split N over about this many expand programs per multiprocessor.
+        expand_max_steps: if > 0, split N further so that no expand program loops over more than
+            this many column blocks (gate/up's wide output gets more programs than o_proj's).
         expand_num_warps / expand_num_stages: Triton launch options of expand.
         fused: run shrink and expand as one kernel (`lora_fused`) instead of two. Off on the H200:
             measured slower there (benchmarks/results/kernels.md), the split-K shrink keeps more
@@ -49,10 +53,12 @@ class KernelConfig:
     shrink_block_k: int = 128
     shrink_split_k: int = 0
     target_programs_per_sm: int = 4
+    shrink_max_steps: int = 0
     shrink_num_warps: int = 4
     shrink_num_stages: int = 3
     expand_block_n: int = 128
     expand_programs_per_sm: int = 8
+    expand_max_steps: int = 0
     expand_num_warps: int = 4
     expand_num_stages: int = 2
     fused: bool = False

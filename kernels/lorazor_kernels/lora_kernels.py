@@ -342,16 +342,25 @@ def _split_k(meta: LoRABatchMeta, K: int, rank_blocks: int, cfg: KernelConfig, d
         return min(cfg.shrink_split_k, max_splits)
     programs = sum(n for n, *_ in _launches(meta, expand=False)) * rank_blocks
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return max(1, min(max_splits, triton.cdiv(cfg.target_programs_per_sm * sms, max(programs, 1))))
+    splits = triton.cdiv(cfg.target_programs_per_sm * sms, max(programs, 1))
+    return max(1, min(max_splits, _at_most_steps(splits, max_splits, cfg.shrink_max_steps)))
 
 
-def _columns_per_program(programs: int, N: int, block_n: int, per_sm: int, device: torch.device) -> int:
-    """Expand columns per program: split N only as far as needed for about `per_sm` programs per SM."""
+def _at_most_steps(splits: int, blocks: int, max_steps: int) -> int:
+    """`splits`, raised so that no program loops over more than `max_steps` of the `blocks` (0: no cap).
+    A long K (down_proj) or N (gate/up) then gets more, shorter programs than a short one."""
+    return max(splits, triton.cdiv(blocks, max_steps)) if max_steps > 0 else splits
+
+
+def _columns_per_program(programs: int, N: int, block_n: int, per_sm: int, device: torch.device,
+                         max_steps: int = 0) -> int:
+    """Expand columns per program: split N only as far as needed for about `per_sm` programs per SM
+    (and at most `max_steps` column blocks per program)."""
     n_blocks = triton.cdiv(N, block_n)
-    if device.type != "cuda":
-        return n_blocks * block_n
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(n_blocks, triton.cdiv(per_sm * sms, max(programs, 1))))
+    target = 1  # on the CPU (interpreter) one program per tile, unless max_steps asks for more
+    if device.type == "cuda":
+        target = triton.cdiv(per_sm * torch.cuda.get_device_properties(device).multi_processor_count, max(programs, 1))
+    splits = max(1, min(n_blocks, _at_most_steps(target, n_blocks, max_steps)))
     return triton.cdiv(n_blocks, splits) * block_n
 
 
@@ -368,7 +377,8 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
         raise ValueError(f"segment edges {segments} must be multiples of 16")
     launches = _launches(meta, expand=True)
     per_sm = cfg.fused_programs_per_sm if fused else cfg.expand_programs_per_sm
-    n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, per_sm, y.device)
+    n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, per_sm, y.device,
+                                         0 if fused else cfg.expand_max_steps)
     stand_in = y  # for the pointers the variant does not read
     xs = (x.stride(0), x.stride(1)) if fused else (0, 0)
     a_s = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2)) if fused else (0, 0, 0)
