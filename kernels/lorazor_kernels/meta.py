@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernel_config import get_kernel_config
+from .meta_kernel import MAX_ROWS, MAX_SLOTS, build_meta_tensors, fits_one_program
+
 GRID_MODES = ("full", "active_rows", "two_class", "exact")
 # Row bounds are 16 * 2^k (paper eq. 7); 16 is also the smallest legal tl.dot dimension.
 MIN_ROW_BOUND = 16
@@ -145,10 +148,7 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
         tiles = (counts[:num_slots] + block_m - 1) // block_m
         tile_end = torch.cumsum(tiles, 0)
         num_tiles = tile_table_size(num_rows, num_slots, block_m, max_active_slots)
-        if max_active_slots is not None and max_active_slots < min(num_slots, num_rows):
-            # Asynchronous (no host sync, capturable): fails if the table cannot hold every tile.
-            torch._assert_async(tile_end[-1] <= num_tiles,
-                                "row_slot uses more distinct slots than max_active_slots")
+        _assert_tiles_fit(tile_end[-1], num_tiles, num_rows, num_slots, max_active_slots)
         t = torch.arange(num_tiles, device=device)
         slot_of_tile = torch.searchsorted(tile_end, t, right=True)
         valid = slot_of_tile < num_slots
@@ -181,8 +181,6 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
 
 
 def _use_one_program(builder: str, row_slot: torch.Tensor, num_rows: int, num_slots: int) -> bool:
-    from .meta_kernel import MAX_ROWS, MAX_SLOTS, fits_one_program
-
     if builder == "torch":
         return False
     fits = fits_one_program(num_rows, num_slots)
@@ -193,20 +191,24 @@ def _use_one_program(builder: str, row_slot: torch.Tensor, num_rows: int, num_sl
         return True
     if row_slot.device.type != "cuda" or not fits:
         return False
-    from .kernel_config import get_kernel_config
-
     return get_kernel_config(row_slot.device).one_program_meta
 
 
 def _build_in_one_program(row_slot, num_slots, grid, block_m, max_active_slots) -> LoRABatchMeta:
-    from .meta_kernel import build_meta_tensors
-
     num_rows = row_slot.shape[0]
     num_tiles = tile_table_size(num_rows, num_slots, block_m, max_active_slots) if grid == "exact" else None
     sorted_rows, slot_start, tile_slot, tile_rows, needed = build_meta_tensors(row_slot, num_slots, block_m, num_tiles)
     meta = LoRABatchMeta(grid, num_rows, num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot, tile_rows)
     if grid == "full":
         meta.row_bound = num_rows
-    elif max_active_slots is not None and max_active_slots < min(num_slots, num_rows):
-        torch._assert_async(needed[0] <= num_tiles, "row_slot uses more distinct slots than max_active_slots")
+    else:
+        _assert_tiles_fit(needed[0], num_tiles, num_rows, num_slots, max_active_slots)
     return meta
+
+
+def _assert_tiles_fit(tiles_needed: torch.Tensor, num_tiles: int, num_rows: int, num_slots: int,
+                      max_active_slots: int | None) -> None:
+    """With a bound below the bank, fail (asynchronously: no host sync, capturable) when the batch
+    needs more tiles than the table holds, instead of silently dropping rows."""
+    if max_active_slots is not None and max_active_slots < min(num_slots, num_rows):
+        torch._assert_async(tiles_needed <= num_tiles, "row_slot uses more distinct slots than max_active_slots")
