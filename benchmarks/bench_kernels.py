@@ -32,8 +32,6 @@ from lorazor_kernels import (  # noqa: E402
     add_batched_lora_,
     build_batch_meta,
     get_kernel_config,
-    lora_expand,
-    lora_shrink,
     slot_bound_class,
 )
 
@@ -97,13 +95,11 @@ def merged_pool(layers):
         groups = []
         for names in MERGED_GROUPS:
             ps = [projs[n] for n in names]
-            L = ps[0]["a"].shape[0]
             widths = [p["b"].shape[1] for p in ps]
             groups.append(dict(
                 x=ps[0]["x"], a=torch.cat([p["a"] for p in ps], dim=1),
                 b=torch.cat([p["b"].transpose(1, 2) for p in ps], dim=2).transpose(1, 2),
                 s=torch.stack([p["s"] for p in ps]), r=ps[0]["r"],
-                r_stack=torch.full((L,), RANK * len(ps), dtype=torch.int32, device=ps[0]["a"].device),
                 y=torch.cat([p["y"] for p in ps], dim=1),
                 edges=tuple(torch.tensor(widths[:-1]).cumsum(0).tolist()) or None,
             ))
@@ -111,17 +107,17 @@ def merged_pool(layers):
     return pool
 
 
+def _merged_lora(g, y, meta, cfg):
+    """One merged group's LoRA into y: q/k/v or gate/up as one shrink + one segmented expand."""
+    scaling = g["s"] if g["edges"] else g["s"][0]
+    add_batched_lora_(y, g["x"], g["a"], g["b"], scaling, g["r"], meta, cfg=cfg, mask_rank=False,
+                      segments=g["edges"])
+
+
 def time_merged(pool, meta, cfg) -> float:
     """us per layer with q/k/v and gate/up merged: 8 launches per layer instead of 14."""
-    def run():
-        for groups in pool:
-            for g in groups:
-                if g["edges"] is None:
-                    add_batched_lora_(g["y"], g["x"], g["a"], g["b"], g["s"][0], g["r"], meta, cfg=cfg, mask_rank=False)
-                else:
-                    u = lora_shrink(g["x"], g["a"], g["r_stack"], meta, cfg, mask_rank=False)
-                    lora_expand(u, g["b"], g["s"], g["r"], g["y"], meta, cfg, mask_rank=False, segments=g["edges"])
-    return time_graph(run) * 1e3 / len(pool)
+    return time_graph(lambda: [_merged_lora(g, g["y"], meta, cfg) for groups in pool for g in groups]) \
+        * 1e3 / len(pool)
 
 
 def base_weights(pool, n_layers: int = 2):
@@ -133,13 +129,8 @@ def base_weights(pool, n_layers: int = 2):
 
 def time_with_gemms(pool, weights, meta, cfg) -> float:
     """us per layer of the base GEMMs + merged LoRA (each group's GEMM, then its LoRA), as the model runs."""
-    def run():
-        for groups, ws in zip(pool, weights):
-            for g, w in zip(groups, ws):
-                scaling = g["s"] if g["edges"] else g["s"][0]
-                add_batched_lora_(g["x"] @ w.T, g["x"], g["a"], g["b"], scaling, g["r"], meta, cfg=cfg,
-                                  mask_rank=False, segments=g["edges"])
-    return time_graph(run) * 1e3 / len(weights)
+    return time_graph(lambda: [_merged_lora(g, g["x"] @ w.T, meta, cfg) for groups, ws in zip(pool, weights)
+                               for g, w in zip(groups, ws)]) * 1e3 / len(weights)
 
 
 def time_gemms(pool, weights) -> float:
