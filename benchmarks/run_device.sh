@@ -55,7 +55,9 @@ for step in "$@"; do
                python3 -m pytest tests --collect-only -q -p no:cacheprovider | grep :: > "$W/all_ids.txt"
                for i in 0 1 2 3 4; do
                  awk -v i=$i 'NR % 5 == i' "$W/all_ids.txt" > "$W/ids_$i.txt"
-                 timeout 400 python3 -m pytest $(cat "$W/ids_$i.txt") -q -p no:cacheprovider > "$W/tests_shard$i.log" 2>&1 &
+                 # Test ids hold spaces (parametrized messages): pass them to pytest whole, not through the shell.
+                 timeout 400 python3 -c "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + ['-q', '-p', 'no:cacheprovider']))" \
+                   "$W/ids_$i.txt" > "$W/tests_shard$i.log" 2>&1 &
                done
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 400 python3 -m pytest tests/test_gpu.py tests/test_merged.py \
                  tests/test_compile.py tests/test_release.py tests/test_add_adapter.py -q -p no:cacheprovider > "$W/tests_patched.log" 2>&1 &
