@@ -43,6 +43,8 @@ for step in "$@"; do
     profile) timeout 120 python3 benchmarks/profile_step.py > "$W/profile_graphs.log" 2>&1
              timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
     profile-compile) timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
+    # A layer's LoRA beside its GEMMs three ways: exact kernels, dense cuBLAS over the bank, grouped GEMM.
+    lora-forms) timeout 200 python3 benchmarks/bench_lora_forms.py --out "$W" > "$W/lora_forms.log" 2>&1 ;;
     kernels-llama) timeout 150 python3 benchmarks/bench_kernels.py --out "$W" --models llama-3.2-3b > "$W/kernels.log" 2>&1 ;;
     # The model's GPU tests with the tuned config patched by $PATCH (as e2e-quick-patched), then the PDL kernel tests.
     gpu-tests-patched) patched_config
@@ -75,4 +77,5 @@ for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f"
 grep '^|' "$W"/kernels.log 2>/dev/null | tail -16
 for f in "$W"/profile_*.log; do [ -f "$f" ] && grep -E "^\||wall|adds|Error|^  [ *] " "$f" | cut -c1-220 | head -70; done
 grep '^|' "$W"/release.log 2>/dev/null
+grep -E '^\||Error|error' "$W"/lora_forms.log 2>/dev/null | tail -12
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done
