@@ -7,9 +7,10 @@
    (1..256): the batched gather + dot + threshold + one-way state update, as a fraction of the
    decode step of the same batch size. Timed two ways: replayed from a CUDA graph (its GPU time, as
    it runs inside the captured decode step) and launched eagerly (wall clock, host launches included).
-2. Throughput at 128 adapters, batch 256, 128 new tokens: no release against `ProfiledRelease` with
-   k = 63 for every adapter (about 50% of decode LoRA calls skipped) and k = 0 (prefill only), in
-   the same run, decisions inside the captured step.
+2. Throughput at 128 adapters, batch 256, 128 new tokens: the backbone alone, no release, and
+   `ProfiledRelease` with k = 63 for every adapter (about 50% of decode LoRA calls skipped) and
+   k = 0 (prefill only), in the same run, decisions inside the captured step (`--compile`: the
+   compiled step; `--throughput-only` skips part 1).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--throughput-only", action="store_true", help="skip the decision-latency part")
     args = ap.parse_args()
     from lorazor import LearnedRelease, ProfiledRelease
     from lorazor.policies import ReleaseState
@@ -67,7 +69,7 @@ def main() -> None:
     heads = {n: (torch.randn(hidden, generator=g), 0.0, 0.0) for n in unique}
     learned = LearnedRelease(heads)
     learned.bind(model.bank.names, model.bank.num_slots, device)
-    batches = [1, 4, 16, 64, 256] if not args.tiny else [1, 4, 16]
+    batches = [] if args.throughput_only else [1, 4, 16, 64, 256] if not args.tiny else [1, 4, 16]
     new_short = 16 if not args.tiny else 4
     rows = []
     for B in batches:
@@ -92,29 +94,37 @@ def main() -> None:
     adapter_ids = [names[i % len(names)] for i in range(B)]
     ids = torch.randint(3, vocab, (B, 128 if not args.tiny else 8), device=device)
     k = (NEW - 1) // 2
-    policies = (("no release", None), (f"profiled k={k}", ProfiledRelease({n: k for n in unique})),
+    policies = (("backbone only", None), ("no release", None), (f"profiled k={k}", ProfiledRelease({n: k for n in unique})),
                 ("profiled k=0", ProfiledRelease({n: 0 for n in unique})))
+    backbone_tok_s = None
     for label, policy in policies:
-        gen = lambda n: model.generate(ids, adapter_ids=adapter_ids, max_new_tokens=n, min_new_tokens=n,  # noqa: E731
+        row_ids = [None] * B if label == "backbone only" else adapter_ids
+        gen = lambda n: model.generate(ids, adapter_ids=row_ids, max_new_tokens=n, min_new_tokens=n,  # noqa: E731
                                        pad_token_id=0, release_policy=policy)
         gen(1), gen(NEW)
         t1, tn = timed(lambda: gen(1)), timed(lambda: gen(NEW))
         out = gen(NEW)
-        row = dict(kind="throughput", policy=label, batch=B, adapters=len(unique),
-                   decode_tok_s=B * (NEW - 1) / (tn - t1), skip_fraction=out.skip_fraction)
+        tok_s = B * (NEW - 1) / (tn - t1)
+        backbone_tok_s = backbone_tok_s or tok_s
+        row = dict(kind="throughput", policy=label, batch=B, adapters=0 if label == "backbone only" else len(unique),
+                   decode_tok_s=tok_s, vs_backbone=tok_s / backbone_tok_s, skip_fraction=out.skip_fraction)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    meta = dict(environment(), command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d"), tiny=args.tiny)
+    meta = dict(environment(), command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d"), tiny=args.tiny,
+                compile=args.compile)
     table = "# StepTrim on the GPU\n\n```\n" + json.dumps(meta, indent=2) + "\n```\n\n"
     table += ("| batch | heads | decision in graph ms | fraction of step | decision eager ms | eager fraction | "
               "decode step ms |\n|---|---|---|---|---|---|---|\n")
     table += "".join(f"| {r['batch']} | {r['heads']} | {r['decision_graph_ms']:.4f} | {r['fraction_of_step']:.4f} | "
                      f"{r['decision_ms']:.4f} | {r['eager_fraction_of_step']:.4f} | {r['step_ms']:.2f} |\n"
                      for r in rows if r["kind"] == "decision")
-    table += "\n| policy | batch | adapters | decode tok/s | decode LoRA skipped |\n|---|---|---|---|---|\n"
+    table += ("\n| policy | batch | adapters | decode tok/s | vs backbone | decode LoRA skipped |\n"
+              "|---|---|---|---|---|---|\n")
     table += "".join(f"| {r['policy']} | {r['batch']} | {r['adapters']} | {r['decode_tok_s']:.0f} | "
-                     f"{r['skip_fraction']:.0%} |\n" for r in rows if r["kind"] == "throughput")
-    write_results(args.out, "release" + ("_tiny" if args.tiny else ""), rows, meta, table)
+                     f"{r['vs_backbone']:.2f} | {r['skip_fraction']:.0%} |\n" for r in rows if r["kind"] == "throughput")
+    name = ("release" + ("_tiny" if args.tiny else "") + ("_throughput" if args.throughput_only else "")
+            + ("_compiled" if args.compile else ""))
+    write_results(args.out, name, rows, meta, table)
     print(table)
 
 

@@ -39,6 +39,9 @@ for step in "$@"; do
     e2e-per-projection) timeout 190 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --per-projection --tag _per_projection > "$W/e2e_per_projection.log" 2>&1 ;;
     e2e-mistral) timeout 430 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1 --adapters 1,32,128 --grids exact --compile > "$W/e2e_mistral.log" 2>&1 ;;
     release) timeout 300 python3 benchmarks/bench_release.py --out "$W" > "$W/release.log" 2>&1 ;;
+    # StepTrim's throughput against the backbone: CUDA graphs, then graphs + compile.
+    release-throughput) timeout 150 python3 benchmarks/bench_release.py --out "$W" --throughput-only > "$W/release_graphs.log" 2>&1
+             timeout 300 python3 benchmarks/bench_release.py --out "$W" --throughput-only --compile > "$W/release_compiled.log" 2>&1 ;;
     # Backbone against LoRA kernel by kernel in the decode step users run (graphs; then graphs + compile).
     profile) timeout 120 python3 benchmarks/profile_step.py > "$W/profile_graphs.log" 2>&1
              timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
@@ -76,6 +79,6 @@ tar czf "$OUT/all.tgz" -C "$W" .
 for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f" | tail -12; done
 grep '^|' "$W"/kernels.log 2>/dev/null | tail -16
 for f in "$W"/profile_*.log; do [ -f "$f" ] && grep -E "^\||wall|adds|Error|^  [ *] " "$f" | cut -c1-220 | head -70; done
-grep '^|' "$W"/release.log 2>/dev/null
+grep -h '^|' "$W"/release*.log 2>/dev/null
 grep -E '^\||Error|error' "$W"/lora_forms.log 2>/dev/null | tail -12
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done
