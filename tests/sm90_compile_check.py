@@ -32,7 +32,7 @@ def main() -> None:
             if name in consts:
                 signature[name] = "constexpr"
             else:
-                signature[name] = pointers.get(name, "*i32") if name.endswith("_ptr") else "i32"
+                signature[name] = pointers.get(name, "*i32" if name.endswith("_ptr") else "i32")
         assert triton.compile(ASTSource(kernel, signature, consts), target=target).asm["cubin"]
 
     count = 0
@@ -65,7 +65,18 @@ def main() -> None:
         compile_sm90(mk._batch_meta_kernel, dict(BLOCK_ROWS=rows, BLOCK_SLOTS=slots, ROW_CHUNK=mk.ROW_CHUNK,
                                                  SLOT_CHUNK=mk.SLOT_CHUNK, TILE_CHUNK=mk.TILE_CHUNK, BM=16, TILES=tiles),
                      meta_pointers)
-    print(f"compiled {count + 5 + 3}")
+    # Decode attention, plain and with o_proj's fused LoRA shrink (Llama's group of 3 heads, D = 128).
+    import importlib
+
+    da = importlib.import_module("lorazor_kernels.decode_attention")  # the package exports a function of that name
+
+    attention_types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", start_ptr="*i64",
+                           end_ptr="*i64", a_ptr="*bf16", slot_ptr="*i64", u_ptr="*fp32", scale="fp32")
+    for shrink in (False, True):
+        compile_sm90(da._decode_attention_kernel, dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=128, BLOCK_S=64,
+                                                       DOT_PRECISION="tf32", SHRINK=shrink, BLOCK_R=16),
+                     attention_types)
+    print(f"compiled {count + 5 + 3 + 2}")
 
 
 if __name__ == "__main__":

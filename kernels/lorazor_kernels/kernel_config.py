@@ -47,7 +47,11 @@ class KernelConfig:
             On in the H200 file: compiled decode of Llama-3.2-3B at 128 adapters went from
             33.4k to 34.7k tok/s (benchmarks/results/e2e_llama-3.2-3b_exact_pdl.md).
         one_program_meta: build the `exact`/`full` step metadata in one Triton program
-            (`meta_kernel.py`) instead of about 25 small torch kernels. Off until measured on a GPU.
+            (`meta_kernel.py`) instead of about 25 small torch kernels. Off on the H200: no
+            end-to-end gain measured (benchmarks/results/e2e_exact_onemeta_6f02157/).
+        attention_o_shrink: in decode, run o_proj's LoRA shrink inside the decode-attention kernel
+            (`decode_attention_shrink`), so o_proj launches only the expand: one launch per layer
+            less.
     """
 
     shrink_block_k: int = 128
@@ -69,6 +73,7 @@ class KernelConfig:
     fused_num_stages: int = 3
     pdl: bool = False
     one_program_meta: bool = False
+    attention_o_shrink: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

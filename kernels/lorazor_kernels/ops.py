@@ -13,7 +13,7 @@ import torch
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_kernels import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
-from .reference import check_lora_args, lora_delta_reference
+from .reference import check_lora_args, lora_delta_reference, lora_expand_reference
 
 BACKENDS = ("triton", "reference")
 
@@ -72,6 +72,24 @@ def add_batched_lora_(
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None)
 
 
+def add_lora_expand_(
+    y: torch.Tensor, u: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
+    meta: LoRABatchMeta, backend: str = "triton", cfg: KernelConfig | None = None, mask_rank: bool = True,
+) -> torch.Tensor:
+    """The expand half of `add_batched_lora_`, from shrink partials computed elsewhere (decode
+    attention's fused shrink): `y[m] += scaling[s] * u[:, m].sum(0)[:r] @ lora_b[s, :, :r].T`.
+
+    u: `[S, M, >= r_max]` fp32 partials (entries of rows without a slot are never read).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if meta.has_lora is False:
+        return y
+    if backend == "reference":
+        return y.add_(lora_expand_reference(u.sum(0), lora_b, scaling, meta.row_slot, lora_rank).to(y.dtype))
+    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg or get_kernel_config(y.device), mask_rank)
+
+
 def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
     """The reference delta added into y; merged projections one segment at a time."""
     if not segments:
@@ -93,22 +111,26 @@ def _add_lora_op(
     lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor, slot_start: torch.Tensor,
     tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None, large_slots: torch.Tensor | None,
     grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool, backend: str, mask_rank: bool,
-    segments: list[int],
+    segments: list[int], expand_only: bool = False,
 ) -> None:
-    meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
+    meta = LoRABatchMeta(grid, row_slot.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
                          tile_rows, row_bound, large_slots, class_split)
+    if expand_only:  # the shrink ran elsewhere: x holds its partials (add_lora_expand_op_)
+        add_lora_expand_(y, x, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank)
+        return
     add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
                       segments=segments or None)
 
 
 @_add_lora_op.register_fake
 def _(y, x, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
-      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments) -> None:
+      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments,
+      expand_only=False) -> None:
     return None
 
 
 def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton",
-                 mask_rank: bool = True, segments: tuple[int, ...] = ()):
+                 mask_rank: bool = True, segments: tuple[int, ...] = (), expand_only: bool = False):
     """`add_batched_lora_` as the registered custom op `lorazor::add_lora_`.
 
     torch.compile treats the op as opaque (its fake implementation only declares that `y` is
@@ -119,9 +141,17 @@ def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, 
     torch.ops.lorazor.add_lora_(
         y, x, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
         meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
-        meta.row_bound, meta.class_split, backend, mask_rank, list(segments),
+        meta.row_bound, meta.class_split, backend, mask_rank, list(segments), expand_only,
     )
     return y
+
+
+def add_lora_expand_op_(y, u, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton",
+                        mask_rank: bool = True):
+    """`add_lora_expand_` through the same custom op (`lorazor::add_lora_` with `expand_only`): the
+    `[S, M, r_pad]` fp32 partials u take x's place, and no A is read."""
+    return add_lora_op_(y, u, lora_b.new_empty(0, 0, 0), lora_b, scaling, lora_rank, meta, backend, mask_rank,
+                        expand_only=True)
 
 
 def batched_lora(

@@ -7,7 +7,7 @@ no copy) and returns what `unpatch_lora_layers` needs to put the PEFT layers bac
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import add_lora_op_
+from lorazor_kernels import add_lora_expand_op_, add_lora_op_
 from torch import nn
 
 from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
@@ -15,10 +15,12 @@ from .step import StepContext
 
 
 def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,
-                     segments: tuple[int, ...] = ()) -> torch.Tensor:
+                     segments: tuple[int, ...] = (), partials: torch.Tensor | None = None) -> torch.Tensor:
     """`linear(x, weight, bias)` plus the step's batched LoRA delta (x of any leading shape).
 
     Outside a step, or when no row has an adapter, the plain linear. `segments`: merged projections.
+    `partials`: the shrink of x already done elsewhere (`[S, M, r_pad]` fp32, decode attention's
+    fused shrink): only the expand runs.
     """
     y = nn.functional.linear(x, weight, bias)
     meta = context.meta
@@ -26,6 +28,10 @@ def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scal
         return y
     if x.numel() // x.shape[-1] != meta.num_rows:
         raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
+    if partials is not None:
+        add_lora_expand_op_(y.view(-1, y.shape[-1]), partials, lora_b, scaling, rank, meta, backend=context.backend,
+                            mask_rank=mask_rank)
+        return y
     add_lora_op_(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, meta,
                  backend=context.backend, mask_rank=mask_rank, segments=segments)
     return y
@@ -47,6 +53,10 @@ class BatchedLoRALinear(nn.Module):
         self.context = context
         # (MergedGroup, index) when merged with the projections that share its input (merged.py).
         self.merged = None
+        # o_proj with `KernelConfig.attention_o_shrink`: decode attention runs this layer's shrink
+        # and leaves the partials here for the forward right after it (attention.py).
+        self.shrink_in_attention = False
+        self.pending_partials: torch.Tensor | None = None
 
     @property
     def in_features(self) -> int:
@@ -63,8 +73,9 @@ class BatchedLoRALinear(nn.Module):
             if out is not None:
                 return out
         lora, base = self.lora, self.base_layer
+        partials, self.pending_partials = self.pending_partials, None
         return linear_step_lora(x, base.weight, base.bias, self.context, lora.lora_a, lora.lora_b, lora.scaling,
-                                lora.rank, lora.mask_rank)
+                                lora.rank, lora.mask_rank, partials=partials)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={self.lora.lora_a.shape[0]}"

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from lorazor_kernels import get_kernel_config
 from transformers import GenerationConfig, LogitsProcessorList
 
 from .adapters import AdapterBank
-from .attention import ATTENTION_NAME, KV_RANGE_KWARG, register_attention
+from .attention import ATTENTION_NAME, KV_RANGE_KWARG, mark_attention_shrink, register_attention
 from .config import LoRazorConfig
 from .generate import LoRazorOutput, decode_loop, resolve_generation_config
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
@@ -72,6 +73,7 @@ class LoRazorModel(nn.Module):
         if attention == "auto":
             attention = "triton" if self.device.type == "cuda" and head_dim >= 16 and not head_dim & (head_dim - 1) else "sdpa"
         self._triton_attention = attention == "triton"
+        mark_attention_shrink(self.model, self._triton_attention and get_kernel_config(self.device).attention_o_shrink)
 
     @classmethod
     def from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None = None) -> "LoRazorModel":
