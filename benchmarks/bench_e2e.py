@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--per-projection", action="store_true",
                     help="merge_projections=False: one base GEMM and LoRA per projection (7 and 14 launches per layer)")
     ap.add_argument("--tag", default="", help="suffix of the result files")
+    ap.add_argument("--ab-o-shrink", action="store_true",
+                    help="only compiled `exact`: without, then with KernelConfig.attention_o_shrink, in one run")
     ap.add_argument("--from-log", type=Path, nargs="*", help="render tables/plot from logged JSON rows instead")
     ap.add_argument("--meta", default="{}", help="with --from-log: JSON metadata of the run(s)")
     args = ap.parse_args()
@@ -155,22 +157,33 @@ def main() -> None:
         return lambda n: model.generate(ids, attention_mask=mask, adapter_ids=adapter_ids, max_new_tokens=n,
                                         min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    def sweep(compile_step: bool, grids: list[str]):
+    def sweep(compile_step: bool, grids: list[str], backbone: float | None = None, suffix: str = ""):
+        """Backbone (unless given), then each grid at every L; returns the backbone's decode tok/s."""
         model.reconfigure(grid=grids[0], compile=compile_step)
-        r = decode_rate(lorazor([None] * B), B, NEW)
-        backbone = r["decode_tok_s"]
-        record("lorazor_backbone", 0, f"compile={compile_step}", r)
+        if backbone is None:
+            r = decode_rate(lorazor([None] * B), B, NEW)
+            backbone = r["decode_tok_s"]
+            record("lorazor_backbone", 0, f"compile={compile_step}", r)
         for grid in grids:
             model.reconfigure(grid=grid, compile=compile_step)
             for L in (int(x) for x in args.adapters.split(",")):
                 r = decode_rate(lorazor(assign(B, L, names)), B, NEW)
                 r["vs_backbone"] = r["decode_tok_s"] / backbone
-                record("lorazor" + ("_compiled" if compile_step else ""), L, grid, r)
+                record("lorazor" + ("_compiled" if compile_step else "") + suffix, L, grid, r)
+        return backbone
 
-    # Every grid mode on the same (uncompiled) backbone, then the best setup: exact + compile.
-    sweep(False, args.grids.split(","))
-    if args.compile:
-        sweep(True, ["exact"])
+    if args.ab_o_shrink:  # one compiled backbone, exact without and with o_proj's shrink in attention
+        from lorazor.attention import mark_attention_shrink
+
+        mark_attention_shrink(model.model, False)
+        backbone = sweep(True, ["exact"])
+        mark_attention_shrink(model.model, True)
+        sweep(True, ["exact"], backbone, "_o_shrink")
+    else:
+        # Every grid mode on the same (uncompiled) backbone, then the best setup: exact + compile.
+        sweep(False, args.grids.split(","))
+        if args.compile:
+            sweep(True, ["exact"])
     graphs = model.graphs
     from lorazor_kernels import get_kernel_config
     from lorazor_kernels.kernel_config import CONFIG_ENV
@@ -208,7 +221,8 @@ def plot(rows, path: Path, model: str) -> None:
     series = sorted({(r["system"], r["grid"]) for r in rows if r["system"].startswith("lorazor") and r["L"] > 0})
     for system, grid in series:
         rs = [r for r in rows if r["system"] == system and r["grid"] == grid]
-        label = f"LoRazor {grid}" + (" +compile" if "compiled" in system else "")
+        label = (f"LoRazor {grid}" + (" +compile" if "compiled" in system else "")
+                 + (", o_proj shrink in attention" if system.endswith("_o_shrink") else ""))
         ax1.plot([r["L"] for r in rs], [r["step_ms"] for r in rs], marker="o", label=label)
         ax2.plot([r["L"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=label)
     pe = [r for r in rows if r["system"] == "peft"]
