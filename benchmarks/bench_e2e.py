@@ -62,6 +62,21 @@ def decode_rate(gen, B: int, new: int, warm_new: bool = True) -> dict:
     return dict(decode_tok_s=B / step, step_ms=step * 1e3, total_new_tok_s=B * new / tn, prefill_s=t1)
 
 
+def apply_kernel_patch(model, patch: dict, out: Path):
+    """Run the rest of this process on the GPU's kernel config with `patch` applied (through
+    LORAZOR_KERNEL_CONFIG, read at each launch), also the switches the model reads once at build."""
+    from lorazor.attention import mark_attention_shrink
+    from lorazor_kernels import get_kernel_config
+    from lorazor_kernels.kernel_config import CONFIG_ENV
+
+    cfg = dataclasses.replace(get_kernel_config(model.device), **patch)
+    path = out / "ab_patched_kernel_config.json"
+    path.write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    os.environ[CONFIG_ENV] = str(path.resolve())
+    mark_attention_shrink(model.model, model._triton_attention and cfg.attention_o_shrink)
+    return cfg
+
+
 def fill_random_adapters(model, first: int, count: int, seed: int = 0) -> list[str]:
     """Benchmark only: write random rank-8 adapters into free bank slots [first, first + count)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -97,8 +112,8 @@ def main() -> None:
     ap.add_argument("--per-projection", action="store_true",
                     help="merge_projections=False: one base GEMM and LoRA per projection (7 and 14 launches per layer)")
     ap.add_argument("--tag", default="", help="suffix of the result files")
-    ap.add_argument("--ab-o-shrink", action="store_true",
-                    help="only compiled `exact`: without, then with KernelConfig.attention_o_shrink, in one run")
+    ap.add_argument("--ab-patch", default="",
+                    help="JSON KernelConfig changes: only compiled `exact`, with the GPU's config, then patched, in one run")
     ap.add_argument("--from-log", type=Path, nargs="*", help="render tables/plot from logged JSON rows instead")
     ap.add_argument("--meta", default="{}", help="with --from-log: JSON metadata of the run(s)")
     args = ap.parse_args()
@@ -172,13 +187,11 @@ def main() -> None:
                 record("lorazor" + ("_compiled" if compile_step else "") + suffix, L, grid, r)
         return backbone
 
-    if args.ab_o_shrink:  # one compiled backbone, exact without and with o_proj's shrink in attention
-        from lorazor.attention import mark_attention_shrink
-
-        mark_attention_shrink(model.model, False)
+    if args.ab_patch:  # one compiled backbone; exact with the GPU's kernel config, then with the patch
         backbone = sweep(True, ["exact"])
-        mark_attention_shrink(model.model, True)
-        sweep(True, ["exact"], backbone, "_o_shrink")
+        patched = apply_kernel_patch(model, json.loads(args.ab_patch), args.out)
+        sweep(True, ["exact"], backbone, "_patched")
+        print(f"patched kernel config: {patched}", flush=True)
     else:
         # Every grid mode on the same (uncompiled) backbone, then the best setup: exact + compile.
         sweep(False, args.grids.split(","))
@@ -222,7 +235,7 @@ def plot(rows, path: Path, model: str) -> None:
     for system, grid in series:
         rs = [r for r in rows if r["system"] == system and r["grid"] == grid]
         label = (f"LoRazor {grid}" + (" +compile" if "compiled" in system else "")
-                 + (", o_proj shrink in attention" if system.endswith("_o_shrink") else ""))
+                 + (", patched kernel config" if system.endswith("_patched") else ""))
         ax1.plot([r["L"] for r in rs], [r["step_ms"] for r in rs], marker="o", label=label)
         ax2.plot([r["L"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=label)
     pe = [r for r in rows if r["system"] == "peft"]

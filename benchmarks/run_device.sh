@@ -67,9 +67,9 @@ for step in "$@"; do
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 400 python3 -m pytest tests/test_gpu.py tests/test_merged.py \
                  tests/test_compile.py tests/test_release.py tests/test_add_adapter.py -q -p no:cacheprovider > "$W/tests_patched.log" 2>&1 &
                wait ;;
-    # Compiled exact at L = 1, 128 without, then with o_proj's shrink in decode attention (one run, one backbone).
-    e2e-ab-o-shrink) timeout 300 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
-                 --adapters ${AB_ADAPTERS:-1,128} --ab-o-shrink --tag _ab_o_shrink > "$W/e2e_ab_o_shrink.log" 2>&1 ;;
+    # Compiled exact at L = 1, 128 with the GPU's kernel config, then with $PATCH applied (one run, one backbone).
+    e2e-ab) timeout 300 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
+                 --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${PATCH:-{\}}" --tag _ab${TAG:-} > "$W/e2e_ab${TAG:-}.log" 2>&1 ;;
     # The GPU tests of decode attention with o_proj's fused shrink (and the plain kernel).
     gpu-tests-o-shrink) timeout 200 python3 -m pytest tests/test_attention_shrink.py tests/test_decode_attention.py -q \
                  -p no:cacheprovider ${QUICK:+-k "not True and not compiles"} > "$W/tests_o_shrink.log" 2>&1 ;;
