@@ -117,8 +117,9 @@ def decode_attention_shrink(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_attention`, plus the LoRA shrink of the projection that reads its output.
 
+    `query`, `k_cache`, `v_cache`, `start`, `end`, `scale` and `block_s` are as in `decode_attention`.
+
     Args:
-        query, k_cache, v_cache, start, end, scale: as `decode_attention`.
         lora_a: `[L, r_max, H * D]` A of the next projection (o_proj), columns in head-major order
             (head h's output is columns `[h * D, (h + 1) * D)`, as `[B, H, D]` flattens).
         row_slot: `[B]` int slot of each row, -1 for none.
