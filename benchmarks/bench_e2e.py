@@ -65,7 +65,6 @@ def decode_rate(gen, B: int, new: int, warm_new: bool = True) -> dict:
 def apply_kernel_patch(model, patch: dict, out: Path):
     """Run the rest of this process on the GPU's kernel config with `patch` applied (through
     LORAZOR_KERNEL_CONFIG, read at each launch), also the switches the model reads once at build."""
-    from lorazor.attention import mark_attention_shrink
     from lorazor_kernels import get_kernel_config
     from lorazor_kernels.kernel_config import CONFIG_ENV
 
@@ -73,7 +72,7 @@ def apply_kernel_patch(model, patch: dict, out: Path):
     path = out / "ab_patched_kernel_config.json"
     path.write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     os.environ[CONFIG_ENV] = str(path.resolve())
-    mark_attention_shrink(model.model, model._triton_attention and cfg.attention_o_shrink)
+    model.apply_kernel_config(cfg)
     return cfg
 
 

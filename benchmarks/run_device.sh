@@ -70,9 +70,10 @@ for step in "$@"; do
     # Compiled exact at L = 1, 128 with the GPU's kernel config, then with $PATCH applied (one run, one backbone).
     e2e-ab) timeout 300 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
                  --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${PATCH:-{\}}" --tag _ab${TAG:-} > "$W/e2e_ab${TAG:-}.log" 2>&1 ;;
-    # The GPU tests of decode attention with o_proj's fused shrink (and the plain kernel).
-    gpu-tests-o-shrink) timeout 200 python3 -m pytest tests/test_attention_shrink.py tests/test_decode_attention.py -q \
-                 -p no:cacheprovider ${QUICK:+-k "not True and not compiles"} > "$W/tests_o_shrink.log" 2>&1 ;;
+    # The GPU tests of the fused shrinks (o_proj's in decode attention, down_proj's in the SiLU-multiply) and of
+    # decode attention; QUICK=1 skips the compiled cases.
+    gpu-tests-fused-shrink) timeout 240 python3 -m pytest tests/test_attention_shrink.py tests/test_decode_attention.py -q \
+                 -p no:cacheprovider ${QUICK:+-k "not True and not compile"} > "$W/tests_fused_shrink.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \

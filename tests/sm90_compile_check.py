@@ -76,7 +76,14 @@ def main() -> None:
         compile_sm90(da._decode_attention_kernel, dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=128, BLOCK_S=64,
                                                        DOT_PRECISION="tf32", SHRINK=shrink, BLOCK_R=16),
                      attention_types)
-    print(f"compiled {count + 5 + 3 + 2}")
+    # SiLU-multiply fused with down_proj's shrink.
+    from lorazor_kernels import act_shrink
+
+    act_types = dict(gate_ptr="*bf16", up_ptr="*bf16", h_ptr="*bf16", a_ptr="*bf16", u_ptr="*fp32",
+                     sorted_rows_ptr="*i64", slot_start_ptr="*i64")
+    compile_sm90(act_shrink._silu_mul_shrink_kernel, dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32"),
+                 act_types)
+    print(f"compiled {count + 5 + 3 + 2 + 1}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 This package takes tensors and step metadata; it knows nothing about models.
 """
 
+from .act_shrink import silu_mul_shrink, silu_mul_shrink_op, silu_mul_shrink_reference
 from .decode_attention import (
     decode_attention,
     decode_attention_op,
@@ -41,5 +42,8 @@ __all__ = [
     "lora_fused",
     "lora_shrink",
     "row_bound",
+    "silu_mul_shrink",
+    "silu_mul_shrink_op",
+    "silu_mul_shrink_reference",
     "slot_bound_class",
 ]

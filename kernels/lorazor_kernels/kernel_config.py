@@ -52,6 +52,9 @@ class KernelConfig:
         attention_o_shrink: in decode, run o_proj's LoRA shrink inside the decode-attention kernel
             (`decode_attention_shrink`), so o_proj launches only the expand: one launch per layer
             less.
+        mlp_down_shrink: with the `exact` grid, compute a gated MLP's `silu(gate) * up` and
+            down_proj's LoRA shrink in one kernel (`act_shrink.silu_mul_shrink`), so down_proj
+            launches only the expand: one launch per layer less.
     """
 
     shrink_block_k: int = 128
@@ -74,6 +77,7 @@ class KernelConfig:
     pdl: bool = False
     one_program_meta: bool = False
     attention_o_shrink: bool = False
+    mlp_down_shrink: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -23,6 +23,7 @@ from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .kv_cache import KVCache
 from .layers import patch_lora_layers, unpatch_lora_layers
 from .merged import merge_projections
+from .mlp import mark_mlp_shrink
 from .policies.base import ReleasePolicy, ReleaseState, release_step
 from .step import StepContext
 
@@ -73,7 +74,7 @@ class LoRazorModel(nn.Module):
         if attention == "auto":
             attention = "triton" if self.device.type == "cuda" and head_dim >= 16 and not head_dim & (head_dim - 1) else "sdpa"
         self._triton_attention = attention == "triton"
-        mark_attention_shrink(self.model, self._triton_attention and get_kernel_config(self.device).attention_o_shrink)
+        self.apply_kernel_config(get_kernel_config(self.device))
 
     @classmethod
     def from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None = None) -> "LoRazorModel":
@@ -131,6 +132,13 @@ class LoRazorModel(nn.Module):
         if self.graphs is not None:
             self.graphs.clear()
 
+    def apply_kernel_config(self, cfg) -> None:
+        """Apply the `KernelConfig` switches the model reads once, at build: `attention_o_shrink`
+        (with the Triton decode attention) and `mlp_down_shrink`. Launch parameters are read at
+        every launch instead. Call `reconfigure()` afterwards to drop captured graphs."""
+        mark_attention_shrink(self.model, self._triton_attention and cfg.attention_o_shrink)
+        mark_mlp_shrink(self.model, cfg.mlp_down_shrink)
+
     def load_release_policy(self, root) -> ReleasePolicy:
         """Load the policies saved beside the adapters under `root/<adapter>/` as the default policy."""
         from .policies import load_release_policy
@@ -147,6 +155,7 @@ class LoRazorModel(nn.Module):
 
     def unpatch(self) -> nn.Module:
         """Put the PEFT LoRA layers and attention back; returns the PeftModel. This object is then unusable."""
+        mark_mlp_shrink(self.model, False)  # HF's own MLP forward again
         unpatch_lora_layers(self.peft_model, self._replaced)
         self.model.set_attn_implementation(self._previous_attn)
         self._replaced = []
