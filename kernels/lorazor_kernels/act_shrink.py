@@ -85,7 +85,8 @@ def silu_mul_shrink(gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, 
     """`h = silu(gate) * up` and the LoRA shrink of h for the `exact` grid's rows, in one kernel.
 
     Args:
-        gate, up: `[M, K]` (any strides: slices of the merged gate/up output).
+        gate: `[M, K]` (any strides: a slice of the merged gate/up output).
+        up: `[M, K]`, like gate.
         lora_a: `[L, r_max, K]` A of the projection that reads h (down_proj); zeros past each
             slot's rank (the bank's layout).
         meta: the step's `exact` metadata (tile table).
