@@ -73,7 +73,9 @@ class BatchedLoRALinear(nn.Module):
             if out is not None:
                 return out
         lora, base = self.lora, self.base_layer
-        partials, self.pending_partials = self.pending_partials, None
+        partials = self.pending_partials
+        if partials is not None:  # the kernel ahead ran this layer's shrink (attention.py, mlp.py)
+            self.pending_partials = None
         return linear_step_lora(x, base.weight, base.bias, self.context, lora.lora_a, lora.lora_b, lora.scaling,
                                 lora.rank, lora.mask_rank, partials=partials)
 
