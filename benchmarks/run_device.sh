@@ -33,6 +33,9 @@ for step in "$@"; do
     e2e-llama) timeout 360 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --hf-compile --compile > "$W/e2e_llama.log" 2>&1 ;;
     # The full table without the compiled sweep (it does not fit one call beside it): every grid, PEFT, HF.
     e2e-grids) timeout 330 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --hf-compile > "$W/e2e_llama.log" 2>&1 ;;
+    # Mistral's full table: every grid mode at every L, PEFT at 1 and 8, HF static + compile (CUDA graphs only).
+    e2e-mistral-grids) timeout 420 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1,8 --hf-compile \
+                 --tag _grids > "$W/e2e_mistral_grids.log" 2>&1 ;;
     e2e-mistral-graphs) timeout 200 python3 benchmarks/bench_e2e.py --model mistral-7b --out "$W" --peft 1 --adapters 1,32,128 > "$W/e2e_mistral.log" 2>&1 ;;
     e2e-exact) timeout 400 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,32,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
     e2e-quick) timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact --adapters 1,128 --compile --tag _exact > "$W/e2e_exact.log" 2>&1 ;;
