@@ -73,9 +73,9 @@ for step in "$@"; do
     # Compiled exact at L = 1, 128 with the GPU's kernel config, then with $PATCH applied (one run, one backbone).
     e2e-ab) timeout 300 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
                  --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${PATCH:-{\}}" --tag _ab${TAG:-} > "$W/e2e_ab${TAG:-}.log" 2>&1 ;;
-    # e2e-ab for each fused shrink alone and both together (three runs, each with its own baseline).
+    # e2e-ab for each fused shrink alone, both together, and the one-program metadata (each run with its own baseline).
     e2e-ab-fusions) for spec in o_shrink:'{"attention_o_shrink": true}' down_shrink:'{"mlp_down_shrink": true}' \
-                                both:'{"attention_o_shrink": true, "mlp_down_shrink": true}'; do
+                                both:'{"attention_o_shrink": true, "mlp_down_shrink": true}' meta:'{"one_program_meta": true}'; do
                  timeout 200 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
                    --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${spec#*:}" --tag "_ab_${spec%%:*}" > "$W/e2e_ab_${spec%%:*}.log" 2>&1
                done ;;
