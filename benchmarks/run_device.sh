@@ -81,7 +81,7 @@ for step in "$@"; do
                done ;;
     # The GPU tests of the fused shrinks (o_proj's in decode attention, down_proj's in the SiLU-multiply) and of
     # decode attention; QUICK=1 skips the compiled cases.
-    gpu-tests-fused-shrink) timeout 240 python3 -m pytest tests/test_attention_shrink.py tests/test_decode_attention.py -q \
+    gpu-tests-fused-shrink) timeout 240 python3 -m pytest tests/test_fused_shrink.py tests/test_decode_attention.py -q \
                  -p no:cacheprovider ${QUICK:+-k "not True and not compile"} > "$W/tests_fused_shrink.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) patched_config
