@@ -22,7 +22,9 @@ def lorazor_attention(module, query, key, value, attention_mask, scaling=None, d
     """query `[B, H, q, D]`, key/value `[B, H_kv, S, D]`, bool mask `[B, 1, q, S]` -> `[B, q, H, D]`.
 
     With one query token and the `lorazor_kv_range` kwarg (start, end per row), the Triton decode
-    kernel reads only each row's valid keys; otherwise SDPA runs over the masked cache.
+    kernel reads only each row's valid keys; otherwise SDPA runs over the masked cache. With
+    `KernelConfig.attention_o_shrink` the decode kernel also runs the module's o_proj LoRA shrink
+    and leaves the partials on o_proj, whose forward comes next.
     """
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise RuntimeError("lorazor attention needs the bool mask built by LoRazor's KV cache")
