@@ -149,7 +149,8 @@ def _launch(query, k_cache, v_cache, start, end, scale, block_s, shrink=None):
     out = torch.empty(B, H, D, dtype=query.dtype, device=query.device)
     if query.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("decode_attention needs a unit stride on the head dimension")
-    lora_a, row_slot, u = shrink if shrink is not None else (out, start, out.new_empty(1, 1, 1))
+    # Without the shrink its pointers are never read: out and start stand in (no allocation per call).
+    lora_a, row_slot, u = shrink if shrink is not None else (out, start, out)
     _decode_attention_kernel[(B, h_kv)](
         query, k_cache, v_cache, out, start, end, scale,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -159,7 +160,7 @@ def _launch(query, k_cache, v_cache, start, end, scale, block_s, shrink=None):
         GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_S=block_s,
         # fp32 dots default to tf32 on the GPU; keep fp32 exact (the fp32 parity tests need it).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        SHRINK=shrink is not None, BLOCK_R=u.shape[2] if shrink is not None else 16,
+        SHRINK=shrink is not None, BLOCK_R=u.shape[2] if shrink is not None else MIN_DOT,
         num_warps=4,
     )
     return out

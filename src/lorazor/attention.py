@@ -39,7 +39,7 @@ def lorazor_attention(module, query, key, value, attention_mask, scaling=None, d
         else:
             out, o_proj.pending_partials = decode_attention_shrink_op(
                 query[:, :, 0], key, value, kv_range[0], kv_range[1], scale, o_proj.lora.lora_a,
-                o_proj.context.meta.row_slot, o_proj.context.backend)
+                o_proj.context.lora_meta.row_slot, o_proj.context.backend)
         return out[:, None], None
     if q_len == 1 and H != h_kv:
         q = query.reshape(B, h_kv, H // h_kv, D)
@@ -57,10 +57,8 @@ def _o_proj_shrinking_here(module, rows: int):
     o_proj = getattr(module, "o_proj", None)
     if not getattr(o_proj, "shrink_in_attention", False) or o_proj.merged is not None:
         return None
-    meta = o_proj.context.meta
-    if meta is None or meta.has_lora is False or meta.num_rows != rows:
-        return None
-    return o_proj
+    meta = o_proj.context.lora_meta
+    return o_proj if meta is not None and meta.num_rows == rows else None
 
 
 def mark_attention_shrink(model: torch.nn.Module, on: bool) -> None:

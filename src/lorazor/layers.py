@@ -23,8 +23,8 @@ def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scal
     fused shrink): only the expand runs.
     """
     y = nn.functional.linear(x, weight, bias)
-    meta = context.meta
-    if meta is None or meta.has_lora is False:
+    meta = context.lora_meta
+    if meta is None:
         return y
     if x.numel() // x.shape[-1] != meta.num_rows:
         raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")

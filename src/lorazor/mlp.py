@@ -19,9 +19,9 @@ from .layers import BatchedLoRALinear
 def _fused_forward(mlp: nn.Module, x):
     gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     down = mlp.down_proj
-    meta = down.context.meta
+    meta = down.context.lora_meta
     rows = gate.numel() // gate.shape[-1]
-    if meta is None or meta.has_lora is False or meta.grid != "exact" or meta.num_rows != rows:
+    if meta is None or meta.grid != "exact" or meta.num_rows != rows:
         return down(mlp.act_fn(gate) * up)
     width = gate.shape[-1]
     h, down.pending_partials = silu_mul_shrink_op(
