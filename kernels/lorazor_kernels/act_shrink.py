@@ -20,6 +20,7 @@ import triton.language as tl
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_kernels import padded_rank
 from .meta import LoRABatchMeta
+from .reference import lora_shrink_reference
 
 
 @triton.jit
@@ -124,8 +125,7 @@ def silu_mul_shrink_reference(gate, up, lora_a, row_slot) -> tuple[torch.Tensor,
     h = (torch.nn.functional.silu(gate.float()).to(gate.dtype).float() * up.float()).to(gate.dtype)
     r = lora_a.shape[1]
     u = torch.zeros(1, gate.shape[0], padded_rank(r), dtype=torch.float32, device=gate.device)
-    has = row_slot >= 0
-    u[0, :, :r] = torch.einsum("mk,mrk->mr", h.float(), lora_a[row_slot.clamp(min=0)].float()) * has[:, None]
+    u[0, :, :r] = lora_shrink_reference(h, lora_a, row_slot).float()
     return h, u
 
 

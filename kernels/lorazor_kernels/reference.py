@@ -62,10 +62,19 @@ def lora_delta_reference(
         `[M, N]` delta in `x.dtype`; rows without a slot are exactly 0.
     """
     check_lora_args(x, lora_a, lora_b, scaling, row_slot, lora_rank)
+    u = lora_shrink_reference(x, lora_a, row_slot, lora_rank)
+    return lora_expand_reference(u, lora_b, scaling, row_slot, lora_rank).to(x.dtype)
+
+
+def lora_shrink_reference(x, lora_a, row_slot, lora_rank=None) -> torch.Tensor:
+    """The shrink half: `u[m, :r] = x[m] @ lora_a[s, :r].T` for rows with a slot, 0 elsewhere.
+
+    Returns `[M, r_max]` in lora_a's dtype (x cast to it, as the kernels do).
+    """
     u = x.new_zeros(x.shape[0], lora_a.shape[1], dtype=lora_a.dtype)
     for s, rows, r in _slot_rows(row_slot, lora_a.shape[1], lora_rank):
         u[rows, :r] = x[rows].to(lora_a.dtype) @ lora_a[s, :r].T
-    return lora_expand_reference(u, lora_b, scaling, row_slot, lora_rank).to(x.dtype)
+    return u
 
 
 def lora_expand_reference(u, lora_b, scaling, row_slot, lora_rank=None) -> torch.Tensor:
