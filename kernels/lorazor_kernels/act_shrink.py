@@ -132,19 +132,22 @@ def silu_mul_shrink_reference(gate, up, lora_a, row_slot) -> tuple[torch.Tensor,
 @torch.library.custom_op("lorazor::silu_mul_shrink", mutates_args=())
 def silu_mul_shrink_op(
     gate: torch.Tensor, up: torch.Tensor, lora_a: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor,
-    slot_start: torch.Tensor, tile_slot: torch.Tensor, tile_rows: torch.Tensor, num_slots: int, block_m: int,
+    slot_start: torch.Tensor, tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None,
+    large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`silu_mul_shrink` (backend "triton") or its reference, as an opaque custom op."""
+    """`silu_mul_shrink` (backend "triton") or its reference, as an opaque custom op; the metadata
+    comes as `LoRABatchMeta.op_args()`."""
     if backend == "reference":
         return silu_mul_shrink_reference(gate, up, lora_a, row_slot)
-    meta = LoRABatchMeta("exact", gate.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot,
-                         tile_slot, tile_rows)
+    meta = LoRABatchMeta.from_op_args(row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid,
+                                      num_slots, block_m, row_bound, class_split)
     return silu_mul_shrink(gate, up, lora_a, meta)
 
 
 @silu_mul_shrink_op.register_fake
-def _(gate, up, lora_a, row_slot, sorted_rows, slot_start, tile_slot, tile_rows, num_slots, block_m, backend):
+def _(gate, up, lora_a, row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid, num_slots,
+      block_m, row_bound, class_split, backend):
     M, K = gate.shape
     split = 1 if backend == "reference" else shrink_splits(M, K, get_kernel_config(gate.device), gate.device)
     return gate.new_empty(M, K), gate.new_empty(split, M, padded_rank(lora_a.shape[1]), dtype=torch.float32)

@@ -113,8 +113,8 @@ def _add_lora_op(
     grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool, backend: str, mask_rank: bool,
     segments: list[int], expand_only: bool = False,
 ) -> None:
-    meta = LoRABatchMeta(grid, row_slot.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
-                         tile_rows, row_bound, large_slots, class_split)
+    meta = LoRABatchMeta.from_op_args(row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid,
+                                      num_slots, block_m, row_bound, class_split)
     if expand_only:  # the shrink ran elsewhere: x holds its partials (add_lora_expand_op_)
         add_lora_expand_(y, x, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank)
         return
@@ -138,11 +138,8 @@ def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, 
     """
     if meta.has_lora is False:
         return y
-    torch.ops.lorazor.add_lora_(
-        y, x, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
-        meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
-        meta.row_bound, meta.class_split, backend, mask_rank, list(segments), expand_only,
-    )
+    torch.ops.lorazor.add_lora_(y, x, lora_a, lora_b, scaling, lora_rank, *meta.op_args(), backend, mask_rank,
+                                list(segments), expand_only)
     return y
 
 

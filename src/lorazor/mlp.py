@@ -24,9 +24,8 @@ def _fused_forward(mlp: nn.Module, x):
     if meta is None or meta.grid != "exact" or meta.num_rows != rows:
         return down(mlp.act_fn(gate) * up)
     width = gate.shape[-1]
-    h, down.pending_partials = silu_mul_shrink_op(
-        gate.reshape(rows, width), up.reshape(rows, width), down.lora.lora_a, meta.row_slot, meta.sorted_rows,
-        meta.slot_start, meta.tile_slot, meta.tile_rows, meta.num_slots, meta.block_m, down.context.backend)
+    h, down.pending_partials = silu_mul_shrink_op(gate.reshape(rows, width), up.reshape(rows, width),
+                                                  down.lora.lora_a, *meta.op_args(), down.context.backend)
     return down(h.view(gate.shape))
 
 
