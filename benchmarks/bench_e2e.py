@@ -186,7 +186,14 @@ def main() -> None:
                 record("lorazor" + ("_compiled" if compile_step else "") + suffix, L, grid, r)
         return backbone
 
+    from lorazor_kernels import get_kernel_config
+    from lorazor_kernels.kernel_config import CONFIG_ENV
+
+    # Recorded before any --ab-patch: the config of the backbone and the unpatched rows.
+    kernel_config = dict(kernel_config=dataclasses.asdict(get_kernel_config(torch.device("cuda"))),
+                         kernel_config_file=os.environ.get(CONFIG_ENV, "tuned file of the GPU"))
     if args.ab_patch:  # one compiled backbone; exact with the GPU's kernel config, then with the patch
+        kernel_config["ab_patch"] = json.loads(args.ab_patch)
         backbone = sweep(True, ["exact"])
         patched = apply_kernel_patch(model, json.loads(args.ab_patch), args.out)
         sweep(True, ["exact"], backbone, "_patched")
@@ -197,13 +204,8 @@ def main() -> None:
         if args.compile:
             sweep(True, ["exact"])
     graphs = model.graphs
-    from lorazor_kernels import get_kernel_config
-    from lorazor_kernels.kernel_config import CONFIG_ENV
-
     meta = dict(environment(), command=" ".join(sys.argv), batch=B, prompt=T, new_tokens=NEW, rank=RANK,
-                kernel_config=dataclasses.asdict(get_kernel_config(torch.device("cuda"))),
-                kernel_config_file=os.environ.get(CONFIG_ENV, "tuned file of the GPU"),
-                compile=args.compile, peft_new_tokens=args.peft_new, graphs=graphs.num_graphs(),
+                **kernel_config, compile=args.compile, peft_new_tokens=args.peft_new, graphs=graphs.num_graphs(),
                 graph_capture_s_all_runs=round(graphs.capture_seconds, 2), graph_GB_last_sweep=round(graphs.capture_bytes / 1e9, 3),
                 date=time.strftime("%Y-%m-%d"))
     render(rows, meta, args.out, f"e2e_{args.model}{args.tag}")
