@@ -62,14 +62,23 @@ def decode_rate(gen, B: int, new: int, warm_new: bool = True) -> dict:
     return dict(decode_tok_s=B / step, step_ms=step * 1e3, total_new_tok_s=B * new / tn, prefill_s=t1)
 
 
-def apply_kernel_patch(model, patch: dict, out: Path):
-    """Run the rest of this process on the GPU's kernel config with `patch` applied (through
+def parse_patches(text: str) -> dict[str, dict]:
+    """--ab-patch: one KernelConfig patch ('{"pdl": true}', named "patched") or several by name
+    ('{"o": {"attention_o_shrink": true}, "again": {}}'), each applied to the unpatched config."""
+    spec = json.loads(text)
+    if not isinstance(spec, dict):
+        raise ValueError(f"--ab-patch must be a JSON object, got {text!r}")
+    named = bool(spec) and all(isinstance(v, dict) for v in spec.values())
+    return spec if named else {"patched": spec}
+
+
+def apply_kernel_patch(model, base, patch: dict, out: Path, name: str):
+    """Run the rest of this process on kernel config `base` with `patch` applied (through
     LORAZOR_KERNEL_CONFIG, read at each launch), also the switches the model reads once at build."""
-    from lorazor_kernels import get_kernel_config
     from lorazor_kernels.kernel_config import CONFIG_ENV
 
-    cfg = dataclasses.replace(get_kernel_config(model.device), **patch)
-    path = out / "ab_patched_kernel_config.json"
+    cfg = dataclasses.replace(base, **patch)
+    path = out / f"ab_{name}_kernel_config.json"
     path.write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     os.environ[CONFIG_ENV] = str(path.resolve())
     model.apply_kernel_config(cfg)
@@ -112,7 +121,8 @@ def main() -> None:
                     help="merge_projections=False: one base GEMM and LoRA per projection (7 and 14 launches per layer)")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--ab-patch", default="",
-                    help="JSON KernelConfig changes: only compiled `exact`, with the GPU's config, then patched, in one run")
+                    help="JSON KernelConfig changes, one patch or several by name: only compiled `exact`, "
+                         "with the GPU's config, then each patch, in one run with one backbone")
     ap.add_argument("--from-log", type=Path, nargs="*", help="render tables/plot from logged JSON rows instead")
     ap.add_argument("--meta", default="{}", help="with --from-log: JSON metadata of the run(s)")
     args = ap.parse_args()
@@ -192,12 +202,15 @@ def main() -> None:
     # Recorded before any --ab-patch: the config of the backbone and the unpatched rows.
     kernel_config = dict(kernel_config=dataclasses.asdict(get_kernel_config(torch.device("cuda"))),
                          kernel_config_file=os.environ.get(CONFIG_ENV, "tuned file of the GPU"))
-    if args.ab_patch:  # one compiled backbone; exact with the GPU's kernel config, then with the patch
-        kernel_config["ab_patch"] = json.loads(args.ab_patch)
+    if args.ab_patch:  # one compiled backbone; exact with the GPU's kernel config, then with each patch
+        patches = parse_patches(args.ab_patch)
+        kernel_config["ab_patch"] = patches
+        base_cfg = get_kernel_config(torch.device("cuda"))
         backbone = sweep(True, ["exact"])
-        patched = apply_kernel_patch(model, json.loads(args.ab_patch), args.out)
-        sweep(True, ["exact"], backbone, "_patched")
-        print(f"patched kernel config: {patched}", flush=True)
+        for name, patch in patches.items():
+            patched = apply_kernel_patch(model, base_cfg, patch, args.out, name)
+            sweep(True, ["exact"], backbone, f"_{name}")
+            print(f"{name} kernel config: {patched}", flush=True)
     else:
         # Every grid mode on the same (uncompiled) backbone, then the best setup: exact + compile.
         sweep(False, args.grids.split(","))
@@ -236,7 +249,7 @@ def plot(rows, path: Path, model: str) -> None:
     for system, grid in series:
         rs = [r for r in rows if r["system"] == system and r["grid"] == grid]
         label = (f"LoRazor {grid}" + (" +compile" if "compiled" in system else "")
-                 + (", patched kernel config" if system.endswith("_patched") else ""))
+                 + (f", {system.split('_compiled_', 1)[1]}" if "_compiled_" in system else ""))
         ax1.plot([r["L"] for r in rs], [r["step_ms"] for r in rs], marker="o", label=label)
         ax2.plot([r["L"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=label)
     pe = [r for r in rows if r["system"] == "peft"]

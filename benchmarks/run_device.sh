@@ -73,12 +73,12 @@ for step in "$@"; do
     # Compiled exact at L = 1, 128 with the GPU's kernel config, then with $PATCH applied (one run, one backbone).
     e2e-ab) timeout 300 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
                  --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${PATCH:-{\}}" --tag _ab${TAG:-} > "$W/e2e_ab${TAG:-}.log" 2>&1 ;;
-    # e2e-ab for each fused shrink alone, both together, and the one-program metadata (each run with its own baseline).
-    e2e-ab-fusions) for spec in o_shrink:'{"attention_o_shrink": true}' down_shrink:'{"mlp_down_shrink": true}' \
-                                both:'{"attention_o_shrink": true, "mlp_down_shrink": true}' meta:'{"one_program_meta": true}'; do
-                 timeout 200 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
-                   --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${spec#*:}" --tag "_ab_${spec%%:*}" > "$W/e2e_ab_${spec%%:*}.log" 2>&1
-               done ;;
+    # e2e-ab for each fused shrink alone, both together, then the unpatched config again (the drift within
+    # the run): one compiled backbone, every row in one process.
+    e2e-ab-fusions) timeout 420 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
+                 --adapters ${AB_ADAPTERS:-1,128} --tag _ab_fusions --ab-patch '{"o_shrink": {"attention_o_shrink": true},
+                 "down_shrink": {"mlp_down_shrink": true}, "both": {"attention_o_shrink": true, "mlp_down_shrink": true},
+                 "unpatched_again": {}}' > "$W/e2e_ab_fusions.log" 2>&1 ;;
     # The GPU tests of the fused shrinks (o_proj's in decode attention, down_proj's in the SiLU-multiply) and of
     # decode attention; QUICK=1 skips the compiled cases.
     gpu-tests-fused-shrink) timeout 240 python3 -m pytest tests/test_fused_shrink.py tests/test_decode_attention.py -q \
