@@ -1,4 +1,4 @@
-"""Three ways to run a layer's LoRA beside its base GEMMs, timed in place on the H200.
+"""Ways to run a layer's LoRA beside its base GEMMs, timed in place on the H200.
 
     python benchmarks/bench_lora_forms.py --out benchmarks/results
 
@@ -8,6 +8,9 @@ uniformly over L adapters of a 128-slot bank, rank 8, bf16, in a CUDA graph over
 
 - `exact`: each group's base GEMM, then LoRazor's exact-grid shrink + expand (the model's path,
   the GPU's kernel config, programmatic dependent launch as the file says).
+- `exact, shrink in GEMM`: every slot's A stacked under W (slot-major), so the base GEMM also
+  computes the shrink of every slot (the whole bank's bytes, whatever L is); then the exact expand
+  alone, each tile reading its own slot's columns of that output. 4 launches per layer, not 8.
 - `dense`: cuBLAS only, over the whole bank. The base GEMM also computes x @ A for every slot (A
   stacked under W, one GEMM), a one-hot row mask keeps each row's own slot, and one addmm per
   segment adds (masked xA) @ B for the whole bank in place. Its cost does not depend on L.
@@ -59,6 +62,7 @@ def prepare(groups, ws, grouped_b_layout: str):
         n_seg = len(segs)
         a_seg_major = a.view(BANK, n_seg, RANK, -1).transpose(0, 1).reshape(-1, a.shape[-1])
         p["w_ext"] = torch.cat([w, a_seg_major])
+        p["w_ext_slot_major"] = torch.cat([w, a.reshape(-1, a.shape[-1])])  # [N + S*G*r, K]
         p["b_flat"] = [b.reshape(-1, b.shape[-1]).contiguous() for b in scaled]  # [S*r, N_g]
         p["a_t"] = in_layout(a.transpose(1, 2), grouped_b_layout)  # [S, K, G*r]
         p["b_grouped"] = [in_layout(b, grouped_b_layout) for b in scaled]  # [S, r, N_g]
@@ -87,6 +91,17 @@ def step_state(slots: torch.Tensor) -> dict:
 def run_exact(p, st, cfg):
     y = p["g"]["x"] @ p["w"].T
     _merged_lora(p["g"], y, st["meta"], cfg)
+    return y
+
+
+def run_exact_gemm_shrink(p, st, cfg):
+    from lorazor_kernels import lora_expand
+
+    g = p["g"]
+    y_ext = g["x"] @ p["w_ext_slot_major"].T
+    y, u = y_ext[:, : p["n"]], y_ext[:, p["n"]:]
+    scaling = g["s"] if g["edges"] else g["s"][0]
+    lora_expand(u, g["b"], scaling, g["r"], y, st["meta"], cfg, mask_rank=False, segments=g["edges"])
     return y
 
 
@@ -122,7 +137,7 @@ def run_grouped_presorted(p, st, cfg):
     return y
 
 
-FORMS = {"exact": run_exact, "dense": run_dense, "grouped": run_grouped, "grouped, presorted": run_grouped_presorted}
+FORMS = {"exact": run_exact, "exact, shrink in GEMM": run_exact_gemm_shrink, "dense": run_dense, "grouped": run_grouped, "grouped, presorted": run_grouped_presorted}
 
 
 def reference(p, slots):
@@ -203,7 +218,7 @@ def main() -> None:
     head += "|---" * (2 + len(FORMS)) + "|\n"
     body = "".join(f"| {r['L']} | {r['gemms_us']:.1f} | "
                    + " | ".join(f"{r[f'{f} us']:.1f} ({r[f'{f} LoRA us']:.1f})" for f in FORMS) + " |\n" for r in rows)
-    table = (f"# A layer's LoRA beside its base GEMMs, three ways ({args.model}, 128-slot bank, rank {RANK}, M={M}, bf16)\n\n"
+    table = (f"# A layer's LoRA beside its base GEMMs, several ways ({args.model}, 128-slot bank, rank {RANK}, M={M}, bf16)\n\n"
              f"```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}\n"
              "Each form is checked against an fp32 reference first (largest relative error in the JSON). "
              "See the script's docstring for what each form runs.\n")

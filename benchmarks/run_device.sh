@@ -6,6 +6,7 @@ set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 W=$OUT/work
+rm -rf "$W"  # only this call's files come back
 mkdir -p "$W"
 # $W/patched_config.json: the H200 kernel config with $PATCH (JSON) applied, for LORAZOR_KERNEL_CONFIG.
 patched_config() {
@@ -49,7 +50,9 @@ for step in "$@"; do
     profile) timeout 120 python3 benchmarks/profile_step.py > "$W/profile_graphs.log" 2>&1
              timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
     profile-compile) timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
-    # A layer's LoRA beside its GEMMs three ways: exact kernels, dense cuBLAS over the bank, grouped GEMM.
+    # The expand reading a bank-wide u (the base GEMM's extra columns) on the GPU, in bf16 and in a CUDA graph.
+    gpu-tests-bank-u) timeout 120 python3 -m pytest tests/test_kernels.py -k "bank" -q -p no:cacheprovider > "$W/tests_bank_u.log" 2>&1 ;;
+    # A layer's LoRA beside its GEMMs several ways: exact kernels, dense cuBLAS over the bank, grouped GEMM.
     lora-forms) timeout 200 python3 benchmarks/bench_lora_forms.py --out "$W" > "$W/lora_forms.log" 2>&1 ;;
     kernels-llama) timeout 150 python3 benchmarks/bench_kernels.py --out "$W" --models llama-3.2-3b > "$W/kernels.log" 2>&1 ;;
     # The model's GPU tests with the tuned config patched by $PATCH (as e2e-quick-patched), then the PDL kernel tests.

@@ -227,9 +227,11 @@ def test_exact_graph_replay_follows_new_slot_map():
         torch.testing.assert_close(out.double(), ref, **TOL[torch.bfloat16])
 
 
-def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False):
+def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, bank_u=False):
     # q/k/v (or gate/up) share x: one shrink over A stacked [L, G*r, K], one expand into the merged
     # [M, sum(N)] output, segment g using its r columns of u, its B columns and its scaling row.
+    # bank_u: no shrink kernel; u is x @ (every slot's A) in x's dtype, as a base GEMM with the A
+    # bank stacked under W computes it, and the expand reads each row's own slot from it.
     from lorazor_kernels import lora_expand, lora_shrink
 
     g = torch.Generator().manual_seed(len(widths))
@@ -248,9 +250,13 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False):
     y = torch.zeros(M, sum(widths), **to)
 
     def run():
-        u = lora_shrink(x, a_stack, torch.full((L,), G * r, dtype=torch.int32, device=DEVICE), meta, cfg,
-                        mask_rank=False)
-        lora_expand(u, b_merged, scaling, rank, y, meta, cfg, mask_rank=False, segments=edges)
+        if bank_u:
+            u = x @ a_stack.reshape(L * G * r, K).T
+        else:
+            u = lora_shrink(x, a_stack, torch.full((L,), G * r, dtype=torch.int32, device=DEVICE), meta, cfg,
+                            mask_rank=False)
+        lora_expand(u, b_merged, scaling if G > 1 else scaling[0], rank, y, meta, cfg, mask_rank=False,
+                    segments=edges or None)
 
     run()
     if graph:  # replay twice more from zero: a captured launch sequence must give the same delta
@@ -273,11 +279,34 @@ def test_merged_projections_in_one_shrink_and_one_expand(grid, widths):
     check_merged(grid, widths, M=37, K=72, r=8, L=5, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("grid", GRID_MODES)
+@pytest.mark.parametrize("widths", [(48, 16, 32), (64, 80), (96,)], ids=["qkv", "gate_up", "plain"])
+def test_expand_reads_each_rows_slot_from_a_bank_wide_u(grid, widths):
+    check_merged(grid, widths, M=37, K=72, r=8, L=5, dtype=torch.float32, bank_u=True)
+
+
+def test_bank_wide_u_of_the_wrong_width_is_named():
+    from lorazor_kernels import lora_expand
+
+    L, r, M = 4, 8, 6
+    b = torch.randn(L, 32, r, device=DEVICE)
+    meta = build_batch_meta(torch.zeros(M, dtype=torch.long, device=DEVICE), L, "exact")
+    with pytest.raises(ValueError, match=r"bank-wide u must be \[M, L \* G \* r_max\] = \[6, 32\]"):
+        lora_expand(torch.zeros(M, 33, device=DEVICE), b, torch.ones(L, device=DEVICE),
+                    torch.full((L,), r, dtype=torch.int32, device=DEVICE), torch.zeros(M, 32, device=DEVICE), meta)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("grid", ["exact", "full"])
 @pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072), ((4096, 1024, 1024), 4096)])
 def test_gpu_bf16_merged_projections(grid, widths, K):
     check_merged(grid, widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072), ((3072,), 8192)])
+def test_gpu_bf16_bank_wide_u_in_a_graph(widths, K):
+    check_merged("exact", widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16, graph=True, bank_u=True)
 
 
 @pytest.mark.gpu
