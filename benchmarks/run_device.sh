@@ -50,6 +50,9 @@ for step in "$@"; do
     profile) timeout 120 python3 benchmarks/profile_step.py > "$W/profile_graphs.log" 2>&1
              timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
     profile-compile) timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
+    # KernelConfig.gemm_shrink on the GPU: the model against PEFT (graphs, compile) and the kernels' bank-wide u.
+    gpu-tests-gemm-shrink) timeout 200 python3 -m pytest tests/test_gemm_shrink.py tests/test_kernels.py -k "gemm or bank" -q \
+                 -p no:cacheprovider > "$W/tests_gemm_shrink.log" 2>&1 ;;
     # The expand reading a bank-wide u (the base GEMM's extra columns) on the GPU, in bf16 and in a CUDA graph.
     gpu-tests-bank-u) timeout 120 python3 -m pytest tests/test_kernels.py -k "bank" -q -p no:cacheprovider > "$W/tests_bank_u.log" 2>&1 ;;
     # A layer's LoRA beside its GEMMs several ways: exact kernels, dense cuBLAS over the bank, grouped GEMM.

@@ -55,6 +55,10 @@ class KernelConfig:
         mlp_down_shrink: with the `exact` grid, compute a gated MLP's `silu(gate) * up` and
             down_proj's LoRA shrink in one kernel (`act_shrink.silu_mul_shrink`), so down_proj
             launches only the expand: one launch per layer less.
+        gemm_shrink: in decode, stack every slot's A under each projection's base weight, so the
+            base GEMM also computes the LoRA shrink and only the expand kernel runs (lorazor's
+            `gemm_shrink.py`): 4 LoRA launches per layer instead of 8, for reading the whole A bank
+            each step.
     """
 
     shrink_block_k: int = 128
@@ -78,6 +82,7 @@ class KernelConfig:
     one_program_meta: bool = False
     attention_o_shrink: bool = False
     mlp_down_shrink: bool = False
+    gemm_shrink: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

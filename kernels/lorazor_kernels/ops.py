@@ -75,19 +75,41 @@ def add_batched_lora_(
 def add_lora_expand_(
     y: torch.Tensor, u: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
     meta: LoRABatchMeta, backend: str = "triton", cfg: KernelConfig | None = None, mask_rank: bool = True,
+    segments: tuple[int, ...] | list[int] | None = None,
 ) -> torch.Tensor:
-    """The expand half of `add_batched_lora_`, from shrink partials computed elsewhere (decode
-    attention's fused shrink): `y[m] += scaling[s] * u[:, m].sum(0)[:r] @ lora_b[s, :, :r].T`.
+    """The expand half of `add_batched_lora_`, from a shrink computed elsewhere:
+    `y[m] += scaling[s] * u_m[:r] @ lora_b[s, :, :r].T` for every row m with a slot s.
 
-    u: `[S, M, >= r_max]` fp32 partials (entries of rows without a slot are never read).
+    u: `[S, M, >= r_max]` fp32 partials (u_m = their sum; decode attention's fused shrink), or the
+    shrink of every slot `[M, L * G * r_max]` (u_m = row m's own slot's columns), as the base GEMM
+    computes it with the A bank stacked under its weight. Entries of rows without a slot are never
+    read. segments: merged projections, as in `add_batched_lora_`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if meta.has_lora is False:
         return y
     if backend == "reference":
-        return y.add_(lora_expand_reference(u.sum(0), lora_b, scaling, meta.row_slot, lora_rank).to(y.dtype))
-    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg or get_kernel_config(y.device), mask_rank)
+        return _expand_reference_(y, u, lora_b, scaling, lora_rank, meta.row_slot, segments)
+    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg or get_kernel_config(y.device), mask_rank,
+                       segments=segments or None)
+
+
+def _expand_reference_(y, u, lora_b, scaling, lora_rank, row_slot, segments):
+    """`add_lora_expand_` in pure torch: each row's u, then the reference expand per segment."""
+    if u.dim() == 2:  # the shrink of every slot: keep each row's own slot's columns
+        rows = torch.arange(u.shape[0], device=u.device)
+        u_rows = u.unflatten(1, (lora_b.shape[0], -1))[rows, row_slot.clamp(min=0)].float()
+    else:
+        u_rows = u.sum(0)
+    edges = (0, *(segments or ()), y.shape[1])
+    r = lora_b.shape[2]
+    for g in range(len(edges) - 1):
+        lo, hi = edges[g], edges[g + 1]
+        seg_scaling = scaling[g] if segments else scaling
+        y[:, lo:hi] += lora_expand_reference(u_rows[:, g * r:(g + 1) * r], lora_b[:, lo:hi], seg_scaling, row_slot,
+                                             lora_rank).to(y.dtype)
+    return y
 
 
 def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
@@ -115,8 +137,9 @@ def _add_lora_op(
 ) -> None:
     meta = LoRABatchMeta.from_op_args(row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid,
                                       num_slots, block_m, row_bound, class_split)
-    if expand_only:  # the shrink ran elsewhere: x holds its partials (add_lora_expand_op_)
-        add_lora_expand_(y, x, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank)
+    if expand_only:  # the shrink ran elsewhere: x holds its result (add_lora_expand_op_)
+        add_lora_expand_(y, x, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
+                         segments=segments or None)
         return
     add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
                       segments=segments or None)
@@ -144,11 +167,12 @@ def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, 
 
 
 def add_lora_expand_op_(y, u, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton",
-                        mask_rank: bool = True):
-    """`add_lora_expand_` through the same custom op (`lorazor::add_lora_` with `expand_only`): the
-    `[S, M, r_pad]` fp32 partials u take x's place, and no A is read."""
+                        mask_rank: bool = True, segments: tuple[int, ...] = ()):
+    """`add_lora_expand_` through the same custom op (`lorazor::add_lora_` with `expand_only`): u
+    (fp32 partials `[S, M, r_pad]` or the shrink of every slot `[M, L * G * r_max]`) takes x's
+    place, and no A is read."""
     return add_lora_op_(y, u, lora_b.new_empty(0, 0, 0), lora_b, scaling, lora_rank, meta, backend, mask_rank,
-                        expand_only=True)
+                        segments=segments, expand_only=True)
 
 
 def batched_lora(

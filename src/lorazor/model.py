@@ -22,7 +22,7 @@ from .generate import LoRazorOutput, decode_loop, resolve_generation_config
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .kv_cache import KVCache
 from .layers import patch_lora_layers, unpatch_lora_layers
-from .merged import merge_projections
+from .merged import merge_projections, set_gemm_shrink
 from .mlp import mark_mlp_shrink
 from .policies.base import ReleasePolicy, ReleaseState, release_step
 from .step import StepContext
@@ -134,10 +134,11 @@ class LoRazorModel(nn.Module):
 
     def apply_kernel_config(self, cfg) -> None:
         """Apply the `KernelConfig` switches the model reads once, at build: `attention_o_shrink`
-        (with the Triton decode attention) and `mlp_down_shrink`. Launch parameters are read at
-        every launch instead. Call `reconfigure()` afterwards to drop captured graphs."""
+        (with the Triton decode attention), `mlp_down_shrink` and `gemm_shrink`. Launch parameters
+        are read at every launch instead. Call `reconfigure()` afterwards to drop captured graphs."""
         mark_attention_shrink(self.model, self._triton_attention and cfg.attention_o_shrink)
         mark_mlp_shrink(self.model, cfg.mlp_down_shrink)
+        set_gemm_shrink(self.model, self.merged_groups, cfg.gemm_shrink)
 
     def load_release_policy(self, root) -> ReleasePolicy:
         """Load the policies saved beside the adapters under `root/<adapter>/` as the default policy."""
