@@ -6,7 +6,7 @@ set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 W=$OUT/work
-rm -rf "$W"  # only this call's files come back
+rm -rf "$W"  # only this call's files come back (so run every step of a call in one invocation)
 mkdir -p "$W"
 # $W/patched_config.json: the H200 kernel config with $PATCH (JSON) applied, for LORAZOR_KERNEL_CONFIG.
 patched_config() {
@@ -50,6 +50,10 @@ for step in "$@"; do
     profile) timeout 120 python3 benchmarks/profile_step.py > "$W/profile_graphs.log" 2>&1
              timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
     profile-compile) timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
+    # The same with the H200 config patched by $PATCH (JSON), e.g. '{"gemm_shrink": true}'.
+    profile-compile-patched) patched_config
+               LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 240 python3 benchmarks/profile_step.py --compile \
+                 > "$W/profile_compile_patched.log" 2>&1 ;;
     # KernelConfig.gemm_shrink on the GPU: the model against PEFT (graphs, compile) and the kernels' bank-wide u.
     gpu-tests-gemm-shrink) timeout 200 python3 -m pytest tests/test_gemm_shrink.py tests/test_kernels.py -k "gemm or bank" -q \
                  -p no:cacheprovider > "$W/tests_gemm_shrink.log" 2>&1 ;;
