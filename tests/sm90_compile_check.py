@@ -32,7 +32,7 @@ def main() -> None:
             if name in consts:
                 signature[name] = "constexpr"
             else:
-                signature[name] = pointers.get(name, "*i32" if name.endswith("_ptr") else "i32")
+                signature[name] = pointers.get(name, "*i32") if name.endswith("_ptr") else "i32"
         assert triton.compile(ASTSource(kernel, signature, consts), target=target).asm["cubin"]
 
     count = 0
@@ -65,25 +65,7 @@ def main() -> None:
         compile_sm90(mk._batch_meta_kernel, dict(BLOCK_ROWS=rows, BLOCK_SLOTS=slots, ROW_CHUNK=mk.ROW_CHUNK,
                                                  SLOT_CHUNK=mk.SLOT_CHUNK, TILE_CHUNK=mk.TILE_CHUNK, BM=16, TILES=tiles),
                      meta_pointers)
-    # Decode attention, plain and with o_proj's fused LoRA shrink (Llama's group of 3 heads, D = 128).
-    import importlib
-
-    da = importlib.import_module("lorazor_kernels.decode_attention")  # the package exports a function of that name
-
-    attention_types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", start_ptr="*i64",
-                           end_ptr="*i64", a_ptr="*bf16", slot_ptr="*i64", u_ptr="*fp32", scale="fp32")
-    for shrink in (False, True):
-        compile_sm90(da._decode_attention_kernel, dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=128, BLOCK_S=64,
-                                                       DOT_PRECISION="tf32", SHRINK=shrink, BLOCK_R=16),
-                     attention_types)
-    # SiLU-multiply fused with down_proj's shrink.
-    from lorazor_kernels import act_shrink
-
-    act_types = dict(gate_ptr="*bf16", up_ptr="*bf16", h_ptr="*bf16", a_ptr="*bf16", u_ptr="*fp32",
-                     sorted_rows_ptr="*i64", slot_start_ptr="*i64")
-    compile_sm90(act_shrink._silu_mul_shrink_kernel, dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32"),
-                 act_types)
-    print(f"compiled {count + 5 + 3 + 2 + 1}")
+    print(f"compiled {count + 5 + 3}")
 
 
 if __name__ == "__main__":

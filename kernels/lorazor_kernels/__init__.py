@@ -3,20 +3,12 @@
 This package takes tensors and step metadata; it knows nothing about models.
 """
 
-from .act_shrink import silu_mul_shrink, silu_mul_shrink_op, silu_mul_shrink_reference
-from .decode_attention import (
-    decode_attention,
-    decode_attention_op,
-    decode_attention_reference,
-    decode_attention_shrink,
-    decode_attention_shrink_op,
-    decode_attention_shrink_reference,
-)
+from .decode_attention import decode_attention, decode_attention_op, decode_attention_reference
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_kernels import lora_expand, lora_fused, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound, slot_bound_class
-from .ops import add_batched_lora_, add_lora_expand_, add_lora_expand_op_, add_lora_op_, batched_lora
-from .reference import NO_ADAPTER, lora_delta_reference, lora_expand_reference
+from .ops import add_batched_lora_, add_lora_op_, batched_lora
+from .reference import NO_ADAPTER, lora_delta_reference
 
 __all__ = [
     "GRID_MODES",
@@ -24,26 +16,17 @@ __all__ = [
     "LoRABatchMeta",
     "NO_ADAPTER",
     "add_batched_lora_",
-    "add_lora_expand_",
-    "add_lora_expand_op_",
     "add_lora_op_",
     "batched_lora",
     "build_batch_meta",
     "decode_attention",
     "decode_attention_op",
     "decode_attention_reference",
-    "decode_attention_shrink",
-    "decode_attention_shrink_op",
-    "decode_attention_shrink_reference",
     "get_kernel_config",
     "lora_delta_reference",
-    "lora_expand_reference",
     "lora_expand",
     "lora_fused",
     "lora_shrink",
     "row_bound",
-    "silu_mul_shrink",
-    "silu_mul_shrink_op",
-    "silu_mul_shrink_reference",
     "slot_bound_class",
 ]

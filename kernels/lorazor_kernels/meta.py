@@ -79,19 +79,6 @@ class LoRABatchMeta:
     class_split: bool = False
     has_lora: bool | None = None
 
-    def op_args(self) -> tuple:
-        """The metadata as custom-op arguments (ops take tensors and scalars, not dataclasses), in
-        the order of `from_op_args`."""
-        return (self.row_slot, self.sorted_rows, self.slot_start, self.tile_slot, self.tile_rows, self.large_slots,
-                self.grid, self.num_slots, self.block_m, self.row_bound, self.class_split)
-
-    @classmethod
-    def from_op_args(cls, row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid, num_slots,
-                     block_m, row_bound, class_split) -> "LoRABatchMeta":
-        """Inverse of `op_args`, inside a custom op."""
-        return cls(grid, row_slot.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
-                   tile_rows, row_bound, large_slots, class_split)
-
     @property
     def num_tiles(self) -> int:
         """Exact tiles launched (`exact` only): the tile table's length."""

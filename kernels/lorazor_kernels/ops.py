@@ -13,7 +13,7 @@ import torch
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_kernels import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
-from .reference import check_lora_args, lora_delta_reference, lora_expand_reference
+from .reference import check_lora_args, lora_delta_reference
 
 BACKENDS = ("triton", "reference")
 
@@ -72,46 +72,6 @@ def add_batched_lora_(
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None)
 
 
-def add_lora_expand_(
-    y: torch.Tensor, u: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
-    meta: LoRABatchMeta, backend: str = "triton", cfg: KernelConfig | None = None, mask_rank: bool = True,
-    segments: tuple[int, ...] | list[int] | None = None,
-) -> torch.Tensor:
-    """The expand half of `add_batched_lora_`, from a shrink computed elsewhere:
-    `y[m] += scaling[s] * u_m[:r] @ lora_b[s, :, :r].T` for every row m with a slot s.
-
-    u: `[S, M, >= r_max]` fp32 partials (u_m = their sum; decode attention's fused shrink), or the
-    shrink of every slot `[M, L * G * r_max]` (u_m = row m's own slot's columns), as the base GEMM
-    computes it with the A bank stacked under its weight. Entries of rows without a slot are never
-    read. segments: merged projections, as in `add_batched_lora_`.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if meta.has_lora is False:
-        return y
-    if backend == "reference":
-        return _expand_reference_(y, u, lora_b, scaling, lora_rank, meta.row_slot, segments)
-    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg or get_kernel_config(y.device), mask_rank,
-                       segments=segments or None)
-
-
-def _expand_reference_(y, u, lora_b, scaling, lora_rank, row_slot, segments):
-    """`add_lora_expand_` in pure torch: each row's u, then the reference expand per segment."""
-    if u.dim() == 2:  # the shrink of every slot: keep each row's own slot's columns
-        rows = torch.arange(u.shape[0], device=u.device)
-        u_rows = u.unflatten(1, (lora_b.shape[0], -1))[rows, row_slot.clamp(min=0)].float()
-    else:
-        u_rows = u.sum(0)
-    edges = (0, *(segments or ()), y.shape[1])
-    r = lora_b.shape[2]
-    for g in range(len(edges) - 1):
-        lo, hi = edges[g], edges[g + 1]
-        seg_scaling = scaling[g] if segments else scaling
-        y[:, lo:hi] += lora_expand_reference(u_rows[:, g * r:(g + 1) * r], lora_b[:, lo:hi], seg_scaling, row_slot,
-                                             lora_rank).to(y.dtype)
-    return y
-
-
 def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
     """The reference delta added into y; merged projections one segment at a time."""
     if not segments:
@@ -133,27 +93,22 @@ def _add_lora_op(
     lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor, slot_start: torch.Tensor,
     tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None, large_slots: torch.Tensor | None,
     grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool, backend: str, mask_rank: bool,
-    segments: list[int], expand_only: bool = False,
+    segments: list[int],
 ) -> None:
-    meta = LoRABatchMeta.from_op_args(row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid,
-                                      num_slots, block_m, row_bound, class_split)
-    if expand_only:  # the shrink ran elsewhere: x holds its result (add_lora_expand_op_)
-        add_lora_expand_(y, x, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
-                         segments=segments or None)
-        return
+    meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
+                         tile_rows, row_bound, large_slots, class_split)
     add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
                       segments=segments or None)
 
 
 @_add_lora_op.register_fake
 def _(y, x, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
-      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments,
-      expand_only=False) -> None:
+      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments) -> None:
     return None
 
 
 def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton",
-                 mask_rank: bool = True, segments: tuple[int, ...] = (), expand_only: bool = False):
+                 mask_rank: bool = True, segments: tuple[int, ...] = ()):
     """`add_batched_lora_` as the registered custom op `lorazor::add_lora_`.
 
     torch.compile treats the op as opaque (its fake implementation only declares that `y` is
@@ -161,18 +116,12 @@ def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, 
     """
     if meta.has_lora is False:
         return y
-    torch.ops.lorazor.add_lora_(y, x, lora_a, lora_b, scaling, lora_rank, *meta.op_args(), backend, mask_rank,
-                                list(segments), expand_only)
+    torch.ops.lorazor.add_lora_(
+        y, x, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
+        meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
+        meta.row_bound, meta.class_split, backend, mask_rank, list(segments),
+    )
     return y
-
-
-def add_lora_expand_op_(y, u, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton",
-                        mask_rank: bool = True, segments: tuple[int, ...] = ()):
-    """`add_lora_expand_` through the same custom op (`lorazor::add_lora_` with `expand_only`): u
-    (fp32 partials `[S, M, r_pad]` or the shrink of every slot `[M, L * G * r_max]`) takes x's
-    place, and no A is read."""
-    return add_lora_op_(y, u, lora_b.new_empty(0, 0, 0), lora_b, scaling, lora_rank, meta, backend, mask_rank,
-                        segments=segments, expand_only=True)
 
 
 def batched_lora(

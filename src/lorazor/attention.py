@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from lorazor_kernels import decode_attention_op as decode_attention
-from lorazor_kernels import decode_attention_shrink_op
 
 ATTENTION_NAME = "lorazor"
 # Keyword argument through which LoRazor hands the cache's per-row key ranges to decode attention.
@@ -22,9 +21,7 @@ def lorazor_attention(module, query, key, value, attention_mask, scaling=None, d
     """query `[B, H, q, D]`, key/value `[B, H_kv, S, D]`, bool mask `[B, 1, q, S]` -> `[B, q, H, D]`.
 
     With one query token and the `lorazor_kv_range` kwarg (start, end per row), the Triton decode
-    kernel reads only each row's valid keys; otherwise SDPA runs over the masked cache. With
-    `KernelConfig.attention_o_shrink` the decode kernel also runs the module's o_proj LoRA shrink
-    and leaves the partials on o_proj, whose forward comes next.
+    kernel reads only each row's valid keys; otherwise SDPA runs over the masked cache.
     """
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise RuntimeError("lorazor attention needs the bool mask built by LoRazor's KV cache")
@@ -33,13 +30,7 @@ def lorazor_attention(module, query, key, value, attention_mask, scaling=None, d
     kv_range = kwargs.get(KV_RANGE_KWARG)
     if q_len == 1 and kv_range is not None:
         scale = scaling if scaling is not None else D**-0.5
-        o_proj = _o_proj_shrinking_here(module, B)
-        if o_proj is None:
-            out = decode_attention(query[:, :, 0], key, value, kv_range[0], kv_range[1], scale)
-        else:
-            out, o_proj.pending_partials = decode_attention_shrink_op(
-                query[:, :, 0], key, value, kv_range[0], kv_range[1], scale, o_proj.lora.lora_a,
-                o_proj.context.lora_meta.row_slot, o_proj.context.backend)
+        out = decode_attention(query[:, :, 0], key, value, kv_range[0], kv_range[1], scale)
         return out[:, None], None
     if q_len == 1 and H != h_kv:
         q = query.reshape(B, h_kv, H // h_kv, D)
@@ -50,23 +41,6 @@ def lorazor_attention(module, query, key, value, attention_mask, scaling=None, d
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=H != h_kv
         )
     return out.transpose(1, 2).contiguous(), None
-
-
-def _o_proj_shrinking_here(module, rows: int):
-    """The attention module's o_proj if this step's decode attention should run its LoRA shrink."""
-    o_proj = getattr(module, "o_proj", None)
-    if not getattr(o_proj, "shrink_in_attention", False) or o_proj.merged is not None:
-        return None
-    meta = o_proj.context.lora_meta
-    return o_proj if meta is not None and meta.num_rows == rows else None
-
-
-def mark_attention_shrink(model: torch.nn.Module, on: bool) -> None:
-    """Let decode attention run the LoRA shrink of every attention module's o_proj (or stop)."""
-    for module in model.modules():
-        o_proj = getattr(module, "o_proj", None)
-        if hasattr(o_proj, "shrink_in_attention"):
-            o_proj.shrink_in_attention = on
 
 
 def register_attention() -> None:

@@ -7,39 +7,25 @@ no copy) and returns what `unpatch_lora_layers` needs to put the PEFT layers bac
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import add_lora_expand_op_, add_lora_op_
+from lorazor_kernels import add_lora_op_
 from torch import nn
 
 from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
-from .gemm_shrink import StackedWeight, linear_with_shrink, stack_a_under, use_gemm_shrink
 from .step import StepContext
 
 
 def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,
-                     segments: tuple[int, ...] = (), partials: torch.Tensor | None = None,
-                     stacked: StackedWeight | None = None) -> torch.Tensor:
+                     segments: tuple[int, ...] = ()) -> torch.Tensor:
     """`linear(x, weight, bias)` plus the step's batched LoRA delta (x of any leading shape).
 
     Outside a step, or when no row has an adapter, the plain linear. `segments`: merged projections.
-    `partials`: the shrink of x already done elsewhere (`[S, M, r_pad]` fp32, decode attention's
-    fused shrink): only the expand runs. `stacked`: A stacked under the weight (gemm_shrink.py), so
-    a decode-sized forward gets its shrink from the base GEMM and runs only the expand.
     """
-    meta = context.lora_meta
-    if meta is None:
-        return nn.functional.linear(x, weight, bias)
+    y = nn.functional.linear(x, weight, bias)
+    meta = context.meta
+    if meta is None or meta.has_lora is False:
+        return y
     if x.numel() // x.shape[-1] != meta.num_rows:
         raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
-    if partials is None and use_gemm_shrink(stacked, x):
-        y, u = linear_with_shrink(x, stacked)
-        add_lora_expand_op_(y.view(-1, y.shape[-1]), u, lora_b, scaling, rank, meta, backend=context.backend,
-                            mask_rank=mask_rank, segments=segments)
-        return y
-    y = nn.functional.linear(x, weight, bias)
-    if partials is not None:
-        add_lora_expand_op_(y.view(-1, y.shape[-1]), partials, lora_b, scaling, rank, meta, backend=context.backend,
-                            mask_rank=mask_rank)
-        return y
     add_lora_op_(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, meta,
                  backend=context.backend, mask_rank=mask_rank, segments=segments)
     return y
@@ -61,13 +47,6 @@ class BatchedLoRALinear(nn.Module):
         self.context = context
         # (MergedGroup, index) when merged with the projections that share its input (merged.py).
         self.merged = None
-        # o_proj with `KernelConfig.attention_o_shrink`: decode attention runs this layer's shrink
-        # and leaves the partials here for the forward right after it (attention.py).
-        self.shrink_in_attention = False
-        self.pending_partials: torch.Tensor | None = None
-        # `KernelConfig.gemm_shrink`: the slots' A stacked under the base weight (set_gemm_shrink).
-        self.stacked: StackedWeight | None = None
-        self._stacked_layout: StackedWeight | None = None
 
     @property
     def in_features(self) -> int:
@@ -84,25 +63,8 @@ class BatchedLoRALinear(nn.Module):
             if out is not None:
                 return out
         lora, base = self.lora, self.base_layer
-        partials = self.pending_partials
-        if partials is not None:  # the kernel ahead ran this layer's shrink (attention.py, mlp.py)
-            self.pending_partials = None
         return linear_step_lora(x, base.weight, base.bias, self.context, lora.lora_a, lora.lora_b, lora.scaling,
-                                lora.rank, lora.mask_rank, partials=partials, stacked=self.stacked)
-
-    def set_gemm_shrink(self, on: bool) -> None:
-        """Compute the shrink in the base GEMM (gemm_shrink.py) or not. The first time it is turned
-        on, the weight, bias and the slots' A move into one stacked tensor (their views stay valid
-        for PEFT and the bank); later switches only choose which GEMM runs."""
-        if on and self._stacked_layout is None:
-            base, lora = self.base_layer, self.lora
-            self._stacked_layout, w, b, a = stack_a_under(
-                base.weight.data, None if base.bias is None else base.bias.data, lora.lora_a)
-            base.weight.data = w
-            if b is not None:
-                base.bias.data = b
-            lora.lora_a = a
-        self.stacked = self._stacked_layout if on else None
+                                lora.rank, lora.mask_rank)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={self.lora.lora_a.shape[0]}"

@@ -12,18 +12,16 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from lorazor_kernels import get_kernel_config
 from transformers import GenerationConfig, LogitsProcessorList
 
 from .adapters import AdapterBank
-from .attention import ATTENTION_NAME, KV_RANGE_KWARG, mark_attention_shrink, register_attention
+from .attention import ATTENTION_NAME, KV_RANGE_KWARG, register_attention
 from .config import LoRazorConfig
 from .generate import LoRazorOutput, decode_loop, resolve_generation_config
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .kv_cache import KVCache
 from .layers import patch_lora_layers, unpatch_lora_layers
-from .merged import merge_projections, set_gemm_shrink
-from .mlp import mark_mlp_shrink
+from .merged import merge_projections
 from .policies.base import ReleasePolicy, ReleaseState, release_step
 from .step import StepContext
 
@@ -74,7 +72,6 @@ class LoRazorModel(nn.Module):
         if attention == "auto":
             attention = "triton" if self.device.type == "cuda" and head_dim >= 16 and not head_dim & (head_dim - 1) else "sdpa"
         self._triton_attention = attention == "triton"
-        self.apply_kernel_config(get_kernel_config(self.device))
 
     @classmethod
     def from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None = None) -> "LoRazorModel":
@@ -132,14 +129,6 @@ class LoRazorModel(nn.Module):
         if self.graphs is not None:
             self.graphs.clear()
 
-    def apply_kernel_config(self, cfg) -> None:
-        """Apply the `KernelConfig` switches the model reads once, at build: `attention_o_shrink`
-        (with the Triton decode attention), `mlp_down_shrink` and `gemm_shrink`. Launch parameters
-        are read at every launch instead. Call `reconfigure()` afterwards to drop captured graphs."""
-        mark_attention_shrink(self.model, self._triton_attention and cfg.attention_o_shrink)
-        mark_mlp_shrink(self.model, cfg.mlp_down_shrink)
-        set_gemm_shrink(self.model, self.merged_groups, cfg.gemm_shrink)
-
     def load_release_policy(self, root) -> ReleasePolicy:
         """Load the policies saved beside the adapters under `root/<adapter>/` as the default policy."""
         from .policies import load_release_policy
@@ -156,7 +145,6 @@ class LoRazorModel(nn.Module):
 
     def unpatch(self) -> nn.Module:
         """Put the PEFT LoRA layers and attention back; returns the PeftModel. This object is then unusable."""
-        mark_mlp_shrink(self.model, False)  # HF's own MLP forward again
         unpatch_lora_layers(self.peft_model, self._replaced)
         self.model.set_attn_implementation(self._previous_attn)
         self._replaced = []

@@ -43,13 +43,6 @@ class StepContext:
         self.slot_bound = slot_bound_class(distinct, self.num_slots) if self.grid == "exact" else None
 
     @property
-    def lora_meta(self) -> LoRABatchMeta | None:
-        """The metadata of the forward in flight if it may have LoRA rows, else None (outside a
-        step, or no row has an adapter): what every LoRA layer and fused shrink checks first."""
-        meta = self.meta
-        return None if meta is None or meta.has_lora is False else meta
-
-    @property
     def meta_on_device(self) -> bool:
         """Whether building the metadata needs no host sync (so it can be captured in a graph)."""
         return self.grid in ("exact", "full")
