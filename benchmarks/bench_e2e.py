@@ -64,7 +64,7 @@ def decode_rate(gen, B: int, new: int, warm_new: bool = True) -> dict:
 
 def parse_patches(text: str) -> dict[str, dict]:
     """--ab-patch: one KernelConfig patch ('{"pdl": true}', named "patched") or several by name
-    ('{"o": {"attention_o_shrink": true}, "again": {}}'), each applied to the unpatched config."""
+    ('{"pdl_off": {"pdl": false}, "again": {}}'), each applied to the unpatched config."""
     spec = json.loads(text)
     if not isinstance(spec, dict):
         raise ValueError(f"--ab-patch must be a JSON object, got {text!r}")
@@ -72,16 +72,15 @@ def parse_patches(text: str) -> dict[str, dict]:
     return spec if named else {"patched": spec}
 
 
-def apply_kernel_patch(model, base, patch: dict, out: Path, name: str):
+def apply_kernel_patch(base, patch: dict, out: Path, name: str):
     """Run the rest of this process on kernel config `base` with `patch` applied (through
-    LORAZOR_KERNEL_CONFIG, read at each launch), also the switches the model reads once at build."""
+    LORAZOR_KERNEL_CONFIG, read at each launch)."""
     from lorazor_kernels.kernel_config import CONFIG_ENV
 
     cfg = dataclasses.replace(base, **patch)
     path = out / f"ab_{name}_kernel_config.json"
     path.write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     os.environ[CONFIG_ENV] = str(path.resolve())
-    model.apply_kernel_config(cfg)
     return cfg
 
 
@@ -208,7 +207,7 @@ def main() -> None:
         base_cfg = get_kernel_config(torch.device("cuda"))
         backbone = sweep(True, ["exact"])
         for name, patch in patches.items():
-            patched = apply_kernel_patch(model, base_cfg, patch, args.out, name)
+            patched = apply_kernel_patch(base_cfg, patch, args.out, name)
             sweep(True, ["exact"], backbone, f"_{name}")
             print(f"{name} kernel config: {patched}", flush=True)
     else:

@@ -50,13 +50,10 @@ for step in "$@"; do
     profile) timeout 120 python3 benchmarks/profile_step.py > "$W/profile_graphs.log" 2>&1
              timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
     profile-compile) timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
-    # The same with the H200 config patched by $PATCH (JSON), e.g. '{"gemm_shrink": true}'.
+    # The same with the H200 config patched by $PATCH (JSON), e.g. '{"pdl": false}'.
     profile-compile-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 240 python3 benchmarks/profile_step.py --compile \
                  > "$W/profile_compile_patched.log" 2>&1 ;;
-    # KernelConfig.gemm_shrink on the GPU: the model against PEFT (graphs, compile) and the kernels' bank-wide u.
-    gpu-tests-gemm-shrink) timeout 200 python3 -m pytest tests/test_gemm_shrink.py tests/test_kernels.py -k "gemm or bank" -q \
-                 -p no:cacheprovider > "$W/tests_gemm_shrink.log" 2>&1 ;;
     # The expand reading a bank-wide u (the base GEMM's extra columns) on the GPU, in bf16 and in a CUDA graph.
     gpu-tests-bank-u) timeout 120 python3 -m pytest tests/test_kernels.py -k "bank" -q -p no:cacheprovider > "$W/tests_bank_u.log" 2>&1 ;;
     # A layer's LoRA beside its GEMMs several ways: exact kernels, dense cuBLAS over the bank, grouped GEMM.
@@ -83,16 +80,6 @@ for step in "$@"; do
     # Compiled exact at L = 1, 128 with the GPU's kernel config, then with $PATCH applied (one run, one backbone).
     e2e-ab) timeout 300 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
                  --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${PATCH:-{\}}" --tag _ab${TAG:-} > "$W/e2e_ab${TAG:-}.log" 2>&1 ;;
-    # e2e-ab for each fused shrink alone, both together, then the unpatched config again (the drift within
-    # the run): one compiled backbone, every row in one process.
-    e2e-ab-fusions) timeout 420 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
-                 --adapters ${AB_ADAPTERS:-1,128} --tag _ab_fusions --ab-patch '{"o_shrink": {"attention_o_shrink": true},
-                 "down_shrink": {"mlp_down_shrink": true}, "both": {"attention_o_shrink": true, "mlp_down_shrink": true},
-                 "unpatched_again": {}}' > "$W/e2e_ab_fusions.log" 2>&1 ;;
-    # The GPU tests of the fused shrinks (o_proj's in decode attention, down_proj's in the SiLU-multiply) and of
-    # decode attention; QUICK=1 skips the compiled cases.
-    gpu-tests-fused-shrink) timeout 240 python3 -m pytest tests/test_fused_shrink.py tests/test_decode_attention.py -q \
-                 -p no:cacheprovider ${QUICK:+-k "not True and not compile"} > "$W/tests_fused_shrink.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \

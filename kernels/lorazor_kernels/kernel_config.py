@@ -49,16 +49,6 @@ class KernelConfig:
         one_program_meta: build the `exact`/`full` step metadata in one Triton program
             (`meta_kernel.py`) instead of about 25 small torch kernels. Off on the H200: no
             end-to-end gain measured (benchmarks/results/e2e_exact_onemeta_6f02157/).
-        attention_o_shrink: in decode, run o_proj's LoRA shrink inside the decode-attention kernel
-            (`decode_attention_shrink`), so o_proj launches only the expand: one launch per layer
-            less.
-        mlp_down_shrink: with the `exact` grid, compute a gated MLP's `silu(gate) * up` and
-            down_proj's LoRA shrink in one kernel (`act_shrink.silu_mul_shrink`), so down_proj
-            launches only the expand: one launch per layer less.
-        gemm_shrink: in decode, stack every slot's A under each projection's base weight, so the
-            base GEMM also computes the LoRA shrink and only the expand kernel runs (lorazor's
-            `gemm_shrink.py`): 4 LoRA launches per layer instead of 8, for reading the whole A bank
-            each step.
     """
 
     shrink_block_k: int = 128
@@ -80,9 +70,6 @@ class KernelConfig:
     fused_num_stages: int = 3
     pdl: bool = False
     one_program_meta: bool = False
-    attention_o_shrink: bool = False
-    mlp_down_shrink: bool = False
-    gemm_shrink: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":
