@@ -288,8 +288,8 @@ def _lora_expand_kernel(
             lo = tl.maximum(n_lo, seg_lo)
             hi = tl.minimum(n_hi, seg_hi)
             if lo < hi:  # u and scaling are loaded once per segment this program touches
-                u = _load_u(u_ptr + slot64 * stride_ul + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r, stride_us, stride_um,
-                            stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
+                u = _load_u(u_ptr + slot64 * stride_ul + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r,
+                            stride_us, stride_um, stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
                 scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
                 _expand_rows(
                     u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,
@@ -476,9 +476,10 @@ def lora_expand(
     Returns:
         `y`.
     """
-    if u.dim() == 2 and u.shape != (y.shape[0], lora_b.shape[0] * (len(segments or ()) + 1) * lora_b.shape[2]):
-        raise ValueError(f"bank-wide u must be [M, L * G * r_max] = [{y.shape[0]}, "
-                         f"{lora_b.shape[0] * (len(segments or ()) + 1) * lora_b.shape[2]}], got {tuple(u.shape)}")
+    bank_width = lora_b.shape[0] * (len(segments or ()) + 1) * lora_b.shape[2]  # L * G * r_max
+    if u.dim() == 2 and u.shape != (y.shape[0], bank_width):
+        raise ValueError(f"bank-wide u must be [M, L * G * r_max] = [{y.shape[0]}, {bank_width}], "
+                         f"got {tuple(u.shape)}")
     if segments is not None:
         if mask_rank:
             raise ValueError("segments need mask_rank=False (uniform ranks, zero-padded weights)")
