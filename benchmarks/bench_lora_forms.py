@@ -8,6 +8,9 @@ uniformly over L adapters of a 128-slot bank, rank 8, bf16, in a CUDA graph over
 
 - `exact`: each group's base GEMM, then LoRazor's exact-grid shrink + expand (the model's path,
   the GPU's kernel config, programmatic dependent launch as the file says).
+- `exact, shrink first`: the same kernels, with each group's shrink launched before its base GEMM
+  (it reads only x), so the GEMM separates shrink from expand: with programmatic dependent launch the
+  shrink's start overlaps the kernel ahead of the GEMM, and the expand's the GEMM's tail.
 - `exact, shrink in GEMM`: every slot's A stacked under W (slot-major), so the base GEMM also
   computes the shrink of every slot (the whole bank's bytes, whatever L is); then the exact expand
   alone, each tile reading its own slot's columns of that output. 4 launches per layer, not 8.
@@ -94,6 +97,17 @@ def run_exact(p, st, cfg):
     return y
 
 
+def run_exact_shrink_first(p, st, cfg):
+    from lorazor_kernels import lora_expand, lora_shrink
+
+    g = p["g"]
+    u = lora_shrink(g["x"], g["a"], g["r"], st["meta"], cfg, mask_rank=False)
+    y = g["x"] @ p["w"].T
+    scaling = g["s"] if g["edges"] else g["s"][0]
+    lora_expand(u, g["b"], scaling, g["r"], y, st["meta"], cfg, mask_rank=False, segments=g["edges"])
+    return y
+
+
 def run_exact_gemm_shrink(p, st, cfg):
     from lorazor_kernels import lora_expand
 
@@ -137,7 +151,8 @@ def run_grouped_presorted(p, st, cfg):
     return y
 
 
-FORMS = {"exact": run_exact, "exact, shrink in GEMM": run_exact_gemm_shrink, "dense": run_dense, "grouped": run_grouped, "grouped, presorted": run_grouped_presorted}
+FORMS = {"exact": run_exact, "exact, shrink first": run_exact_shrink_first, "exact, shrink in GEMM": run_exact_gemm_shrink,
+         "dense": run_dense, "grouped": run_grouped, "grouped, presorted": run_grouped_presorted}
 
 
 def reference(p, slots):
