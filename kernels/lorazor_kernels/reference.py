@@ -62,35 +62,12 @@ def lora_delta_reference(
         `[M, N]` delta in `x.dtype`; rows without a slot are exactly 0.
     """
     check_lora_args(x, lora_a, lora_b, scaling, row_slot, lora_rank)
-    u = lora_shrink_reference(x, lora_a, row_slot, lora_rank)
-    return lora_expand_reference(u, lora_b, scaling, row_slot, lora_rank).to(x.dtype)
-
-
-def lora_shrink_reference(x, lora_a, row_slot, lora_rank=None) -> torch.Tensor:
-    """The shrink half: `u[m, :r] = x[m] @ lora_a[s, :r].T` for rows with a slot, 0 elsewhere.
-
-    Returns `[M, r_max]` in lora_a's dtype (x cast to it, as the kernels do).
-    """
-    u = x.new_zeros(x.shape[0], lora_a.shape[1], dtype=lora_a.dtype)
-    for s, rows, r in _slot_rows(row_slot, lora_a.shape[1], lora_rank):
-        u[rows, :r] = x[rows].to(lora_a.dtype) @ lora_a[s, :r].T
-    return u
-
-
-def lora_expand_reference(u, lora_b, scaling, row_slot, lora_rank=None) -> torch.Tensor:
-    """The expand half: `delta[m] = scaling[s] * u[m, :r] @ lora_b[s, :, :r].T` for rows with a slot.
-
-    u `[M, >= r_max]` (cast to lora_b's dtype, as the kernels do); returns `[M, N]` in lora_b's dtype.
-    """
-    delta = lora_b.new_zeros(u.shape[0], lora_b.shape[1])
-    for s, rows, r in _slot_rows(row_slot, lora_b.shape[2], lora_rank):
-        delta[rows] = (u[rows, :r].to(lora_b.dtype) @ lora_b[s, :, :r].T) * scaling[s]
-    return delta
-
-
-def _slot_rows(row_slot, r_max, lora_rank):
-    """(slot, its rows, its rank) for every used slot of rank > 0 (host loop)."""
+    delta = x.new_zeros(x.shape[0], lora_b.shape[1])
     for s in torch.unique(row_slot[row_slot >= 0]).tolist():
-        r = r_max if lora_rank is None else int(lora_rank[s])
-        if r > 0:
-            yield s, (row_slot == s).nonzero().squeeze(1), r
+        r = lora_a.shape[1] if lora_rank is None else int(lora_rank[s])
+        if r == 0:
+            continue
+        rows = (row_slot == s).nonzero().squeeze(1)
+        xa = x[rows].to(lora_a.dtype) @ lora_a[s, :r].T
+        delta[rows] = ((xa @ lora_b[s, :, :r].T) * scaling[s]).to(x.dtype)
+    return delta
