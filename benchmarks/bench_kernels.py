@@ -107,10 +107,14 @@ def merged_pool(layers):
     return pool
 
 
+def merged_scaling(g) -> torch.Tensor:
+    """A merged group's scaling as the kernels take it: `[G, L]` for merged members, `[L]` for one."""
+    return g["s"] if g["edges"] else g["s"][0]
+
+
 def _merged_lora(g, y, meta, cfg):
     """One merged group's LoRA into y: q/k/v or gate/up as one shrink + one segmented expand."""
-    scaling = g["s"] if g["edges"] else g["s"][0]
-    add_batched_lora_(y, g["x"], g["a"], g["b"], scaling, g["r"], meta, cfg=cfg, mask_rank=False,
+    add_batched_lora_(y, g["x"], g["a"], g["b"], merged_scaling(g), g["r"], meta, cfg=cfg, mask_rank=False,
                       segments=g["edges"])
 
 

@@ -38,9 +38,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kernels import M, RANK, _merged_lora, base_weights, layer_pool, merged_pool, slot_map  # noqa: E402
+from bench_kernels import (  # noqa: E402
+    M, RANK, _merged_lora, base_weights, layer_pool, merged_pool, merged_scaling, slot_map,
+)
 from common import SHAPES, environment, time_graph, write_results  # noqa: E402
-from lorazor_kernels import build_batch_meta, get_kernel_config, slot_bound_class  # noqa: E402
+from lorazor_kernels import build_batch_meta, get_kernel_config, lora_expand, lora_shrink, slot_bound_class  # noqa: E402
 
 BANK = 128
 
@@ -97,26 +99,21 @@ def run_exact(p, st, cfg):
     return y
 
 
-def run_exact_shrink_first(p, st, cfg):
-    from lorazor_kernels import lora_expand, lora_shrink
+def _expand(g, u, y, st, cfg):
+    """The exact expand of a merged group from a shrink computed beforehand (split partials or bank-wide)."""
+    lora_expand(u, g["b"], merged_scaling(g), g["r"], y, st["meta"], cfg, mask_rank=False, segments=g["edges"])
+    return y
 
+
+def run_exact_shrink_first(p, st, cfg):
     g = p["g"]
     u = lora_shrink(g["x"], g["a"], g["r"], st["meta"], cfg, mask_rank=False)
-    y = g["x"] @ p["w"].T
-    scaling = g["s"] if g["edges"] else g["s"][0]
-    lora_expand(u, g["b"], scaling, g["r"], y, st["meta"], cfg, mask_rank=False, segments=g["edges"])
-    return y
+    return _expand(g, u, g["x"] @ p["w"].T, st, cfg)
 
 
 def run_exact_gemm_shrink(p, st, cfg):
-    from lorazor_kernels import lora_expand
-
-    g = p["g"]
-    y_ext = g["x"] @ p["w_ext_slot_major"].T
-    y, u = y_ext[:, : p["n"]], y_ext[:, p["n"]:]
-    scaling = g["s"] if g["edges"] else g["s"][0]
-    lora_expand(u, g["b"], scaling, g["r"], y, st["meta"], cfg, mask_rank=False, segments=g["edges"])
-    return y
+    y_ext = p["g"]["x"] @ p["w_ext_slot_major"].T
+    return _expand(p["g"], y_ext[:, p["n"]:], y_ext[:, : p["n"]], st, cfg)
 
 
 def run_dense(p, st, cfg):
