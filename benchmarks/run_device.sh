@@ -78,9 +78,11 @@ for step in "$@"; do
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 400 python3 -m pytest tests/test_gpu.py tests/test_merged.py \
                  tests/test_compile.py tests/test_release.py tests/test_add_adapter.py -q -p no:cacheprovider > "$W/tests_patched.log" 2>&1 &
                wait ;;
-    # Compiled exact at L = 1, 128 with the GPU's kernel config, then with $PATCH applied (one run, one backbone).
-    e2e-ab) timeout 300 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
-                 --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${PATCH:-{\}}" --tag _ab${TAG:-} > "$W/e2e_ab${TAG:-}.log" 2>&1 ;;
+    # Compiled exact at L = 1, 128 with the GPU's kernel config, then with each patch of $AB_PATCH (else
+    # $PATCH) applied (one run, one backbone). $AB_PATCH lets the tests of the same call use $PATCH.
+    e2e-ab) timeout 420 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
+                 --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${AB_PATCH:-${PATCH:-{\}}}" --tag _ab${TAG:-} \
+                 > "$W/e2e_ab${TAG:-}.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \

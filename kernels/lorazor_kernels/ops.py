@@ -1,12 +1,14 @@
 """Entry points: the batched LoRA delta through the Triton kernels or the reference.
 
-`add_batched_lora_` is what model layers call (metadata built once per step, passed in);
-`batched_lora` builds the metadata itself, for tests and one-off use.
+`linear_lora_op` is what model layers call (base GEMM + delta, metadata built once per step and
+passed in); `add_batched_lora_` adds the delta to a given output; `batched_lora` builds the
+metadata itself, for tests and one-off use.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -87,41 +89,85 @@ def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
     return y
 
 
-@torch.library.custom_op("lorazor::add_lora_", mutates_args=("y",))
-def _add_lora_op(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor,
-    lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor, slot_start: torch.Tensor,
-    tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None, large_slots: torch.Tensor | None,
-    grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool, backend: str, mask_rank: bool,
-    segments: list[int],
-) -> None:
+def linear_batched_lora(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+    lora_rank: torch.Tensor,
+    meta: LoRABatchMeta,
+    backend: str = "triton",
+    cfg: KernelConfig | None = None,
+    mask_rank: bool = True,
+    segments: tuple[int, ...] | list[int] | None = None,
+) -> torch.Tensor:
+    """`linear(x, weight, bias)` plus the batched LoRA delta (`add_batched_lora_`'s arguments).
+
+    With `cfg.overlap_shrink` on a GPU, the shrink runs on a side stream while the base GEMM runs:
+    both only read x, so the shrink's kernel fills the SMs that the GEMM's last wave leaves idle,
+    and the expand, which needs both, runs after the two. Otherwise the GEMM, then the delta.
+    """
+    cfg = cfg or get_kernel_config(x.device)
+    split = (backend == "triton" and cfg.overlap_shrink and x.is_cuda and meta.has_lora is not False
+             and not (cfg.fused and not segments))
+    if not split:
+        y = torch.nn.functional.linear(x, weight, bias)
+        return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank, segments)
+    mask_rank = mask_rank and not segments  # as in add_batched_lora_
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)  # x is written
+    u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank, stream=side)
+    y = torch.nn.functional.linear(x, weight, bias)
+    main.wait_stream(side)  # u is written; x's memory is not reused before this point
+    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None)
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream_of(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device_index)
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per GPU for the overlapped shrinks (graph capture turns it into a branch)."""
+    return _side_stream_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@torch.library.custom_op("lorazor::linear_lora", mutates_args=())
+def _linear_lora_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor,
+    scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor,
+    slot_start: torch.Tensor, tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None,
+    large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
+    backend: str, mask_rank: bool, segments: list[int],
+) -> torch.Tensor:
     meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
                          tile_rows, row_bound, large_slots, class_split)
-    add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
-                      segments=segments or None)
+    return linear_batched_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta, backend,
+                               mask_rank=mask_rank, segments=segments or None)
 
 
-@_add_lora_op.register_fake
-def _(y, x, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
-      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments) -> None:
-    return None
+@_linear_lora_op.register_fake
+def _(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
+      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def add_lora_op_(y, x, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta, backend: str = "triton",
-                 mask_rank: bool = True, segments: tuple[int, ...] = ()):
-    """`add_batched_lora_` as the registered custom op `lorazor::add_lora_`.
+def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta,
+                   backend: str = "triton", mask_rank: bool = True, segments: tuple[int, ...] = ()):
+    """`linear_batched_lora` (x `[M, K]`) as the registered custom op `lorazor::linear_lora`.
 
-    torch.compile treats the op as opaque (its fake implementation only declares that `y` is
-    mutated), so compiled model code calls the Triton kernels as they are.
+    torch.compile treats the op as opaque, so compiled model code runs the base GEMM and the
+    Triton kernels as they are, in the order (and on the streams) the op chooses.
     """
     if meta.has_lora is False:
-        return y
-    torch.ops.lorazor.add_lora_(
-        y, x, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
+        return torch.nn.functional.linear(x, weight, bias)
+    return torch.ops.lorazor.linear_lora(
+        x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
         meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
         meta.row_bound, meta.class_split, backend, mask_rank, list(segments),
     )
-    return y
 
 
 def batched_lora(

@@ -7,7 +7,7 @@ no copy) and returns what `unpatch_lora_layers` needs to put the PEFT layers bac
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import add_lora_op_
+from lorazor_kernels import linear_lora_op
 from torch import nn
 
 from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
@@ -20,15 +20,14 @@ def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scal
 
     Outside a step, or when no row has an adapter, the plain linear. `segments`: merged projections.
     """
-    y = nn.functional.linear(x, weight, bias)
     meta = context.meta
     if meta is None or meta.has_lora is False:
-        return y
+        return nn.functional.linear(x, weight, bias)
     if x.numel() // x.shape[-1] != meta.num_rows:
         raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
-    add_lora_op_(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b, scaling, rank, meta,
-                 backend=context.backend, mask_rank=mask_rank, segments=segments)
-    return y
+    y = linear_lora_op(x.reshape(-1, x.shape[-1]), weight, bias, lora_a, lora_b, scaling, rank, meta,
+                       backend=context.backend, mask_rank=mask_rank, segments=segments)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class BatchedLoRALinear(nn.Module):
