@@ -83,6 +83,13 @@ for step in "$@"; do
     e2e-ab) timeout 420 python3 benchmarks/bench_e2e.py --model llama-3.2-3b --out "$W" --peft "" --grids exact \
                  --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${AB_PATCH:-${PATCH:-{\}}}" --tag _ab${TAG:-} \
                  > "$W/e2e_ab${TAG:-}.log" 2>&1 ;;
+    # e2e-ab with inductor's own kernels launched with programmatic dependent launch too (backbone and LoRA alike),
+    # then the compiled-model GPU tests that way.
+    e2e-ab-inductor-pdl) TORCHINDUCTOR_ENABLE_PDL=1 timeout 420 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \
+                 --out "$W" --peft "" --grids exact --adapters ${AB_ADAPTERS:-1,128} --ab-patch "${AB_PATCH:-${PATCH:-{\}}}" \
+                 --tag _ab_inductor_pdl > "$W/e2e_ab_inductor_pdl.log" 2>&1 ;;
+    gpu-tests-inductor-pdl) TORCHINDUCTOR_ENABLE_PDL=1 timeout 200 python3 -m pytest tests/test_compile.py tests/test_merged.py \
+                 -q -k "compile" -p no:cacheprovider > "$W/tests_inductor_pdl.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \

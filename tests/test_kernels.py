@@ -232,8 +232,7 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, bank_u=
     # [M, sum(N)] output, segment g using its r columns of u, its B columns and its scaling row.
     # bank_u: no shrink kernel; u is x @ (every slot's A) in x's dtype, as a base GEMM with the A
     # bank stacked under W computes it, and the expand reads each row's own slot from it.
-    # linear: the base GEMM too, through `linear_batched_lora` (the model's op), e.g. with the shrink
-    # on a side stream (cfg.overlap_shrink).
+    # linear: the base GEMM too, through `linear_batched_lora` (what the model's op runs).
     from lorazor_kernels import linear_batched_lora, lora_expand, lora_shrink
 
     g = torch.Generator().manual_seed(len(widths))
@@ -331,30 +330,15 @@ def test_gpu_programmatic_dependent_launch_matches_reference(widths, K):
     check_merged("exact", widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16, cfg=cfg, graph=True)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["in_order", "overlap_asked"])
 @pytest.mark.parametrize("widths", [(48, 16, 32), (80,)], ids=["qkv", "plain"])
-def test_linear_with_lora_is_the_gemm_plus_the_delta(widths, overlap):
-    import dataclasses
-
-    from lorazor_kernels import KernelConfig
-
-    # On the CPU the side stream is skipped (overlap_shrink only applies on a GPU): same result.
-    cfg = dataclasses.replace(KernelConfig(), overlap_shrink=overlap)
-    check_merged("exact", widths, M=37, K=72, r=8, L=5, dtype=torch.float32, cfg=cfg, linear=True)
+def test_linear_with_lora_is_the_gemm_plus_the_delta(widths):
+    check_merged("exact", widths, M=37, K=72, r=8, L=5, dtype=torch.float32, linear=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True], ids=["no_pdl", "pdl"])
-@pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072), ((3072,), 8192)])
-def test_gpu_shrink_beside_the_gemm_in_a_graph(widths, K, pdl):
-    import dataclasses
-
-    from lorazor_kernels import get_kernel_config
-
-    # The shrink on a side stream, the GEMM on the capturing stream, the expand after both: captured
-    # as a fork and a join, replayed twice from a NaN-filled output.
-    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), overlap_shrink=True, pdl=pdl)
-    check_merged("exact", widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16, cfg=cfg, graph=True, linear=True)
+@pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((3072,), 8192)])
+def test_gpu_linear_with_lora_in_a_graph(widths, K):
+    check_merged("exact", widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16, graph=True, linear=True)
 
 
 def test_programmatic_dependent_launch_is_ignored_off_hopper():

@@ -46,8 +46,6 @@ class KernelConfig:
             which builds it at the start of the step, and in `batched_lora`). Ignored elsewhere.
             On in the H200 file: compiled decode of Llama-3.2-3B at 128 adapters went from
             33.4k to 34.7k tok/s (benchmarks/results/e2e_llama-3.2-3b_exact_pdl.md).
-        overlap_shrink: run each layer's LoRA shrink on a side stream while its base GEMM runs
-            (both only read x), then the expand after both (`ops.linear_batched_lora`).
         one_program_meta: build the `exact`/`full` step metadata in one Triton program
             (`meta_kernel.py`) instead of about 25 small torch kernels. Off on the H200: no
             end-to-end gain measured (benchmarks/results/e2e_exact_onemeta_6f02157/).
@@ -72,7 +70,6 @@ class KernelConfig:
     fused_num_stages: int = 3
     pdl: bool = False
     one_program_meta: bool = False
-    overlap_shrink: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -27,7 +27,6 @@ largest rank is 64; without it (uniform-rank banks, zeros past each rank) the ra
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -411,7 +410,7 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
 
 def lora_shrink(
     x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tensor, meta: LoRABatchMeta,
-    cfg: KernelConfig | None = None, mask_rank: bool = True, stream: torch.cuda.Stream | None = None,
+    cfg: KernelConfig | None = None, mask_rank: bool = True,
 ) -> torch.Tensor:
     """Shrink `u = x @ A[slot].T` per row, as fp32 split-K partials.
 
@@ -423,8 +422,6 @@ def lora_shrink(
         mask_rank: read each slot's rank and mask past it. False promises that every slot a row
             uses has zero weights past its rank (the bank's layout) and about r_max real columns:
             the kernels then skip the rank load, a dependent memory round trip.
-        stream: launch on this CUDA stream instead of the current one. u is still allocated on the
-            current stream, which reads it next: the caller makes that stream wait for `stream`.
 
     Returns:
         `[S, M, r_pad]` fp32 partials (sum over S is u); only rows with a slot and columns below
@@ -438,21 +435,19 @@ def lora_shrink(
     k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.shrink_block_k) * cfg.shrink_block_k
     split = triton.cdiv(K, k_per_split)
     u = torch.empty(split, M, r_pad, dtype=torch.float32, device=x.device)
-    # u is allocated on the current stream (above), the kernels may go to `stream`.
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for programs, tiles_per_slot, table, slot_list, class_rows in _launches(meta, expand=False):
-            _lora_shrink_kernel[(programs, split, rank_blocks)](
-                x, lora_a, u, lora_rank,
-                *_meta_tensors(meta, table, slot_list),
-                K, lora_a.shape[1], tiles_per_slot, k_per_split,
-                x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-                u.stride(0), u.stride(1), u.stride(2),
-                TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
-                BLOCK_M=meta.block_m, BLOCK_R=BLOCK_R, BLOCK_K=cfg.shrink_block_k,
-                DOT_PRECISION=_dot_precision(x.dtype),
-                num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages,
-                **_pdl_options(cfg, x.device),
-            )
+    for programs, tiles_per_slot, table, slot_list, class_rows in _launches(meta, expand=False):
+        _lora_shrink_kernel[(programs, split, rank_blocks)](
+            x, lora_a, u, lora_rank,
+            *_meta_tensors(meta, table, slot_list),
+            K, lora_a.shape[1], tiles_per_slot, k_per_split,
+            x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+            u.stride(0), u.stride(1), u.stride(2),
+            TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
+            BLOCK_M=meta.block_m, BLOCK_R=BLOCK_R, BLOCK_K=cfg.shrink_block_k,
+            DOT_PRECISION=_dot_precision(x.dtype),
+            num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages,
+            **_pdl_options(cfg, x.device),
+        )
     return u
 
 

@@ -8,7 +8,6 @@ metadata itself, for tests and one-off use.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -103,35 +102,11 @@ def linear_batched_lora(
     mask_rank: bool = True,
     segments: tuple[int, ...] | list[int] | None = None,
 ) -> torch.Tensor:
-    """`linear(x, weight, bias)` plus the batched LoRA delta (`add_batched_lora_`'s arguments).
-
-    With `cfg.overlap_shrink` on a GPU, the shrink runs on a side stream while the base GEMM runs:
-    both only read x, so the shrink's kernel fills the SMs that the GEMM's last wave leaves idle,
-    and the expand, which needs both, runs after the two. Otherwise the GEMM, then the delta.
-    """
-    cfg = cfg or get_kernel_config(x.device)
-    split = (backend == "triton" and cfg.overlap_shrink and x.is_cuda and meta.has_lora is not False
-             and not (cfg.fused and not segments))
-    if not split:
-        y = torch.nn.functional.linear(x, weight, bias)
-        return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank, segments)
-    mask_rank = mask_rank and not segments  # as in add_batched_lora_
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-    side.wait_stream(main)  # x is written
-    u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank, stream=side)
+    """`linear(x, weight, bias)` plus the batched LoRA delta (`add_batched_lora_`'s arguments): the
+    base GEMM, then the delta in place. (The shrink on a side stream beside the GEMM was measured
+    slower end to end: `benchmarks/results/e2e_ab_overlap_e8044b4/`.)"""
     y = torch.nn.functional.linear(x, weight, bias)
-    main.wait_stream(side)  # u is written; x's memory is not reused before this point
-    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None)
-
-
-@functools.lru_cache(maxsize=None)
-def _side_stream_of(device_index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device_index)
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per GPU for the overlapped shrinks (graph capture turns it into a branch)."""
-    return _side_stream_of(device.index if device.index is not None else torch.cuda.current_device())
+    return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank, segments)
 
 
 @torch.library.custom_op("lorazor::linear_lora", mutates_args=())
