@@ -232,8 +232,8 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, bank_u=
     # [M, sum(N)] output, segment g using its r columns of u, its B columns and its scaling row.
     # bank_u: no shrink kernel; u is x @ (every slot's A) in x's dtype, as a base GEMM with the A
     # bank stacked under W computes it, and the expand reads each row's own slot from it.
-    # linear: the base GEMM too, through `linear_batched_lora` (what the model's op runs).
-    from lorazor_kernels import linear_batched_lora, lora_expand, lora_shrink
+    # linear: the base GEMM too, through the model layers' op `linear_lora_op` (the device's kernel config).
+    from lorazor_kernels import linear_lora_op, lora_expand, lora_shrink
 
     g = torch.Generator().manual_seed(len(widths))
     G = len(widths)
@@ -254,9 +254,8 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, bank_u=
     def run():
         if linear:
             rank_g = torch.full((L,), G * r, dtype=torch.int32, device=DEVICE)
-            y.copy_(linear_batched_lora(x, weight, None, a_stack, b_merged, scaling if G > 1 else scaling[0],
-                                        rank_g if G > 1 else rank, meta, cfg=cfg, mask_rank=False,
-                                        segments=edges or None))
+            y.copy_(linear_lora_op(x, weight, None, a_stack, b_merged, scaling if G > 1 else scaling[0],
+                                   rank_g if G > 1 else rank, meta, mask_rank=False, segments=edges))
             return
         if bank_u:
             u = x @ a_stack.reshape(L * G * r, K).T

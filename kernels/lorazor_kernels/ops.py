@@ -88,27 +88,6 @@ def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
     return y
 
 
-def linear_batched_lora(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: torch.Tensor,
-    lora_rank: torch.Tensor,
-    meta: LoRABatchMeta,
-    backend: str = "triton",
-    cfg: KernelConfig | None = None,
-    mask_rank: bool = True,
-    segments: tuple[int, ...] | list[int] | None = None,
-) -> torch.Tensor:
-    """`linear(x, weight, bias)` plus the batched LoRA delta (`add_batched_lora_`'s arguments): the
-    base GEMM, then the delta in place. (The shrink on a side stream beside the GEMM was measured
-    slower end to end: `benchmarks/results/e2e_ab_overlap_e8044b4/`.)"""
-    y = torch.nn.functional.linear(x, weight, bias)
-    return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank, segments)
-
-
 @torch.library.custom_op("lorazor::linear_lora", mutates_args=())
 def _linear_lora_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -119,8 +98,9 @@ def _linear_lora_op(
 ) -> torch.Tensor:
     meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
                          tile_rows, row_bound, large_slots, class_split)
-    return linear_batched_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta, backend,
-                               mask_rank=mask_rank, segments=segments or None)
+    y = torch.nn.functional.linear(x, weight, bias)
+    return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
+                             segments=segments or None)
 
 
 @_linear_lora_op.register_fake
@@ -131,10 +111,12 @@ def _(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows
 
 def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta,
                    backend: str = "triton", mask_rank: bool = True, segments: tuple[int, ...] = ()):
-    """`linear_batched_lora` (x `[M, K]`) as the registered custom op `lorazor::linear_lora`.
+    """`linear(x, weight, bias)` plus the batched LoRA delta, as the registered custom op
+    `lorazor::linear_lora` (x `[M, K]`; the other arguments as in `add_batched_lora_`).
 
-    torch.compile treats the op as opaque, so compiled model code runs the base GEMM and the
-    Triton kernels as they are, in the order (and on the streams) the op chooses.
+    The base GEMM, then the delta added in place. torch.compile treats the op as opaque, so
+    compiled model code runs the GEMM and the Triton kernels as they are. (The shrink on a side
+    stream beside the GEMM was measured slower end to end: `benchmarks/results/e2e_ab_overlap_e8044b4/`.)
     """
     if meta.has_lora is False:
         return torch.nn.functional.linear(x, weight, bias)
