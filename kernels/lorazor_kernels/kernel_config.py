@@ -47,8 +47,9 @@ class KernelConfig:
             On in the H200 file: compiled decode of Llama-3.2-3B at 128 adapters went from
             33.4k to 34.7k tok/s (benchmarks/results/e2e_llama-3.2-3b_exact_pdl.md).
         one_program_meta: build the `exact`/`full` step metadata in one Triton program
-            (`meta_kernel.py`) instead of about 25 small torch kernels. Off on the H200: no
-            end-to-end gain measured (benchmarks/results/e2e_exact_onemeta_6f02157/).
+            (`meta_kernel.py`) instead of about 25 small torch kernels. On in the H200 file: about
+            0.06 ms less per compiled decode step in one-run A/Bs
+            (benchmarks/results/e2e_ab_meta_95425b7/, e2e_ab_tune_d64db02/).
     """
 
     shrink_block_k: int = 128
