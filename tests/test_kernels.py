@@ -252,10 +252,9 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, bank_u=
     weight = (torch.randn(sum(widths), K, generator=g) / K**0.5).to(**to) if linear else None
 
     def run():
-        if linear:
-            rank_g = torch.full((L,), G * r, dtype=torch.int32, device=DEVICE)
-            y.copy_(linear_lora_op(x, weight, None, a_stack, b_merged, scaling if G > 1 else scaling[0],
-                                   rank_g if G > 1 else rank, meta, mask_rank=False, segments=edges))
+        if linear:  # as a merged group calls it: the members' rank (unread without mask_rank)
+            y.copy_(linear_lora_op(x, weight, None, a_stack, b_merged, scaling if G > 1 else scaling[0], rank,
+                                   meta, mask_rank=False, segments=edges))
             return
         if bank_u:
             u = x @ a_stack.reshape(L * G * r, K).T
