@@ -14,6 +14,10 @@ uniformly over L adapters of a 128-slot bank, rank 8, bf16, in a CUDA graph over
 - `exact, shrink in GEMM`: every slot's A stacked under W (slot-major), so the base GEMM also
   computes the shrink of every slot (the whole bank's bytes, whatever L is); then the exact expand
   alone, each tile reading its own slot's columns of that output. 4 launches per layer, not 8.
+- `own GEMM, expand in epilogue`: the exact shrink, then a Triton base GEMM (`gemm_expand.py`) that
+  adds each row's expand in its epilogue: 2 launches per group instead of 3, and no read-modify-write
+  of y. Its block sizes are swept per group first; the same GEMM without the expand is timed against
+  cuBLAS's as `own GEMMs us` (can a Triton GEMM stand in for cuBLAS at M = 256 at all?).
 - `dense`: cuBLAS only, over the whole bank. The base GEMM also computes x @ A for every slot (A
   stacked under W, one GEMM), a one-hot row mask keeps each row's own slot, and one addmm per
   segment adds (masked xA) @ B for the whole bank in place. Its cost does not depend on L.
@@ -42,9 +46,14 @@ from bench_kernels import (  # noqa: E402
     M, RANK, _merged_lora, base_weights, layer_pool, merged_pool, merged_scaling, slot_map,
 )
 from common import SHAPES, environment, time_graph, write_results  # noqa: E402
+from gemm_expand import gemm_expand  # noqa: E402
 from lorazor_kernels import build_batch_meta, get_kernel_config, lora_expand, lora_shrink, slot_bound_class  # noqa: E402
+from lorazor_kernels.lora_kernels import _pdl_options  # noqa: E402
 
 BANK = 128
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried for the Triton base GEMM, per group.
+GEMM_BLOCKS = [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), (128, 64, 64, 4, 4),
+               (64, 256, 64, 8, 3), (256, 128, 64, 8, 3)]
 
 
 def segments(g) -> list[tuple[int, int]]:
@@ -71,6 +80,7 @@ def prepare(groups, ws, grouped_b_layout: str):
         p["b_flat"] = [b.reshape(-1, b.shape[-1]).contiguous() for b in scaled]  # [S*r, N_g]
         p["a_t"] = in_layout(a.transpose(1, 2), grouped_b_layout)  # [S, K, G*r]
         p["b_grouped"] = [in_layout(b, grouped_b_layout) for b in scaled]  # [S, r, N_g]
+        p["b_scaled"] = torch.cat(scaled, dim=2).contiguous()  # [S, r, N], each segment's scaling folded in
         out.append(p)
     return out
 
@@ -86,6 +96,7 @@ def step_state(slots: torch.Tensor) -> dict:
     """What each form builds once per step from the row -> slot map."""
     order = torch.argsort(slots)
     return dict(
+        slots=slots,
         onehot=(slots[:, None] == torch.arange(BANK, device=slots.device)).to(torch.bfloat16),
         order=order,
         offs=torch.cumsum(torch.bincount(slots, minlength=BANK), 0).to(torch.int32),
@@ -148,8 +159,44 @@ def run_grouped_presorted(p, st, cfg):
     return y
 
 
+def run_own_gemm_expand(p, st, cfg):
+    g = p["g"]
+    u = lora_shrink(g["x"], g["a"], g["r"], st["meta"], cfg, mask_rank=False)
+    return gemm_expand(g["x"], p["w"], p["expand_block"], u, p["b_scaled"], st["slots"], g["edges"] or (), RANK,
+                       pdl=_pdl_options(cfg, g["x"].device)["USE_GDC"])
+
+
 FORMS = {"exact": run_exact, "exact, shrink first": run_exact_shrink_first, "exact, shrink in GEMM": run_exact_gemm_shrink,
+         "own GEMM, expand in epilogue": run_own_gemm_expand,
          "dense": run_dense, "grouped": run_grouped, "grouped, presorted": run_grouped_presorted}
+
+
+def pick_gemm_blocks(pool, st, cfg) -> None:
+    """Per group, the fastest of GEMM_BLOCKS for the Triton GEMM alone and with the expand (set on
+    every layer's group), timed on the first layer; blocks whose BLOCK_N cuts a segment are skipped."""
+    for i, p0 in enumerate(pool[0]):
+        fits = [b for b in GEMM_BLOCKS if not any(e % b[1] for e in p0["g"]["edges"] or ())]
+        plain = min(fits, key=lambda b: time_graph(lambda: gemm_expand(p0["g"]["x"], p0["w"], b), iters=10))
+        for layer in pool:
+            layer[i]["gemm_block"] = plain
+        def with_expand(b):
+            for layer in pool:
+                layer[i]["expand_block"] = b
+            return time_graph(lambda: run_own_gemm_expand(p0, st, cfg), iters=10)
+        best = min(fits, key=with_expand)
+        for layer in pool:
+            layer[i]["expand_block"] = best
+        print(f"group {i}: GEMM block {plain}, with expand {best}", flush=True)
+
+
+def time_own_gemms(pool) -> tuple[float, float]:
+    """us per layer of the Triton base GEMMs alone, and their largest error relative to cuBLAS's."""
+    err = max(((gemm_expand(p["g"]["x"], p["w"], p["gemm_block"]).float() - (p["g"]["x"] @ p["w"].T).float()).abs().max()
+               / (p["g"]["x"] @ p["w"].T).float().abs().max()).item() for p in pool[0])
+    if err > 2e-2:
+        raise AssertionError(f"own GEMM: relative error {err:.3g} against cuBLAS")
+    t = time_graph(lambda: [gemm_expand(p["g"]["x"], p["w"], p["gemm_block"]) for layer in pool for p in layer])
+    return t * 1e3 / len(pool), err
 
 
 def reference(p, slots):
@@ -208,12 +255,14 @@ def main() -> None:
     bank = merged_pool(layer_pool(SHAPES[args.model], BANK))
     ws = base_weights(bank)
     pool = [prepare(groups, w, layout) for groups, w in zip(bank, ws)]
+    pick_gemm_blocks(pool, step_state(slot_map("decode", BANK, gen)), cfg)
     rows = []
     for L in (int(v) for v in args.adapters.split(",")):
         slots = slot_map("decode", L, gen)
         st = step_state(slots)
         row = dict(model=args.model, L=L)
         row["gemms_us"] = time_graph(lambda: [p["g"]["x"] @ p["w"].T for layer in pool for p in layer]) * 1e3 / len(pool)
+        row["own_gemms_us"], row["own_gemms_err"] = time_own_gemms(pool)
         for form, fn in FORMS.items():
             if form == "grouped, presorted":  # its check needs the rows in slot order
                 sorted_st = step_state(slots.sort().values)
@@ -225,15 +274,17 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     meta = dict(environment(), command=" ".join(sys.argv), bank_slots=BANK, rank=RANK, rows_M=M, grouped_b_layout=layout,
-                kernel_config=dataclasses.asdict(cfg), date=time.strftime("%Y-%m-%d"))
-    head = "| L | merged GEMMs us | " + " | ".join(f"GEMMs + {f} us (LoRA us)" for f in FORMS) + " |\n"
-    head += "|---" * (2 + len(FORMS)) + "|\n"
-    body = "".join(f"| {r['L']} | {r['gemms_us']:.1f} | "
+                kernel_config=dataclasses.asdict(cfg), date=time.strftime("%Y-%m-%d"),
+                own_gemm_blocks=[[p["gemm_block"], p["expand_block"]] for p in pool[0]])
+    head = "| L | merged GEMMs us | own GEMMs us | " + " | ".join(f"GEMMs + {f} us (LoRA us)" for f in FORMS) + " |\n"
+    head += "|---" * (3 + len(FORMS)) + "|\n"
+    body = "".join(f"| {r['L']} | {r['gemms_us']:.1f} | {r['own_gemms_us']:.1f} | "
                    + " | ".join(f"{r[f'{f} us']:.1f} ({r[f'{f} LoRA us']:.1f})" for f in FORMS) + " |\n" for r in rows)
     table = (f"# A layer's LoRA beside its base GEMMs, several ways ({args.model}, 128-slot bank, rank {RANK}, M={M}, bf16)\n\n"
              f"```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}\n"
              "Each form is checked against an fp32 reference first (largest relative error in the JSON). "
-             "See the script's docstring for what each form runs.\n")
+             "See the script's docstring for what each form runs. `own GEMMs us`: the Triton base GEMMs alone, "
+             "against cuBLAS's merged GEMMs; the own-GEMM form's LoRA us is measured against cuBLAS's GEMMs too.\n")
     write_results(args.out, f"lora_forms_{args.model}", rows, meta, table)
     print(table)
 

@@ -58,7 +58,7 @@ for step in "$@"; do
     gpu-tests-bank-u) timeout 120 python3 -m pytest tests/test_kernels.py -k "bank" -q -p no:cacheprovider > "$W/tests_bank_u.log" 2>&1 ;;
     # A layer's LoRA beside its GEMMs several ways: exact kernels (shrink after or before the GEMM, or in it),
     # dense cuBLAS over the bank, grouped GEMM.
-    lora-forms) timeout 200 python3 benchmarks/bench_lora_forms.py --out "$W" > "$W/lora_forms.log" 2>&1 ;;
+    lora-forms) timeout 300 python3 benchmarks/bench_lora_forms.py --out "$W" > "$W/lora_forms.log" 2>&1 ;;
     kernels-llama) timeout 150 python3 benchmarks/bench_kernels.py --out "$W" --models llama-3.2-3b > "$W/kernels.log" 2>&1 ;;
     # The model's GPU tests with the tuned config patched by $PATCH (as e2e-quick-patched), then the PDL kernel tests.
     gpu-tests-patched) patched_config
