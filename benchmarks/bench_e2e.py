@@ -199,12 +199,12 @@ def main() -> None:
     from lorazor_kernels.kernel_config import CONFIG_ENV
 
     # Recorded before any --ab-patch: the config of the backbone and the unpatched rows.
-    kernel_config = dict(kernel_config=dataclasses.asdict(get_kernel_config(torch.device("cuda"))),
+    base_cfg = get_kernel_config(torch.device("cuda"))
+    kernel_config = dict(kernel_config=dataclasses.asdict(base_cfg),
                          kernel_config_file=os.environ.get(CONFIG_ENV, "tuned file of the GPU"))
     if args.ab_patch:  # one compiled backbone; exact with the GPU's kernel config, then with each patch
         patches = parse_patches(args.ab_patch)
         kernel_config["ab_patch"] = patches
-        base_cfg = get_kernel_config(torch.device("cuda"))
         backbone = sweep(True, ["exact"])
         for name, patch in patches.items():
             patched = apply_kernel_patch(base_cfg, patch, args.out, name)

@@ -171,32 +171,35 @@ FORMS = {"exact": run_exact, "exact, shrink first": run_exact_shrink_first, "exa
          "dense": run_dense, "grouped": run_grouped, "grouped, presorted": run_grouped_presorted}
 
 
-def pick_gemm_blocks(pool, st, cfg) -> None:
-    """Per group, the fastest of GEMM_BLOCKS for the Triton GEMM alone and with the expand (set on
-    every layer's group), timed on the first layer; blocks whose BLOCK_N cuts a segment are skipped."""
+def pick_gemm_blocks(pool, st, cfg) -> float:
+    """Per group, the fastest of GEMM_BLOCKS for the Triton GEMM alone and with the expand, timed on
+    the first layer and set on every layer's group (blocks whose BLOCK_N cuts a segment are skipped).
+    Returns the chosen plain GEMMs' largest error relative to cuBLAS's output."""
+    worst = 0.0
     for i, p0 in enumerate(pool[0]):
+        x, w = p0["g"]["x"], p0["w"]
         fits = [b for b in GEMM_BLOCKS if not any(e % b[1] for e in p0["g"]["edges"] or ())]
-        plain = min(fits, key=lambda b: time_graph(lambda: gemm_expand(p0["g"]["x"], p0["w"], b), iters=10))
-        for layer in pool:
-            layer[i]["gemm_block"] = plain
+        plain = min(fits, key=lambda b: time_graph(lambda: gemm_expand(x, w, b), iters=10))
+
         def with_expand(b):
-            for layer in pool:
-                layer[i]["expand_block"] = b
+            p0["expand_block"] = b
             return time_graph(lambda: run_own_gemm_expand(p0, st, cfg), iters=10)
+
         best = min(fits, key=with_expand)
         for layer in pool:
-            layer[i]["expand_block"] = best
+            layer[i]["gemm_block"], layer[i]["expand_block"] = plain, best
+        ref = (x @ w.T).float()
+        worst = max(worst, ((gemm_expand(x, w, plain).float() - ref).abs().max() / ref.abs().max()).item())
         print(f"group {i}: GEMM block {plain}, with expand {best}", flush=True)
+    if worst > 2e-2:
+        raise AssertionError(f"own GEMM: relative error {worst:.3g} against cuBLAS")
+    return worst
 
 
-def time_own_gemms(pool) -> tuple[float, float]:
-    """us per layer of the Triton base GEMMs alone, and their largest error relative to cuBLAS's."""
-    err = max(((gemm_expand(p["g"]["x"], p["w"], p["gemm_block"]).float() - (p["g"]["x"] @ p["w"].T).float()).abs().max()
-               / (p["g"]["x"] @ p["w"].T).float().abs().max()).item() for p in pool[0])
-    if err > 2e-2:
-        raise AssertionError(f"own GEMM: relative error {err:.3g} against cuBLAS")
-    t = time_graph(lambda: [gemm_expand(p["g"]["x"], p["w"], p["gemm_block"]) for layer in pool for p in layer])
-    return t * 1e3 / len(pool), err
+def time_own_gemms(pool) -> float:
+    """us per layer of the Triton base GEMMs alone."""
+    return time_graph(lambda: [gemm_expand(p["g"]["x"], p["w"], p["gemm_block"]) for layer in pool for p in layer]) \
+        * 1e3 / len(pool)
 
 
 def reference(p, slots):
@@ -255,14 +258,14 @@ def main() -> None:
     bank = merged_pool(layer_pool(SHAPES[args.model], BANK))
     ws = base_weights(bank)
     pool = [prepare(groups, w, layout) for groups, w in zip(bank, ws)]
-    pick_gemm_blocks(pool, step_state(slot_map("decode", BANK, gen)), cfg)
+    own_gemm_err = pick_gemm_blocks(pool, step_state(slot_map("decode", BANK, gen)), cfg)
     rows = []
     for L in (int(v) for v in args.adapters.split(",")):
         slots = slot_map("decode", L, gen)
         st = step_state(slots)
         row = dict(model=args.model, L=L)
         row["gemms_us"] = time_graph(lambda: [p["g"]["x"] @ p["w"].T for layer in pool for p in layer]) * 1e3 / len(pool)
-        row["own_gemms_us"], row["own_gemms_err"] = time_own_gemms(pool)
+        row["own_gemms_us"] = time_own_gemms(pool)
         for form, fn in FORMS.items():
             if form == "grouped, presorted":  # its check needs the rows in slot order
                 sorted_st = step_state(slots.sort().values)
@@ -275,7 +278,7 @@ def main() -> None:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     meta = dict(environment(), command=" ".join(sys.argv), bank_slots=BANK, rank=RANK, rows_M=M, grouped_b_layout=layout,
                 kernel_config=dataclasses.asdict(cfg), date=time.strftime("%Y-%m-%d"),
-                own_gemm_blocks=[[p["gemm_block"], p["expand_block"]] for p in pool[0]])
+                own_gemm_blocks=[[p["gemm_block"], p["expand_block"]] for p in pool[0]], own_gemm_err=own_gemm_err)
     head = "| L | merged GEMMs us | own GEMMs us | " + " | ".join(f"GEMMs + {f} us (LoRA us)" for f in FORMS) + " |\n"
     head += "|---" * (3 + len(FORMS)) + "|\n"
     body = "".join(f"| {r['L']} | {r['gemms_us']:.1f} | {r['own_gemms_us']:.1f} | "

@@ -251,18 +251,19 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, bank_u=
     y = torch.zeros(M, sum(widths), **to)
     weight = (torch.randn(sum(widths), K, generator=g) / K**0.5).to(**to) if linear else None
 
+    group_scaling = scaling if G > 1 else scaling[0]  # [G, L] for merged members, [L] for one
+
     def run():
         if linear:  # as a merged group calls it: the members' rank (unread without mask_rank)
-            y.copy_(linear_lora_op(x, weight, None, a_stack, b_merged, scaling if G > 1 else scaling[0], rank,
-                                   meta, mask_rank=False, segments=edges))
+            y.copy_(linear_lora_op(x, weight, None, a_stack, b_merged, group_scaling, rank, meta, mask_rank=False,
+                                   segments=edges))
             return
         if bank_u:
             u = x @ a_stack.reshape(L * G * r, K).T
         else:
             u = lora_shrink(x, a_stack, torch.full((L,), G * r, dtype=torch.int32, device=DEVICE), meta, cfg,
                             mask_rank=False)
-        lora_expand(u, b_merged, scaling if G > 1 else scaling[0], rank, y, meta, cfg, mask_rank=False,
-                    segments=edges or None)
+        lora_expand(u, b_merged, group_scaling, rank, y, meta, cfg, mask_rank=False, segments=edges or None)
 
     run()
     if graph:  # replay twice more from zero: a captured launch sequence must give the same delta
