@@ -48,7 +48,7 @@ def test_expand_silu_mul_matches_reference(grid, dtype, M, K, I, r, L):
     y = torch.randn(M, 2 * I, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     meta = build_batch_meta(slot, L, grid)
     # Split K in three for the fp32 partials, small column blocks so programs loop over several.
-    cfg = dataclasses.replace(KernelConfig(), shrink_split_k=3, shrink_block_k=16, expand_block_n=16)
+    cfg = dataclasses.replace(KernelConfig(), shrink_split_k=3, shrink_block_k=16, expand_block_n=32, silu_block_n=16)
     u = lora_shrink(x, a_stack, torch.full((L,), 2 * r, dtype=torch.int32, device=DEVICE), meta, cfg, mask_rank=False)
     h = lora_expand_silu_mul(u, b_merged, scaling, y, meta, cfg)
     assert h.shape == (M, I) and h.dtype == dtype

@@ -54,6 +54,8 @@ class KernelConfig:
             the activation `silu(gate) * up` as one kernel (`silu_expand.py`): y is read once instead
             of rewritten by the expand and read again by the activation. The model reads it when it
             is built and at `reconfigure()`.
+        silu_block_n / silu_num_warps: that kernel's column block and warps (0: the expand's). It
+            holds two accumulators and two y tiles per column block, so it needs more registers.
     """
 
     shrink_block_k: int = 128
@@ -76,6 +78,8 @@ class KernelConfig:
     pdl: bool = False
     one_program_meta: bool = False
     silu_mul_expand: bool = False
+    silu_block_n: int = 0
+    silu_num_warps: int = 0
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -164,7 +164,7 @@ def lora_expand_silu_mul(
     cfg = cfg or get_kernel_config(y.device)
     width = N // 2
     h = torch.empty(M, width, dtype=y.dtype, device=y.device)
-    block_n = min(cfg.expand_block_n, max(16, triton.next_power_of_2(width)))
+    block_n = min(cfg.silu_block_n or cfg.expand_block_n, max(16, triton.next_power_of_2(width)))
     launches = _launches(meta, expand=True)
     row_programs = triton.cdiv(M, meta.block_m)
     n_per_program = _columns_per_program(sum(n for n, *_ in launches) + row_programs, width, block_n,
@@ -179,7 +179,8 @@ def lora_expand_silu_mul(
             y.stride(0), y.stride(1), h.stride(0), h.stride(1),
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, SPLIT_K=u.shape[0],
             BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=padded_rank(r), DOT_PRECISION=_dot_precision(lora_b.dtype),
-            num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages, **_pdl_options(cfg, y.device),
+            num_warps=cfg.silu_num_warps or cfg.expand_num_warps, num_stages=cfg.expand_num_stages,
+            **_pdl_options(cfg, y.device),
         )
     return h
 
