@@ -90,10 +90,6 @@ for step in "$@"; do
                  --tag _ab_inductor_pdl > "$W/e2e_ab_inductor_pdl.log" 2>&1 ;;
     gpu-tests-inductor-pdl) TORCHINDUCTOR_ENABLE_PDL=1 timeout 200 python3 -m pytest tests/test_compile.py tests/test_merged.py \
                  -q -k "compile" -p no:cacheprovider > "$W/tests_inductor_pdl.log" 2>&1 ;;
-    # The gated MLP's fused gate/up expand + activation: its kernel and model tests (the switch on inside them).
-    gpu-tests-silu) timeout 200 python3 -m pytest tests/test_silu_expand.py tests/test_merged.py -q -p no:cacheprovider \
-                 > "$W/tests_silu.log" 2>&1 ;;
-    silu-expand) timeout 200 python3 benchmarks/bench_silu_expand.py --out "$W" > "$W/silu_expand.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \
@@ -107,5 +103,5 @@ for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f"
 grep '^|' "$W"/kernels.log 2>/dev/null | tail -16
 for f in "$W"/profile_*.log; do [ -f "$f" ] && grep -E "^\||wall|adds|Error|^  [ *] " "$f" | cut -c1-220 | head -70; done
 grep -h '^|' "$W"/release*.log 2>/dev/null
-grep -E '^\||Error|error' "$W"/lora_forms.log "$W"/silu_expand.log 2>/dev/null | tail -12
+grep -E '^\||Error|error' "$W"/lora_forms.log 2>/dev/null | tail -12
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done

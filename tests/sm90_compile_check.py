@@ -65,16 +65,6 @@ def main() -> None:
         compile_sm90(mk._batch_meta_kernel, dict(BLOCK_ROWS=rows, BLOCK_SLOTS=slots, ROW_CHUNK=mk.ROW_CHUNK,
                                                  SLOT_CHUNK=mk.SLOT_CHUNK, TILE_CHUNK=mk.TILE_CHUNK, BM=16, TILES=tiles),
                      meta_pointers)
-    # The gated MLP's expand + activation: every grid, bf16 with PDL and fp32 without.
-    from lorazor_kernels import silu_expand as se
-
-    silu_pointers = dict(POINTERS, h_ptr="*bf16", row_slot_ptr="*i64")
-    for (table, slot_list, class_rows), bf16 in itertools.product(GRIDS, (True, False)):
-        consts = dict(TILE_TABLE=table, USE_SLOT_LIST=slot_list, CLASS_MAX_ROWS=class_rows, SPLIT_K=4, BLOCK_M=16,
-                      BLOCK_N=256, BLOCK_R=16, DOT_PRECISION="tf32" if bf16 else "ieee", USE_GDC=bf16)
-        compile_sm90(se._expand_silu_mul_kernel, consts,
-                     silu_pointers if bf16 else {k: ("*fp32" if v == "*bf16" else v) for k, v in silu_pointers.items()})
-        count += 1
     print(f"compiled {count + 5 + 3}")
 
 

@@ -7,9 +7,8 @@ from .decode_attention import decode_attention, decode_attention_op, decode_atte
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_kernels import lora_expand, lora_fused, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound, slot_bound_class
-from .ops import add_batched_lora_, batched_lora, linear_lora_op, linear_lora_silu_mul_op
+from .ops import add_batched_lora_, batched_lora, linear_lora_op
 from .reference import NO_ADAPTER, lora_delta_reference
-from .silu_expand import lora_expand_silu_mul, silu_mul_reference
 
 __all__ = [
     "GRID_MODES",
@@ -24,13 +23,10 @@ __all__ = [
     "decode_attention_reference",
     "get_kernel_config",
     "linear_lora_op",
-    "linear_lora_silu_mul_op",
     "lora_delta_reference",
     "lora_expand",
-    "lora_expand_silu_mul",
     "lora_fused",
     "lora_shrink",
     "row_bound",
-    "silu_mul_reference",
     "slot_bound_class",
 ]

@@ -50,12 +50,6 @@ class KernelConfig:
             (`meta_kernel.py`) instead of about 25 small torch kernels. On in the H200 file: about
             0.06 ms less per compiled decode step in one-run A/Bs
             (benchmarks/results/e2e_ab_meta_95425b7/, e2e_ab_tune_d64db02/).
-        silu_mul_expand: in a gated SiLU MLP whose gate/up are merged, run gate/up's LoRA expand and
-            the activation `silu(gate) * up` as one kernel (`silu_expand.py`): y is read once instead
-            of rewritten by the expand and read again by the activation. The model reads it when it
-            is built and at `reconfigure()`.
-        silu_block_n / silu_num_warps: that kernel's column block and warps (0: the expand's). It
-            holds two accumulators and two y tiles per column block, so it needs more registers.
     """
 
     shrink_block_k: int = 128
@@ -77,9 +71,6 @@ class KernelConfig:
     fused_num_stages: int = 3
     pdl: bool = False
     one_program_meta: bool = False
-    silu_mul_expand: bool = False
-    silu_block_n: int = 0
-    silu_num_warps: int = 0
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -1,8 +1,7 @@
 """Entry points: the batched LoRA delta through the Triton kernels or the reference.
 
 `linear_lora_op` is what model layers call (base GEMM + delta, metadata built once per step and
-passed in), `linear_lora_silu_mul_op` what a gated MLP's merged gate/up calls (the same, then its
-activation); `add_batched_lora_` adds the delta to a given output; `batched_lora` builds the
+passed in); `add_batched_lora_` adds the delta to a given output; `batched_lora` builds the
 metadata itself, for tests and one-off use.
 """
 
@@ -16,7 +15,6 @@ from .kernel_config import KernelConfig, get_kernel_config
 from .lora_kernels import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
 from .reference import check_lora_args, lora_delta_reference
-from .silu_expand import lora_expand_silu_mul, silu_mul_reference
 
 BACKENDS = ("triton", "reference")
 
@@ -90,18 +88,6 @@ def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
     return y
 
 
-def _meta_args(meta: LoRABatchMeta) -> tuple:
-    """The step metadata as custom-op arguments (tensors and launch geometry), in `_meta_from` order."""
-    return (meta.row_slot, meta.sorted_rows, meta.slot_start, meta.tile_slot, meta.tile_rows, meta.large_slots,
-            meta.grid, meta.num_slots, meta.block_m, meta.row_bound, meta.class_split)
-
-
-def _meta_from(num_rows, row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid, num_slots,
-               block_m, row_bound, class_split) -> LoRABatchMeta:
-    return LoRABatchMeta(grid, num_rows, num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
-                         tile_rows, row_bound, large_slots, class_split)
-
-
 @torch.library.custom_op("lorazor::linear_lora", mutates_args=())
 def _linear_lora_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -110,8 +96,8 @@ def _linear_lora_op(
     large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
     backend: str, mask_rank: bool, segments: list[int],
 ) -> torch.Tensor:
-    meta = _meta_from(x.shape[0], row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid,
-                      num_slots, block_m, row_bound, class_split)
+    meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
+                         tile_rows, row_bound, large_slots, class_split)
     y = torch.nn.functional.linear(x, weight, bias)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
                              segments=segments or None)
@@ -134,51 +120,11 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
     """
     if meta.has_lora is False:
         return torch.nn.functional.linear(x, weight, bias)
-    return torch.ops.lorazor.linear_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, *_meta_args(meta),
-                                         backend, mask_rank, list(segments))
-
-
-@torch.library.custom_op("lorazor::linear_lora_silu_mul", mutates_args=())
-def _linear_lora_silu_mul_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor,
-    scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor,
-    slot_start: torch.Tensor, tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None,
-    large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
-    backend: str,
-) -> torch.Tensor:
-    meta = _meta_from(x.shape[0], row_slot, sorted_rows, slot_start, tile_slot, tile_rows, large_slots, grid,
-                      num_slots, block_m, row_bound, class_split)
-    y = torch.nn.functional.linear(x, weight, bias)
-    width = weight.shape[0] // 2
-    if backend == "reference":
-        _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, [width])
-        return silu_mul_reference(y)
-    cfg = get_kernel_config(x.device)
-    u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank=False)
-    return lora_expand_silu_mul(u, lora_b, scaling, y, meta, cfg)
-
-
-@_linear_lora_silu_mul_op.register_fake
-def _(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
-      large_slots, grid, num_slots, block_m, row_bound, class_split, backend) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0] // 2)
-
-
-def linear_lora_silu_mul_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta,
-                            backend: str = "triton") -> torch.Tensor:
-    """A gated MLP's `silu(gate) * up` `[M, I]` from a merged gate/up group, as the custom op
-    `lorazor::linear_lora_silu_mul`: the base GEMM `y = linear(x, weight, bias)` (`[M, 2I]`, gate's
-    columns then up's), the LoRA shrink, then one kernel adding each row's delta to y in registers
-    and writing the activation (`silu_expand.py`). Arguments as `linear_lora_op` with
-    `segments=(I,)`: lora_a `[L, 2r, K]`, lora_b `[L, 2I, r]`, scaling `[2, L]`, one shared rank.
-    """
-    if weight.shape[0] % 2 or lora_b.shape[1] != weight.shape[0] or scaling.shape != (2, lora_b.shape[0]):
-        raise ValueError(f"a merged gate/up group needs weight [2I, K], lora_b [L, 2I, r] and scaling [2, L]; got "
-                         f"{tuple(weight.shape)}, {tuple(lora_b.shape)} and {tuple(scaling.shape)}")
-    if meta.has_lora is False:
-        return silu_mul_reference(torch.nn.functional.linear(x, weight, bias))
-    return torch.ops.lorazor.linear_lora_silu_mul(x, weight, bias, lora_a, lora_b, scaling, lora_rank,
-                                                  *_meta_args(meta), backend)
+    return torch.ops.lorazor.linear_lora(
+        x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
+        meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
+        meta.row_bound, meta.class_split, backend, mask_rank, list(segments),
+    )
 
 
 def batched_lora(

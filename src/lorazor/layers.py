@@ -14,12 +14,6 @@ from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
 from .step import StepContext
 
 
-def check_rows(x: torch.Tensor, meta) -> None:
-    """A layer input must have the step's rows (tokens): another shape would misplace row slots."""
-    if x.numel() // x.shape[-1] != meta.num_rows:
-        raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
-
-
 def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,
                      segments: tuple[int, ...] = ()) -> torch.Tensor:
     """`linear(x, weight, bias)` plus the step's batched LoRA delta (x of any leading shape).
@@ -29,7 +23,8 @@ def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scal
     meta = context.meta
     if meta is None or meta.has_lora is False:
         return nn.functional.linear(x, weight, bias)
-    check_rows(x, meta)
+    if x.numel() // x.shape[-1] != meta.num_rows:
+        raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
     y = linear_lora_op(x.reshape(-1, x.shape[-1]), weight, bias, lora_a, lora_b, scaling, rank, meta,
                        backend=context.backend, mask_rank=mask_rank, segments=segments)
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -63,10 +63,6 @@ class MergedGroup:
         for g, member in enumerate(members):
             member.merged = (self, g)
 
-    def uses_mask_rank(self) -> bool:
-        """Whether a member's bank mixes ranks: the merged kernels need one shared rank."""
-        return any(m.lora.mask_rank for m in self.members)
-
     def forward(self, x: torch.Tensor, index: int) -> torch.Tensor | None:
         """Member `index`'s output from the merged computation, or None to take the per-module path."""
         if index > 0:
@@ -80,7 +76,7 @@ class MergedGroup:
                 # layer at batch 256 in the graph pool, and as much between eager steps).
                 self._input = self._output = None
             return out
-        if self.uses_mask_rank():
+        if any(m.lora.mask_rank for m in self.members):
             self._input = self._output = None
             return None
         y = linear_step_lora(x, self.weight, self.bias, self.context, self.lora_a, self.lora_b, self.scaling,

@@ -11,7 +11,6 @@ import inspect
 from collections.abc import Sequence
 
 import torch
-from lorazor_kernels import get_kernel_config
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
@@ -23,7 +22,6 @@ from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .kv_cache import KVCache
 from .layers import patch_lora_layers, unpatch_lora_layers
 from .merged import merge_projections
-from .mlp import install_gated_mlps, uninstall_gated_mlps
 from .policies.base import ReleasePolicy, ReleaseState, release_step
 from .step import StepContext
 
@@ -57,8 +55,6 @@ class LoRazorModel(nn.Module):
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_lora_layers(peft_model, bank, self.context)
         self.merged_groups = merge_projections(self.model, self.context) if config.merge_projections else []
-        install_gated_mlps(self.model)
-        self._read_kernel_switches()
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
         self._previous_attn = self.model.config._attn_implementation
@@ -125,20 +121,13 @@ class LoRazorModel(nn.Module):
         self.bank.remove(name)
 
     def reconfigure(self, grid: str | None = None, compile: bool | None = None) -> None:
-        """Switch the grid mode and/or torch.compile of the decode step (drops captured graphs), and
-        re-read the kernel config's model switch (`KernelConfig.silu_mul_expand`)."""
+        """Switch the grid mode and/or torch.compile of the decode step (drops captured graphs)."""
         changes = {k: v for k, v in (("grid", grid), ("compile", compile)) if v is not None}
         self.config = dataclasses.replace(self.config, **changes)
         self.context.grid = self.config.grid
-        self._read_kernel_switches()
         self._compiled_core = None
         if self.graphs is not None:
             self.graphs.clear()
-
-    def _read_kernel_switches(self) -> None:
-        # The one kernel-config switch that changes the model's code path rather than a launch
-        # (launch parameters are read at every launch): the fused gate/up expand + activation.
-        self.context.silu_mul_expand = get_kernel_config(self.device).silu_mul_expand
 
     def load_release_policy(self, root) -> ReleasePolicy:
         """Load the policies saved beside the adapters under `root/<adapter>/` as the default policy."""
@@ -156,7 +145,6 @@ class LoRazorModel(nn.Module):
 
     def unpatch(self) -> nn.Module:
         """Put the PEFT LoRA layers and attention back; returns the PeftModel. This object is then unusable."""
-        uninstall_gated_mlps(self.model)
         unpatch_lora_layers(self.peft_model, self._replaced)
         self.model.set_attn_implementation(self._previous_attn)
         self._replaced = []

@@ -33,9 +33,6 @@ class StepContext:
         self.enabled = True
         # `exact` grid: at most this many distinct slots in the batch (None: any of the bank's).
         self.slot_bound: int | None = None
-        # Gated MLPs with merged gate/up run their LoRA expand and activation as one kernel
-        # (`KernelConfig.silu_mul_expand`, read by the model at build and at `reconfigure()`).
-        self.silu_mul_expand = False
 
     def begin_batch(self, row_slot: torch.Tensor) -> None:
         """Per call (one host sync, never per step): whether any row has an adapter, and the class
