@@ -90,12 +90,6 @@ for step in "$@"; do
                  --tag _ab_inductor_pdl > "$W/e2e_ab_inductor_pdl.log" 2>&1 ;;
     gpu-tests-inductor-pdl) TORCHINDUCTOR_ENABLE_PDL=1 timeout 200 python3 -m pytest tests/test_compile.py tests/test_merged.py \
                  -q -k "compile" -p no:cacheprovider > "$W/tests_inductor_pdl.log" 2>&1 ;;
-    # The GPU kernel tests (every way to run them, the dot-free expand included), then the merged and compiled
-    # model's GPU tests with the config patched by $PATCH.
-    gpu-tests-quick-patched) patched_config
-               timeout 120 python3 -m pytest tests/test_kernels.py -k gpu -q -p no:cacheprovider > "$W/tests_quick.log" 2>&1
-               LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 150 python3 -m pytest tests/test_merged.py \
-                 tests/test_compile.py tests/test_gpu.py -k "gpu or merged" -q -p no:cacheprovider >> "$W/tests_quick.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \

@@ -1,13 +1,10 @@
 """Every grid mode of the Triton LoRA kernels against the pure-torch reference."""
 
-import dataclasses
-
 import pytest
 import torch
 from conftest import DEVICE, HAS_CUDA, KERNEL_DTYPES, TOL
 from lorazor_kernels import (
     GRID_MODES,
-    KernelConfig,
     add_batched_lora_,
     batched_lora,
     build_batch_meta,
@@ -37,10 +34,8 @@ def make_case(M, K, N, r, L, dtype, seed, frac_base=0.3, ranks=None, row_slot=No
 
 
 def check(case, grid, dtype, fused=True, mask_rank=True):
-    # fused: True (one kernel), False (shrink + expand) or "fma" (shrink + the dot-free expand).
     x, a, b, s, slot, rank = case
-    out = batched_lora(x, a, b, s, slot, grid=grid, lora_rank=rank, fused=fused is True, mask_rank=mask_rank,
-                       expand_fma=fused == "fma")
+    out = batched_lora(x, a, b, s, slot, grid=grid, lora_rank=rank, fused=fused, mask_rank=mask_rank)
     ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), slot, rank)
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
     # Rows without an adapter (or with a rank-0 slot) must be exactly zero.
@@ -59,8 +54,8 @@ SHAPES = [
 ]
 
 
-# The ways to run the kernels: one fused launch, or shrink + expand (with dots, or dot-free FMAs).
-FUSED = [pytest.param(True, id="fused"), pytest.param(False, id="split"), pytest.param("fma", id="split-fma")]
+# Both ways to run the kernels: one fused launch, or shrink + expand.
+FUSED = [pytest.param(True, id="fused"), pytest.param(False, id="split")]
 
 
 @pytest.mark.parametrize("fused", FUSED)
@@ -289,10 +284,8 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, bank_u=
 
 @pytest.mark.parametrize("grid", GRID_MODES)
 @pytest.mark.parametrize("widths", [(48, 16, 32), (64, 80)], ids=["qkv", "gate_up"])
-@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
-def test_merged_projections_in_one_shrink_and_one_expand(grid, widths, fma):
-    cfg = dataclasses.replace(KernelConfig(), expand_fma=fma, expand_block_n=16)  # segments of several blocks
-    check_merged(grid, widths, M=37, K=72, r=8, L=5, dtype=torch.float32, cfg=cfg)
+def test_merged_projections_in_one_shrink_and_one_expand(grid, widths):
+    check_merged(grid, widths, M=37, K=72, r=8, L=5, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("grid", GRID_MODES)
@@ -328,6 +321,7 @@ def test_gpu_bf16_bank_wide_u_in_a_graph(widths, K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072)])
 def test_gpu_programmatic_dependent_launch_matches_reference(widths, K):
+    import dataclasses
 
     from lorazor_kernels import get_kernel_config
 
@@ -347,7 +341,9 @@ def test_gpu_linear_with_lora_in_a_graph(widths, K):
 
 
 def test_programmatic_dependent_launch_is_ignored_off_hopper():
+    import dataclasses
 
+    from lorazor_kernels import KernelConfig
     from lorazor_kernels.lora_kernels import _pdl_options
 
     assert _pdl_options(dataclasses.replace(KernelConfig(), pdl=True), torch.device("cpu")) == {"USE_GDC": False}
@@ -375,13 +371,16 @@ def test_kernel_config_file_from_the_environment(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="missing.json"):
         get_kernel_config(torch.device("cpu"))
     monkeypatch.delenv(CONFIG_ENV)  # back to the package's file, nothing of the override kept
+    from lorazor_kernels import KernelConfig
     from lorazor_kernels.kernel_config import CONFIG_DIR
 
     assert get_kernel_config(torch.device("cpu")) == KernelConfig.from_json(CONFIG_DIR / "default.json")
 
 
 def test_step_caps_split_long_loops_and_keep_the_result():
+    import dataclasses
 
+    from lorazor_kernels import KernelConfig
     from lorazor_kernels.lora_kernels import _at_most_steps
 
     assert [_at_most_steps(2, 64, s) for s in (0, 4, 16, 64)] == [2, 16, 4, 2]

@@ -50,8 +50,6 @@ class KernelConfig:
             (`meta_kernel.py`) instead of about 25 small torch kernels. On in the H200 file: about
             0.06 ms less per compiled decode step in one-run A/Bs
             (benchmarks/results/e2e_ab_meta_95425b7/, e2e_ab_tune_d64db02/).
-        expand_fma: the split expand multiplies u by B one rank row at a time in fp32 FMAs instead
-            of a dot over a rank padded to 16: no padded B tile, no dot layout, fewer registers.
     """
 
     shrink_block_k: int = 128
@@ -73,7 +71,6 @@ class KernelConfig:
     fused_num_stages: int = 3
     pdl: bool = False
     one_program_meta: bool = False
-    expand_fma: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

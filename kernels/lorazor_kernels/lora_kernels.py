@@ -179,29 +179,6 @@ def _expand_rows(
 
 
 @triton.jit
-def _expand_rows_fma(
-    u, b_slot, y_rows, mask_m, offs_r, rank, scale, n_lo, n_hi, N, stride_br, stride_bn, stride_yn,
-    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """`_expand_rows` without a dot (EXPAND_FMA): y[rows, n] += scale * sum_r u[:, r] * B[slot, r, n],
-    one B row of BLOCK_N columns per rank step, fp32 products of u (in the weights' dtype) and B.
-    No padded [16, BN] B tile and no dot layout: fewer live registers per column block."""
-    for n0 in range(n_lo, tl.minimum(n_hi, N), BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r in tl.static_range(RANK):
-            u_r = tl.sum(tl.where(offs_r[None, :] == r, u, 0.0), axis=1)
-            b_r = tl.load(b_slot + r * stride_br + offs_n * stride_bn, mask=mask_n & (offs_n * 0 + r < rank),
-                          other=0.0)
-            acc += u_r[:, None] * b_r.to(tl.float32)[None, :]
-        y_tile = y_rows + offs_n[None, :] * stride_yn
-        mask = mask_m[:, None] & mask_n[None, :]
-        y_old = tl.load(y_tile, mask=mask, other=0.0)
-        tl.store(y_tile, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=mask)
-
-
-@triton.jit
 def _dependent_launch_prologue(USE_GDC: tl.constexpr):
     """Programmatic dependent launch (Hopper+, `KernelConfig.pdl`): the programs of this kernel may
     be scheduled before the kernel ahead of it in the stream has finished, which hides the launch
@@ -256,9 +233,9 @@ def _lora_expand_kernel(
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr, FMA_RANK: tl.constexpr = 0,
+    USE_GDC: tl.constexpr,
 ):
-    """Expand a tile into y. FMA_RANK > 0 (= r_max, split path only): `_expand_rows_fma` instead of dots. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
+    """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
     fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote, or (stride_ul > 0, SPLIT_K = 1)
     read the row's own slot from a bank-wide u `[M, L * G * r_max]` (the base GEMM's extra columns).
 
@@ -285,8 +262,7 @@ def _lora_expand_kernel(
     n_lo = pid_n * n_per_program
     n_hi = tl.minimum(n_lo + n_per_program, N)
     # The first B tile before the wait for the kernel ahead (adapter weights never depend on it).
-    if FMA_RANK == 0:
-        b_first = _load_b(b_slot, offs_r, mask_r, n_lo, N, stride_br, stride_bn, BLOCK_N)
+    b_first = _load_b(b_slot, offs_r, mask_r, n_lo, N, stride_br, stride_bn, BLOCK_N)
     if FUSED:  # one segment: u is shrunk here, over the whole rank (waiting after its first A load)
         u = _shrink_rows(
             x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_r[:, None] * stride_ar,
@@ -315,16 +291,10 @@ def _lora_expand_kernel(
                 u = _load_u(u_ptr + slot64 * stride_ul + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r,
                             stride_us, stride_um, stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
                 scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
-                if FMA_RANK > 0:
-                    _expand_rows_fma(
-                        u.to(b_ptr.dtype.element_ty).to(tl.float32), b_slot, y_rows, mask_m, offs_r, rank, scale,
-                        lo, hi, N, stride_br, stride_bn, stride_yn, FMA_RANK, BLOCK_M, BLOCK_N,
-                    )
-                else:
-                    _expand_rows(
-                        u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,
-                        stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                    )
+                _expand_rows(
+                    u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,
+                    stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                )
 
 
 def _launches(meta: LoRABatchMeta, expand: bool):
@@ -431,7 +401,6 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
             FUSED=fused, SPLIT_K=1 if fused or u.dim() == 2 else u.shape[0], BLOCK_M=meta.block_m,
             BLOCK_N=block_n, BLOCK_R=padded_rank(lora_b.shape[2]), BLOCK_K=cfg.fused_block_k if fused else 16,
             DOT_PRECISION=_dot_precision(lora_b.dtype),
-            FMA_RANK=lora_b.shape[2] if cfg.expand_fma and not fused else 0,
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
             num_stages=cfg.fused_num_stages if fused else cfg.expand_num_stages,
             **_pdl_options(cfg, y.device),

@@ -139,7 +139,6 @@ def batched_lora(
     block_m: int = 16,
     fused: bool | None = None,
     mask_rank: bool = True,
-    expand_fma: bool | None = None,
 ) -> torch.Tensor:
     """Batched LoRA delta `[M, N]` for rows mapped to slots (rows with slot -1 get 0).
 
@@ -152,7 +151,6 @@ def batched_lora(
         block_m: row-tile height of the kernels.
         fused: one fused kernel (True) or shrink + expand (False); None: the device config's choice.
         mask_rank: see `add_batched_lora_` (False needs zeros past each slot's rank in A and B).
-        expand_fma: the split expand without dots (`KernelConfig.expand_fma`); None: the device config's.
 
     Returns:
         `[M, N]` delta in `x.dtype`.
@@ -164,6 +162,4 @@ def batched_lora(
     cfg = get_kernel_config(x.device)
     if fused is not None:
         cfg = dataclasses.replace(cfg, fused=fused)
-    if expand_fma is not None:
-        cfg = dataclasses.replace(cfg, expand_fma=expand_fma)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, rank, meta, backend, cfg, mask_rank)
