@@ -113,6 +113,16 @@ def main() -> None:
         print("\none layer, in launch order (us; LoRA launches marked *):")
         for _, name, us in trace[middle - 3: middle + 20]:
             print(f"  {'*' if name.startswith('_lora_') else ' '} {us:7.1f}  {short(name, 90)}")
+    # The last decode step outside its layers: what runs before its first LoRA launch (the previous
+    # step's tail, then this step's head: release decision, metadata, embedding) and after its last
+    # (LM head), each with the idle gap before it.
+    if len(lora_at) >= 8 * layers:
+        first, last = lora_at[-8 * layers], lora_at[-1]
+        print("\nlast step outside its layers (us: gap before, kernel; LoRA launches marked *):")
+        for i in [*range(max(first - 24, 1), first + 1), *range(last, min(last + 8, len(trace)))]:
+            start, name, us = trace[i]
+            gap = start - (trace[i - 1][0] + trace[i - 1][2])
+            print(f"  {'*' if name.startswith('_lora_') else ' '} {gap:7.1f} {us:7.1f}  {short(name, 90)}")
     extra = lora_wall - base_wall
     print(f"LoRA adds {extra:.3f} ms/step = {extra * 1e3 / layers:.1f} us/layer "
           f"(kernels {(sum(lora_us.values()) - sum(base_us.values())) / layers:.1f} us/layer, "

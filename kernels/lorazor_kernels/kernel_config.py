@@ -54,6 +54,8 @@ class KernelConfig:
             layer streams about 110 MB of A and B through the 50 MB L2, each byte read once per
             step; the hint keeps the base GEMM's output and the LoRA kernels' y, which the next
             kernel reads, from being pushed out by them.
+        expand_prefetch_y: the expand loads each column block's y tile one block ahead, so that
+            load's round trip overlaps the block before it instead of stalling each block.
     """
 
     shrink_block_k: int = 128
@@ -76,6 +78,7 @@ class KernelConfig:
     pdl: bool = False
     one_program_meta: bool = False
     stream_weights: bool = False
+    expand_prefetch_y: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -151,35 +151,54 @@ def _load_b(b_slot, offs_r, mask_r, n0, N, stride_br, stride_bn, BLOCK_N: tl.con
 
 
 @triton.jit
-def _expand_block(u, b_tile, y_rows, mask_m, scale, n0, N, stride_yn, BLOCK_N: tl.constexpr,
+def _load_y(y_rows, mask_m, n0, hi, stride_yn, BLOCK_N: tl.constexpr):
+    """y's `[BM, BN]` tile at columns n0 (columns from hi on masked: a prefetch past the range reads nothing)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(y_rows + offs_n[None, :] * stride_yn, mask=mask_m[:, None] & (offs_n < hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _expand_block(u, b_tile, y_old, y_rows, mask_m, scale, n0, hi, stride_yn, BLOCK_N: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
-    """y[rows, n0:n0 + BN] += scale * u @ b_tile."""
+    """y[rows, n0:n0 + BN] = y_old + scale * u @ b_tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     acc = tl.dot(u, b_tile, input_precision=DOT_PRECISION)  # [BM, BR] @ [BR, BN]
-    y_tile = y_rows + offs_n[None, :] * stride_yn
-    mask = mask_m[:, None] & (offs_n < N)[None, :]
-    y_old = tl.load(y_tile, mask=mask, other=0.0)
-    tl.store(y_tile, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=mask)
+    tl.store(y_rows + offs_n[None, :] * stride_yn, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype),
+             mask=mask_m[:, None] & (offs_n < hi)[None, :])
 
 
 @triton.jit
 def _expand_rows(
     u, b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N, stride_br, stride_bn, stride_yn,
     b_first, n_first, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WEIGHT_EVICTION: tl.constexpr,
+    WEIGHT_EVICTION: tl.constexpr, PREFETCH_Y: tl.constexpr,
 ):
     """y[rows, n_lo:n_hi] += scale * u @ B[slot, :, r].T, with u `[BM, BR]` in the weights' dtype.
 
     `b_first`: B's tile at column n_first (the program's first block, loaded before the wait for
-    the kernel ahead), used when this range starts there.
+    the kernel ahead), used when this range starts there. PREFETCH_Y: each block's y tile is loaded
+    one block ahead, so its memory round trip overlaps the block before it (the compiler pipelines
+    only B, the dot's operand; y's load would otherwise stall every block).
     """
+    hi = tl.minimum(n_hi, N)
+    y_ahead = _load_y(y_rows, mask_m, n_lo, hi, stride_yn, BLOCK_N) if PREFETCH_Y else 0.0
     start = n_lo
     if n_lo == n_first:
-        _expand_block(u, b_first, y_rows, mask_m, scale, n_lo, N, stride_yn, BLOCK_N, DOT_PRECISION)
+        if PREFETCH_Y:
+            y_old = y_ahead
+            y_ahead = _load_y(y_rows, mask_m, n_lo + BLOCK_N, hi, stride_yn, BLOCK_N)
+        else:
+            y_old = _load_y(y_rows, mask_m, n_lo, hi, stride_yn, BLOCK_N)
+        _expand_block(u, b_first, y_old, y_rows, mask_m, scale, n_lo, hi, stride_yn, BLOCK_N, DOT_PRECISION)
         start = n_lo + BLOCK_N
-    for n0 in range(start, tl.minimum(n_hi, N), BLOCK_N):
+    for n0 in range(start, hi, BLOCK_N):
         b_tile = _load_b(b_slot, offs_r, mask_r, n0, N, stride_br, stride_bn, BLOCK_N, WEIGHT_EVICTION)
-        _expand_block(u, b_tile, y_rows, mask_m, scale, n0, N, stride_yn, BLOCK_N, DOT_PRECISION)
+        if PREFETCH_Y:
+            y_old = y_ahead
+            y_ahead = _load_y(y_rows, mask_m, n0 + BLOCK_N, hi, stride_yn, BLOCK_N)
+        else:
+            y_old = _load_y(y_rows, mask_m, n0, hi, stride_yn, BLOCK_N)
+        _expand_block(u, b_tile, y_old, y_rows, mask_m, scale, n0, hi, stride_yn, BLOCK_N, DOT_PRECISION)
 
 
 @triton.jit
@@ -237,7 +256,7 @@ def _lora_expand_kernel(
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr, WEIGHT_EVICTION: tl.constexpr,
+    USE_GDC: tl.constexpr, WEIGHT_EVICTION: tl.constexpr, PREFETCH_Y: tl.constexpr,
 ):
     """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
     fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote, or (stride_ul > 0, SPLIT_K = 1)
@@ -277,6 +296,7 @@ def _lora_expand_kernel(
         _expand_rows(
             u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N,
             stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION, WEIGHT_EVICTION,
+            PREFETCH_Y,
         )
     else:
         _dependent_launch_prologue(USE_GDC)
@@ -299,7 +319,7 @@ def _lora_expand_kernel(
                 _expand_rows(
                     u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,
                     stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                    WEIGHT_EVICTION,
+                    WEIGHT_EVICTION, PREFETCH_Y,
                 )
 
 
@@ -415,7 +435,7 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
             DOT_PRECISION=_dot_precision(lora_b.dtype),
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
             num_stages=cfg.fused_num_stages if fused else cfg.expand_num_stages,
-            WEIGHT_EVICTION=_weight_eviction(cfg), **_pdl_options(cfg, y.device),
+            WEIGHT_EVICTION=_weight_eviction(cfg), PREFETCH_Y=cfg.expand_prefetch_y, **_pdl_options(cfg, y.device),
         )
     return y
 
