@@ -64,8 +64,8 @@ def main() -> None:
 
     meta_pointers = dict(row_slot_ptr="*i64", sorted_rows_ptr="*i64", slot_start_ptr="*i64")
     for tiles, rows, slots in ((True, 256, 128), (False, 1024, 1024), (True, 1024, 1024)):
-        compile_sm90(mk._batch_meta_kernel, dict(BLOCK_ROWS=rows, BLOCK_SLOTS=slots, ROW_CHUNK=mk.ROW_CHUNK,
-                                                 SLOT_CHUNK=mk.SLOT_CHUNK, TILE_CHUNK=mk.TILE_CHUNK, BM=16, TILES=tiles),
+        compile_sm90(mk._batch_meta_kernel, dict(BLOCK_ROWS=rows, BLOCK_SLOTS=slots, TILE_CHUNK=mk.TILE_CHUNK, BM=16,
+                                                 TILES=tiles),
                      meta_pointers)
     print(f"compiled {count + 5 + 3}")
 
