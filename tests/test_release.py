@@ -191,3 +191,24 @@ def test_loading_a_missing_policy_names_the_path(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no \\*/release_policy.json under"):
         load_release_policy(tmp_path)
+
+
+@pytest.mark.parametrize("with_policy", [False, True], ids=["overrides_only", "policy"])
+def test_compiled_release_decision_matches_eager(with_policy):
+    # The compiled decode step applies StepTrim's one-way decision through torch.compile: it must
+    # release the same rows at the same steps as the eager ops, with int and 0-d tensor steps.
+    from lorazor.policies.base import ReleaseState
+
+    g = torch.Generator().manual_seed(3)
+    B = 11
+    slot = torch.randint(-1, 4, (B,), generator=g)
+    overrides = [None, 2, "never", None, 0, None, 5, None, None, 1, None]
+    states = [ReleaseState.create(slot.clone(), overrides) for _ in range(2)]
+    for step in range(7):
+        keep = torch.rand(B, generator=g) < 0.8 if with_policy else None
+        at = torch.tensor(step) if step % 2 else step
+        maps = [state.advance(at, keep, compiled=compiled) for state, compiled in zip(states, (False, True))]
+        assert torch.equal(maps[0], maps[1]), step
+        for field in ("active", "release_step"):
+            assert torch.equal(getattr(states[0], field), getattr(states[1], field)), (step, field)
+    assert (states[1].release_step >= 0).any() and states[1].active.any()  # some released, some kept

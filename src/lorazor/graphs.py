@@ -130,8 +130,8 @@ class DecodeGraphs:
         def step():
             # Replays are idempotent for one step's inputs (release is one-way, cache writes repeat),
             # so the warm-up runs below leave the same state as a single replay would.
-            row_slot = (release_step(policy, bucket.step_index, bucket.hidden_in, bucket.state) if decide
-                        else bucket.row_slot)
+            row_slot = (release_step(policy, bucket.step_index, bucket.hidden_in, bucket.state,
+                                     compiled=self.model.config.compile) if decide else bucket.row_slot)
             hidden, _ = self.model.decode_step(bucket.tokens, bucket.positions, bucket.write_pos,
                                                bucket.cache, row_slot, meta=static_meta,
                                                logits_out=bucket.logits_out)
@@ -182,9 +182,10 @@ class DecodeGraphs:
         bucket.write_pos.copy_(write_pos)
         decide = self.model.context.enabled and self._in_graph(policy)
         if decide:
-            if bucket.hidden_in is None:
-                bucket.hidden_in = torch.empty_like(hidden)
-            bucket.hidden_in.copy_(hidden)
+            if policy is not None and policy.reads_hidden:  # else the step never reads it
+                if bucket.hidden_in is None:
+                    bucket.hidden_in = torch.empty_like(hidden)
+                bucket.hidden_in.copy_(hidden)
             bucket.step_index.fill_(step)
             key = ("device", type(policy) if policy is not None else None, self.model.context.slot_bound)
             meta = None

@@ -231,7 +231,7 @@ class LoRazorModel(nn.Module):
         if self.graphs is not None and self.uses_graphs:
             return self.graphs.step(tokens, positions, write_pos, cache, state, policy, step, hidden)
         if self.context.enabled:
-            row_slot = release_step(policy, step, hidden, state)
+            row_slot = release_step(policy, step, hidden, state, compiled=self.config.compile)
         else:
             row_slot = torch.full_like(state.slot, -1)
         hidden, logits = self.decode_step(tokens, positions, write_pos, cache, row_slot)

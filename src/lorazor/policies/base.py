@@ -13,6 +13,7 @@ runner then captures the decision inside the decode-step graph, reading static c
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
 import torch
 
@@ -74,17 +75,31 @@ class ReleaseState:
             getattr(self, f.name).copy_(getattr(other, f.name))
         return self
 
-    def advance(self, step: int | torch.Tensor, policy_keep: torch.Tensor | None) -> torch.Tensor:
+    def advance(self, step: int | torch.Tensor, policy_keep: torch.Tensor | None, compiled: bool = False) -> torch.Tensor:
         """Apply the decision for decode step `step` (int or 0-d device tensor); returns the step's
-        row -> slot map `[B]`."""
-        forced = step < self.override_k
-        keep = forced if policy_keep is None else torch.where(self.use_override, forced, policy_keep)
-        released = self.active & ~keep
-        # torch.where, not masked_fill_: a tensor fill value is read on the host (a sync, and an
-        # error inside graph capture).
-        self.release_step.copy_(torch.where(released, step, self.release_step))
-        self.active &= keep
-        return torch.where(self.active, self.slot, -1)
+        row -> slot map `[B]`. `compiled`: through torch.compile, one fused kernel instead of about
+        eight small ones (the model's `compile=True` decode step)."""
+        advance = _compiled_advance() if compiled else _advance_rows
+        return advance(step, policy_keep, self.override_k, self.use_override, self.active, self.release_step,
+                       self.slot)
+
+
+def _advance_rows(step, policy_keep, override_k, use_override, active, release_step, slot) -> torch.Tensor:
+    """`ReleaseState.advance` on its tensors: updates `active` and `release_step` in place."""
+    forced = step < override_k
+    keep = forced if policy_keep is None else torch.where(use_override, forced, policy_keep)
+    released = active & ~keep
+    # torch.where, not masked_fill_: a tensor fill value is read on the host (a sync, and an
+    # error inside graph capture).
+    release_step.copy_(torch.where(released, step, release_step))
+    active &= keep
+    return torch.where(active, slot, -1)
+
+
+@lru_cache(maxsize=None)
+def _compiled_advance():
+    # Dynamic shapes: one compile serves every batch bucket.
+    return torch.compile(_advance_rows, dynamic=True)
 
 
 class ReleasePolicy:
@@ -98,6 +113,8 @@ class ReleasePolicy:
     """
 
     graph_safe = False
+    # Whether `keep` reads the hidden states: the graph runner copies them in only for such policies.
+    reads_hidden = True
 
     def __init__(self):
         self.bound: dict[str, torch.Tensor] = {}
@@ -117,7 +134,9 @@ class ReleasePolicy:
         raise NotImplementedError
 
 
-def release_step(policy: ReleasePolicy | None, step: int | torch.Tensor, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
-    """One StepTrim decision: ask the policy (if any), apply it one-way; returns the row -> slot map."""
+def release_step(policy: ReleasePolicy | None, step: int | torch.Tensor, hidden: torch.Tensor | None,
+                 state: ReleaseState, compiled: bool = False) -> torch.Tensor:
+    """One StepTrim decision: ask the policy (if any), apply it one-way; returns the row -> slot map.
+    `compiled`: apply it through torch.compile (see `ReleaseState.advance`)."""
     keep = policy.keep(step, hidden, state) if policy is not None else None
-    return state.advance(step, keep)
+    return state.advance(step, keep, compiled)

@@ -21,6 +21,7 @@ class ProfiledRelease(ReleasePolicy):
 
     kind = "profiled"
     graph_safe = True
+    reads_hidden = False
 
     def __init__(self, lengths: dict[str, int | None]):
         super().__init__()
