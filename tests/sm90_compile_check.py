@@ -28,9 +28,7 @@ def main() -> None:
 
     def compile_sm90(kernel, consts, pointers=POINTERS):
         signature = {}
-        params = inspect.signature(kernel.fn).parameters
-        consts = {k: v for k, v in consts.items() if k in params}  # e.g. the expand's own flags off shrink
-        for name in params:
+        for name in inspect.signature(kernel.fn).parameters:
             if name in consts:
                 signature[name] = "constexpr"
             else:
@@ -40,7 +38,7 @@ def main() -> None:
     count = 0
     for (table, slot_list, class_rows), mask_rank in itertools.product(GRIDS, (True, False)):
         base = dict(TILE_TABLE=table, USE_SLOT_LIST=slot_list, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
-                    BLOCK_M=16, DOT_PRECISION="tf32", USE_GDC=table, WEIGHT_EVICTION="evict_first" if table else "", PREFETCH_Y=table)  # PDL with the exact grid (the H200's)
+                    BLOCK_M=16, DOT_PRECISION="tf32", USE_GDC=table)  # PDL with the exact grid (the H200's)
         compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256))
         for fused in (True, False):
             compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=fused, SPLIT_K=12, BLOCK_N=128,
@@ -48,13 +46,13 @@ def main() -> None:
         count += 3
     # Triton's launcher turns an int argument equal to 1 into a constant: a rank-1 bank hits that.
     base = dict(TILE_TABLE=True, USE_SLOT_LIST=False, CLASS_MAX_ROWS=0, MASK_RANK=False, BLOCK_M=16,
-                DOT_PRECISION="tf32", r_max=1, USE_GDC=False, WEIGHT_EVICTION="", PREFETCH_Y=True)
+                DOT_PRECISION="tf32", r_max=1, USE_GDC=False)
     compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256))
     compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, SPLIT_K=4, BLOCK_N=128, BLOCK_R=16, BLOCK_K=16))
     # fp32 weights and activations use IEEE dots (the fp32 GPU tests and the fp32 oracle path).
     fp32 = {k: ("*fp32" if v == "*bf16" else v) for k, v in POINTERS.items()}
     base = dict(TILE_TABLE=True, USE_SLOT_LIST=False, CLASS_MAX_ROWS=0, MASK_RANK=True, BLOCK_M=16,
-                DOT_PRECISION="ieee", USE_GDC=False, WEIGHT_EVICTION="", PREFETCH_Y=False)
+                DOT_PRECISION="ieee", USE_GDC=False)
     compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256), fp32)
     for fused in (True, False):
         compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=fused, SPLIT_K=3, BLOCK_N=128,

@@ -199,14 +199,16 @@ def test_compiled_release_decision_matches_eager(with_policy):
     # release the same rows at the same steps as the eager ops, with int and 0-d tensor steps.
     from lorazor.policies.base import ReleaseState
 
+    from conftest import DEVICE
+
     g = torch.Generator().manual_seed(3)
     B = 11
-    slot = torch.randint(-1, 4, (B,), generator=g)
+    slot = torch.randint(-1, 4, (B,), generator=g).to(DEVICE)
     overrides = [None, 2, "never", None, 0, None, 5, None, None, 1, None]
     states = [ReleaseState.create(slot.clone(), overrides) for _ in range(2)]
     for step in range(7):
-        keep = torch.rand(B, generator=g) < 0.8 if with_policy else None
-        at = torch.tensor(step) if step % 2 else step
+        keep = (torch.rand(B, generator=g) < 0.8).to(DEVICE) if with_policy else None
+        at = torch.tensor(step, device=DEVICE) if step % 2 else step
         maps = [state.advance(at, keep, compiled=compiled) for state, compiled in zip(states, (False, True))]
         assert torch.equal(maps[0], maps[1]), step
         for field in ("active", "release_step"):

@@ -50,12 +50,6 @@ class KernelConfig:
             (`meta_kernel.py`) instead of about 25 small torch kernels. On in the H200 file: about
             0.06 ms less per compiled decode step in one-run A/Bs
             (benchmarks/results/e2e_ab_meta_95425b7/, e2e_ab_tune_d64db02/).
-        stream_weights: load adapter weights with an evict-first L2 hint. At 128 adapters a Llama
-            layer streams about 110 MB of A and B through the 50 MB L2, each byte read once per
-            step; the hint keeps the base GEMM's output and the LoRA kernels' y, which the next
-            kernel reads, from being pushed out by them.
-        expand_prefetch_y: the expand loads each column block's y tile one block ahead, so that
-            load's round trip overlaps the block before it instead of stalling each block.
     """
 
     shrink_block_k: int = 128
@@ -77,8 +71,6 @@ class KernelConfig:
     fused_num_stages: int = 3
     pdl: bool = False
     one_program_meta: bool = False
-    stream_weights: bool = False
-    expand_prefetch_y: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -104,7 +104,7 @@ def _tile(
 def _shrink_rows(
     x_rows, a_rows, mask_m, mask_r, k_lo, k_hi, K, stride_xk, stride_ak,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr, WEIGHT_EVICTION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """fp32 `[BM, BR]` = x[rows, k_lo:k_hi] @ A[slot, r, k_lo:k_hi].T; x_rows `[BM, 1]`, a_rows `[BR, 1]` pointers.
 
@@ -114,8 +114,7 @@ def _shrink_rows(
     offs_k = tl.arange(0, BLOCK_K)
     k = k_lo + offs_k
     mask_k = k < K
-    a_tile = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0,
-                     eviction_policy=WEIGHT_EVICTION)
+    a_tile = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
     _dependent_launch_prologue(USE_GDC)
     x_tile = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
     acc = tl.dot(x_tile.to(a_tile.dtype), tl.trans(a_tile), input_precision=DOT_PRECISION)
@@ -123,8 +122,7 @@ def _shrink_rows(
         k = k0 + offs_k
         mask_k = k < K
         x_tile = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        a_tile = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0,
-                         eviction_policy=WEIGHT_EVICTION)
+        a_tile = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
         # [BM, BK] @ [BK, BR]
         acc += tl.dot(x_tile.to(a_tile.dtype), tl.trans(a_tile), input_precision=DOT_PRECISION)
     return acc
@@ -142,63 +140,42 @@ def _load_u(u_ptr, rows, mask_m, offs_r, mask_r, stride_us, stride_um, stride_ur
 
 
 @triton.jit
-def _load_b(b_slot, offs_r, mask_r, n0, N, stride_br, stride_bn, BLOCK_N: tl.constexpr,
-            WEIGHT_EVICTION: tl.constexpr):
+def _load_b(b_slot, offs_r, mask_r, n0, N, stride_br, stride_bn, BLOCK_N: tl.constexpr):
     """B's `[BR, BN]` tile at columns n0: contiguous along N when B is stored [L, r, N] (stride_bn == 1)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     return tl.load(b_slot + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
-                   mask=mask_r[:, None] & (offs_n < N)[None, :], other=0.0, eviction_policy=WEIGHT_EVICTION)
+                   mask=mask_r[:, None] & (offs_n < N)[None, :], other=0.0)
 
 
 @triton.jit
-def _load_y(y_rows, mask_m, n0, hi, stride_yn, BLOCK_N: tl.constexpr):
-    """y's `[BM, BN]` tile at columns n0 (columns from hi on masked: a prefetch past the range reads nothing)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    return tl.load(y_rows + offs_n[None, :] * stride_yn, mask=mask_m[:, None] & (offs_n < hi)[None, :], other=0.0)
-
-
-@triton.jit
-def _expand_block(u, b_tile, y_old, y_rows, mask_m, scale, n0, hi, stride_yn, BLOCK_N: tl.constexpr,
+def _expand_block(u, b_tile, y_rows, mask_m, scale, n0, N, stride_yn, BLOCK_N: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
-    """y[rows, n0:n0 + BN] = y_old + scale * u @ b_tile."""
+    """y[rows, n0:n0 + BN] += scale * u @ b_tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     acc = tl.dot(u, b_tile, input_precision=DOT_PRECISION)  # [BM, BR] @ [BR, BN]
-    tl.store(y_rows + offs_n[None, :] * stride_yn, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype),
-             mask=mask_m[:, None] & (offs_n < hi)[None, :])
+    y_tile = y_rows + offs_n[None, :] * stride_yn
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    y_old = tl.load(y_tile, mask=mask, other=0.0)
+    tl.store(y_tile, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=mask)
 
 
 @triton.jit
 def _expand_rows(
     u, b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N, stride_br, stride_bn, stride_yn,
     b_first, n_first, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WEIGHT_EVICTION: tl.constexpr, PREFETCH_Y: tl.constexpr,
 ):
     """y[rows, n_lo:n_hi] += scale * u @ B[slot, :, r].T, with u `[BM, BR]` in the weights' dtype.
 
     `b_first`: B's tile at column n_first (the program's first block, loaded before the wait for
-    the kernel ahead), used when this range starts there. PREFETCH_Y: each block's y tile is loaded
-    one block ahead, so its memory round trip overlaps the block before it (the compiler pipelines
-    only B, the dot's operand; y's load would otherwise stall every block).
+    the kernel ahead), used when this range starts there.
     """
-    hi = tl.minimum(n_hi, N)
-    y_ahead = _load_y(y_rows, mask_m, n_lo, hi, stride_yn, BLOCK_N) if PREFETCH_Y else 0.0
     start = n_lo
     if n_lo == n_first:
-        if PREFETCH_Y:
-            y_old = y_ahead
-            y_ahead = _load_y(y_rows, mask_m, n_lo + BLOCK_N, hi, stride_yn, BLOCK_N)
-        else:
-            y_old = _load_y(y_rows, mask_m, n_lo, hi, stride_yn, BLOCK_N)
-        _expand_block(u, b_first, y_old, y_rows, mask_m, scale, n_lo, hi, stride_yn, BLOCK_N, DOT_PRECISION)
+        _expand_block(u, b_first, y_rows, mask_m, scale, n_lo, N, stride_yn, BLOCK_N, DOT_PRECISION)
         start = n_lo + BLOCK_N
-    for n0 in range(start, hi, BLOCK_N):
-        b_tile = _load_b(b_slot, offs_r, mask_r, n0, N, stride_br, stride_bn, BLOCK_N, WEIGHT_EVICTION)
-        if PREFETCH_Y:
-            y_old = y_ahead
-            y_ahead = _load_y(y_rows, mask_m, n0 + BLOCK_N, hi, stride_yn, BLOCK_N)
-        else:
-            y_old = _load_y(y_rows, mask_m, n0, hi, stride_yn, BLOCK_N)
-        _expand_block(u, b_tile, y_old, y_rows, mask_m, scale, n0, hi, stride_yn, BLOCK_N, DOT_PRECISION)
+    for n0 in range(start, tl.minimum(n_hi, N), BLOCK_N):
+        b_tile = _load_b(b_slot, offs_r, mask_r, n0, N, stride_br, stride_bn, BLOCK_N)
+        _expand_block(u, b_tile, y_rows, mask_m, scale, n0, N, stride_yn, BLOCK_N, DOT_PRECISION)
 
 
 @triton.jit
@@ -223,7 +200,7 @@ def _lora_shrink_kernel(
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr, WEIGHT_EVICTION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -240,7 +217,7 @@ def _lora_shrink_kernel(
     acc = _shrink_rows(  # waits for the kernel ahead after its first A load (USE_GDC)
         x_ptr + rows[:, None] * stride_xm, a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar,
         mask_m, mask_r, k_lo, k_lo + k_per_split, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K,
-        DOT_PRECISION, USE_GDC, WEIGHT_EVICTION,
+        DOT_PRECISION, USE_GDC,
     )
     u_tile = u_ptr + pid_k * stride_us + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
     tl.store(u_tile, acc, mask=mask_m[:, None] & mask_r[None, :])
@@ -256,7 +233,7 @@ def _lora_expand_kernel(
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr, WEIGHT_EVICTION: tl.constexpr, PREFETCH_Y: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
     fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote, or (stride_ul > 0, SPLIT_K = 1)
@@ -285,18 +262,16 @@ def _lora_expand_kernel(
     n_lo = pid_n * n_per_program
     n_hi = tl.minimum(n_lo + n_per_program, N)
     # The first B tile before the wait for the kernel ahead (adapter weights never depend on it).
-    b_first = _load_b(b_slot, offs_r, mask_r, n_lo, N, stride_br, stride_bn, BLOCK_N, WEIGHT_EVICTION)
+    b_first = _load_b(b_slot, offs_r, mask_r, n_lo, N, stride_br, stride_bn, BLOCK_N)
     if FUSED:  # one segment: u is shrunk here, over the whole rank (waiting after its first A load)
         u = _shrink_rows(
             x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_r[:, None] * stride_ar,
             mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, USE_GDC,
-            WEIGHT_EVICTION,
         )
         scale = tl.load(scaling_ptr + slot).to(tl.float32)
         _expand_rows(
             u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N,
-            stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION, WEIGHT_EVICTION,
-            PREFETCH_Y,
+            stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION,
         )
     else:
         _dependent_launch_prologue(USE_GDC)
@@ -319,7 +294,6 @@ def _lora_expand_kernel(
                 _expand_rows(
                     u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,
                     stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                    WEIGHT_EVICTION, PREFETCH_Y,
                 )
 
 
@@ -360,12 +334,6 @@ def _pdl_options(cfg: KernelConfig, device: torch.device) -> dict:
     on = cfg.pdl and device.type == "cuda" and _hopper_or_newer(
         device.index if device.index is not None else torch.cuda.current_device())
     return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
-
-
-def _weight_eviction(cfg: KernelConfig) -> str:
-    """L2 eviction hint of adapter weight loads: each weight is read once per step, so with
-    `cfg.stream_weights` its lines go first and leave the activations the next kernel reads in L2."""
-    return "evict_first" if cfg.stream_weights else ""
 
 
 def _split_k(meta: LoRABatchMeta, K: int, rank_blocks: int, cfg: KernelConfig, device: torch.device) -> int:
@@ -435,7 +403,7 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
             DOT_PRECISION=_dot_precision(lora_b.dtype),
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
             num_stages=cfg.fused_num_stages if fused else cfg.expand_num_stages,
-            WEIGHT_EVICTION=_weight_eviction(cfg), PREFETCH_Y=cfg.expand_prefetch_y, **_pdl_options(cfg, y.device),
+            **_pdl_options(cfg, y.device),
         )
     return y
 
@@ -478,7 +446,7 @@ def lora_shrink(
             BLOCK_M=meta.block_m, BLOCK_R=BLOCK_R, BLOCK_K=cfg.shrink_block_k,
             DOT_PRECISION=_dot_precision(x.dtype),
             num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages,
-            WEIGHT_EVICTION=_weight_eviction(cfg), **_pdl_options(cfg, x.device),
+            **_pdl_options(cfg, x.device),
         )
     return u
 
