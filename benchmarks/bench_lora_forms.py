@@ -11,9 +11,6 @@ uniformly over L adapters of a 128-slot bank, rank 8, bf16, in a CUDA graph over
 - `exact, shrink first`: the same kernels, with each group's shrink launched before its base GEMM
   (it reads only x), so the GEMM separates shrink from expand: with programmatic dependent launch the
   shrink's start overlaps the kernel ahead of the GEMM, and the expand's the GEMM's tail.
-- `exact, shrink in GEMM`: every slot's A stacked under W (slot-major), so the base GEMM also
-  computes the shrink of every slot (the whole bank's bytes, whatever L is); then the exact expand
-  alone, each tile reading its own slot's columns of that output. 4 launches per layer, not 8.
 - `own GEMM, expand in epilogue`: the exact shrink, then a Triton base GEMM (`gemm_expand.py`) that
   adds each row's expand in its epilogue: 2 launches per group instead of 3, and no read-modify-write
   of y. Its block sizes are swept per group first; the same GEMM without the expand is timed against
@@ -76,7 +73,6 @@ def prepare(groups, ws, grouped_b_layout: str):
         n_seg = len(segs)
         a_seg_major = a.view(BANK, n_seg, RANK, -1).transpose(0, 1).reshape(-1, a.shape[-1])
         p["w_ext"] = torch.cat([w, a_seg_major])
-        p["w_ext_slot_major"] = torch.cat([w, a.reshape(-1, a.shape[-1])])  # [N + S*G*r, K]
         p["b_flat"] = [b.reshape(-1, b.shape[-1]).contiguous() for b in scaled]  # [S*r, N_g]
         p["a_t"] = in_layout(a.transpose(1, 2), grouped_b_layout)  # [S, K, G*r]
         p["b_grouped"] = [in_layout(b, grouped_b_layout) for b in scaled]  # [S, r, N_g]
@@ -110,21 +106,12 @@ def run_exact(p, st, cfg):
     return y
 
 
-def _expand(g, u, y, st, cfg):
-    """The exact expand of a merged group from a shrink computed beforehand (split partials or bank-wide)."""
-    lora_expand(u, g["b"], merged_scaling(g), g["r"], y, st["meta"], cfg, mask_rank=False, segments=g["edges"])
-    return y
-
-
 def run_exact_shrink_first(p, st, cfg):
     g = p["g"]
     u = lora_shrink(g["x"], g["a"], g["r"], st["meta"], cfg, mask_rank=False)
-    return _expand(g, u, g["x"] @ p["w"].T, st, cfg)
-
-
-def run_exact_gemm_shrink(p, st, cfg):
-    y_ext = p["g"]["x"] @ p["w_ext_slot_major"].T
-    return _expand(p["g"], y_ext[:, p["n"]:], y_ext[:, : p["n"]], st, cfg)
+    y = g["x"] @ p["w"].T
+    lora_expand(u, g["b"], merged_scaling(g), g["r"], y, st["meta"], cfg, mask_rank=False, segments=g["edges"])
+    return y
 
 
 def run_dense(p, st, cfg):
@@ -166,7 +153,7 @@ def run_own_gemm_expand(p, st, cfg):
                        pdl=_pdl_options(cfg, g["x"].device)["USE_GDC"])
 
 
-FORMS = {"exact": run_exact, "exact, shrink first": run_exact_shrink_first, "exact, shrink in GEMM": run_exact_gemm_shrink,
+FORMS = {"exact": run_exact, "exact, shrink first": run_exact_shrink_first,
          "own GEMM, expand in epilogue": run_own_gemm_expand,
          "dense": run_dense, "grouped": run_grouped, "grouped, presorted": run_grouped_presorted}
 

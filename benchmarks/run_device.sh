@@ -54,8 +54,6 @@ for step in "$@"; do
     profile-compile-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 240 python3 benchmarks/profile_step.py --compile \
                  > "$W/profile_compile_patched.log" 2>&1 ;;
-    # The expand reading a bank-wide u (the base GEMM's extra columns) on the GPU, in bf16 and in a CUDA graph.
-    gpu-tests-bank-u) timeout 120 python3 -m pytest tests/test_kernels.py -k "bank" -q -p no:cacheprovider > "$W/tests_bank_u.log" 2>&1 ;;
     # A layer's LoRA beside its GEMMs several ways: exact kernels (shrink after or before the GEMM, or in it),
     # dense cuBLAS over the bank, grouped GEMM.
     lora-forms) timeout 300 python3 benchmarks/bench_lora_forms.py --out "$W" > "$W/lora_forms.log" 2>&1 ;;

@@ -227,11 +227,9 @@ def test_exact_graph_replay_follows_new_slot_map():
         torch.testing.assert_close(out.double(), ref, **TOL[torch.bfloat16])
 
 
-def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, bank_u=False, linear=False):
+def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, linear=False):
     # q/k/v (or gate/up) share x: one shrink over A stacked [L, G*r, K], one expand into the merged
     # [M, sum(N)] output, segment g using its r columns of u, its B columns and its scaling row.
-    # bank_u: no shrink kernel; u is x @ (every slot's A) in x's dtype, as a base GEMM with the A
-    # bank stacked under W computes it, and the expand reads each row's own slot from it.
     # linear: the base GEMM too, through the model layers' op `linear_lora_op` (the device's kernel config).
     from lorazor_kernels import linear_lora_op, lora_expand, lora_shrink
 
@@ -258,11 +256,8 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, bank_u=
             y.copy_(linear_lora_op(x, weight, None, a_stack, b_merged, group_scaling, rank, meta, mask_rank=False,
                                    segments=edges))
             return
-        if bank_u:
-            u = x @ a_stack.reshape(L * G * r, K).T
-        else:
-            u = lora_shrink(x, a_stack, torch.full((L,), G * r, dtype=torch.int32, device=DEVICE), meta, cfg,
-                            mask_rank=False)
+        u = lora_shrink(x, a_stack, torch.full((L,), G * r, dtype=torch.int32, device=DEVICE), meta, cfg,
+                        mask_rank=False)
         lora_expand(u, b_merged, group_scaling, rank, y, meta, cfg, mask_rank=False, segments=edges or None)
 
     run()
@@ -288,21 +283,18 @@ def test_merged_projections_in_one_shrink_and_one_expand(grid, widths):
     check_merged(grid, widths, M=37, K=72, r=8, L=5, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("grid", GRID_MODES)
-@pytest.mark.parametrize("widths", [(48, 16, 32), (64, 80), (96,)], ids=["qkv", "gate_up", "plain"])
-def test_expand_reads_each_rows_slot_from_a_bank_wide_u(grid, widths):
-    check_merged(grid, widths, M=37, K=72, r=8, L=5, dtype=torch.float32, bank_u=True)
-
-
-def test_bank_wide_u_of_the_wrong_width_is_named():
+def test_expand_names_a_u_of_the_wrong_shape():
     from lorazor_kernels import lora_expand
 
     L, r, M = 4, 8, 6
-    b = torch.randn(L, 32, r, device=DEVICE)
+    b = torch.randn(L, 48, r, device=DEVICE)
     meta = build_batch_meta(torch.zeros(M, dtype=torch.long, device=DEVICE), L, "exact")
-    with pytest.raises(ValueError, match=r"bank-wide u must be \[M, L \* G \* r_max\] = \[6, 32\]"):
-        lora_expand(torch.zeros(M, 33, device=DEVICE), b, torch.ones(L, device=DEVICE),
-                    torch.full((L,), r, dtype=torch.int32, device=DEVICE), torch.zeros(M, 32, device=DEVICE), meta)
+    args = (b, torch.ones(2, L, device=DEVICE), torch.full((L,), r, dtype=torch.int32, device=DEVICE),
+            torch.zeros(M, 48, device=DEVICE), meta)
+    for u in (torch.zeros(M, 16, device=DEVICE), torch.zeros(2, M + 1, 16, device=DEVICE),
+              torch.zeros(2, M, 8, device=DEVICE)):  # 2-D; other rows than y; narrower than 2 segments x r
+        with pytest.raises(ValueError, match=r"u must be lora_shrink's partials \[S, M = 6, >= 16\], got"):
+            lora_expand(u, *args, mask_rank=False, segments=(16,))
 
 
 @pytest.mark.gpu
@@ -314,8 +306,8 @@ def test_gpu_bf16_merged_projections(grid, widths, K):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072), ((3072,), 8192)])
-def test_gpu_bf16_bank_wide_u_in_a_graph(widths, K):
-    check_merged("exact", widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16, graph=True, bank_u=True)
+def test_gpu_bf16_merged_projections_in_a_graph(widths, K):
+    check_merged("exact", widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16, graph=True)
 
 
 @pytest.mark.gpu

@@ -228,7 +228,7 @@ def _lora_expand_kernel(
     x_ptr, a_ptr, u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
     K, N, r_max, tiles_per_slot, n_per_program, seg_n1, seg_n2, stride_sg,
-    stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur, stride_ul,
+    stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -236,8 +236,7 @@ def _lora_expand_kernel(
     USE_GDC: tl.constexpr,
 ):
     """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
-    fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote, or (stride_ul > 0, SPLIT_K = 1)
-    read the row's own slot from a bank-wide u `[M, L * G * r_max]` (the base GEMM's extra columns).
+    fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote.
 
     y's columns are up to three segments [0, seg_n1), [seg_n1, seg_n2), [seg_n2, N); a plain
     projection is one segment (seg_n1 = seg_n2 = N). Segment g reads its own r_max columns of u
@@ -288,7 +287,7 @@ def _lora_expand_kernel(
             lo = tl.maximum(n_lo, seg_lo)
             hi = tl.minimum(n_hi, seg_hi)
             if lo < hi:  # u and scaling are loaded once per segment this program touches
-                u = _load_u(u_ptr + slot64 * stride_ul + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r,
+                u = _load_u(u_ptr + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r,
                             stride_us, stride_um, stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
                 scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
                 _expand_rows(
@@ -383,12 +382,7 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
     stand_in = y  # for the pointers the variant does not read
     xs = (x.stride(0), x.stride(1)) if fused else (0, 0)
     a_s = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2)) if fused else (0, 0, 0)
-    if fused:
-        us = (0, 0, 0, 0)
-    elif u.dim() == 2:  # bank-wide u [M, L * G * r_max]: each tile reads its slot's G * r_max columns
-        us = (0, u.stride(0), u.stride(1), u.stride(1) * (u.shape[1] // lora_b.shape[0]))
-    else:
-        us = (u.stride(0), u.stride(1), u.stride(2), 0)
+    us = (0, 0, 0) if fused else (u.stride(0), u.stride(1), u.stride(2))
     # A plain projection is one segment [0, N); merged ones read scaling row g for segment g.
     seg_args = (*(segments + (N, N))[:2], scaling.stride(0) if segments else 0)
     for programs, tiles_per_slot, table, slot_list, class_rows in launches:
@@ -398,7 +392,7 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
             x.shape[1] if fused else 0, N, lora_b.shape[2], tiles_per_slot, n_per_program, *seg_args,
             *xs, *a_s, *us, lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
-            FUSED=fused, SPLIT_K=1 if fused or u.dim() == 2 else u.shape[0], BLOCK_M=meta.block_m,
+            FUSED=fused, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m,
             BLOCK_N=block_n, BLOCK_R=padded_rank(lora_b.shape[2]), BLOCK_K=cfg.fused_block_k if fused else 16,
             DOT_PRECISION=_dot_precision(lora_b.dtype),
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
@@ -459,9 +453,8 @@ def lora_expand(
     """Expand in place: `y[m] += scaling[s] * u[m] @ B[s].T` for every row m with a slot s.
 
     Args:
-        u: `[S, M, r_pad]` fp32 partials from `lora_shrink`, or the shrink of every slot at once,
-            `[M, L * G * r_max]` (any dtype; slot s's G * r_max columns at `s * G * r_max`), as a base
-            GEMM computes it when every slot's A is stacked under its weight.
+        u: `[S, M, r_pad]` fp32 partials from `lora_shrink` (of A stacked `[L, G * r_max, K]` for G
+            merged segments).
         lora_b: `[L, N, r_max]` stacked B weights.
         scaling: `[L]` scale per slot.
         lora_rank: `[L]` int32 real rank per slot.
@@ -476,10 +469,9 @@ def lora_expand(
     Returns:
         `y`.
     """
-    bank_width = lora_b.shape[0] * (len(segments or ()) + 1) * lora_b.shape[2]  # L * G * r_max
-    if u.dim() == 2 and u.shape != (y.shape[0], bank_width):
-        raise ValueError(f"bank-wide u must be [M, L * G * r_max] = [{y.shape[0]}, {bank_width}], "
-                         f"got {tuple(u.shape)}")
+    width = (len(segments or ()) + 1) * lora_b.shape[2]  # G * r_max columns of u are read
+    if u.dim() != 3 or u.shape[1] != y.shape[0] or u.shape[2] < width:
+        raise ValueError(f"u must be lora_shrink's partials [S, M = {y.shape[0]}, >= {width}], got {tuple(u.shape)}")
     if segments is not None:
         if mask_rank:
             raise ValueError("segments need mask_rank=False (uniform ranks, zero-padded weights)")
