@@ -2,11 +2,17 @@
 
 Used by `test_kernels_compile.py` in a subprocess, because the tests run Triton in interpreter mode.
 Prints `compiled N` on success, `skip: <why>` when this Triton cannot target the GPU.
+
+`--resources` also prints the registers, stack and shared memory per thread block of the H200's
+decode launches, from the cubin (`cuobjdump -res-usage`): what bounds the programs per SM.
 """
 
 import inspect
 import itertools
+import os
+import subprocess
 import sys
+import tempfile
 
 import triton
 from lorazor_kernels import lora_kernels as lk
@@ -15,6 +21,22 @@ POINTERS = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf1
             "scaling_ptr": "*fp32", "sorted_rows_ptr": "*i64", "slot_start_ptr": "*i64"}
 # (TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS): exact, full/active_rows, two_class large, two_class small.
 GRIDS = [(True, False, 0), (False, False, 0), (False, True, 0), (False, False, 16)]
+# How Triton specializes a real decode launch: arguments equal to 1 become constants (unit strides,
+# the exact grid's tiles_per_slot), pointers and integers divisible by 16 are marked so (every size
+# and stride of the H200 decode shapes but the rank), which turns on vector loads and cp.async.
+UNIT_ARGS = ("stride_xk", "stride_ak", "stride_ur", "stride_bn", "stride_yn", "tiles_per_slot")
+NOT_DIVISIBLE_BY_16 = ("r_max",)
+
+
+def resources(compiled) -> str:
+    """`REG:.. STACK:.. SHARED:..` of a compiled kernel's cubin (static shared; Triton's is dynamic)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    usage = [line.strip() for line in out.splitlines() if "REG:" in line]
+    return " ".join(usage[0].split()[:2]) + f" dynamic shared {compiled.metadata.shared} B" if usage else "?"
 
 
 def main() -> None:
@@ -26,14 +48,22 @@ def main() -> None:
         return
     target = GPUTarget("cuda", 90, 32)
 
-    def compile_sm90(kernel, consts, pointers=POINTERS):
-        signature = {}
-        for name in inspect.signature(kernel.fn).parameters:
+    def compile_sm90(kernel, consts, pointers=POINTERS, launched=False, options=None):
+        """Compile for sm_90; `launched`: with a real decode launch's specializations."""
+        params = list(inspect.signature(kernel.fn).parameters)
+        if launched:
+            consts = {**{name: 1 for name in UNIT_ARGS if name in params}, **consts}
+        signature, attrs = {}, {}
+        for i, name in enumerate(params):
             if name in consts:
                 signature[name] = "constexpr"
-            else:
-                signature[name] = pointers.get(name, "*i32") if name.endswith("_ptr") else "i32"
-        assert triton.compile(ASTSource(kernel, signature, consts), target=target).asm["cubin"]
+                continue
+            signature[name] = pointers.get(name, "*i32") if name.endswith("_ptr") else "i32"
+            if launched and name not in NOT_DIVISIBLE_BY_16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(ASTSource(kernel, signature, consts, attrs), target=target, options=options or {})
+        assert compiled.asm["cubin"]
+        return compiled
 
     count = 0
     for (table, slot_list, class_rows), mask_rank in itertools.product(GRIDS, (True, False)):
@@ -57,6 +87,23 @@ def main() -> None:
     for fused in (True, False):
         compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=fused, SPLIT_K=3, BLOCK_N=128,
                                                   BLOCK_R=16, BLOCK_K=256 if fused else 16), fp32)
+    # The H200's decode launches (exact grid, bf16, merged uniform-rank banks, PDL, its kernel config):
+    # the code that actually runs there, vectorized and pipelined.
+    from lorazor_kernels import KernelConfig
+    from lorazor_kernels.kernel_config import CONFIG_DIR
+
+    cfg = KernelConfig.from_json(CONFIG_DIR / "NVIDIA_H200.json")
+    base = dict(TILE_TABLE=True, USE_SLOT_LIST=False, CLASS_MAX_ROWS=0, MASK_RANK=False, BLOCK_M=16,
+                DOT_PRECISION="tf32", USE_GDC=cfg.pdl)
+    shrink = compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=cfg.shrink_block_k), launched=True,
+                          options=dict(num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages))
+    expand = compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, SPLIT_K=8, BLOCK_N=cfg.expand_block_n,
+                                                       BLOCK_R=16, BLOCK_K=16), launched=True,
+                          options=dict(num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages))
+    count += 2
+    if "--resources" in sys.argv:
+        print(f"Triton {triton.__version__}, sm_90: H200 shrink ({cfg.shrink_num_warps} warps): {resources(shrink)}")
+        print(f"H200 expand ({cfg.expand_block_n} columns, {cfg.expand_num_warps} warps): {resources(expand)}")
     # The one-program metadata build, with and without the exact grid's tile table.
     from lorazor_kernels import meta_kernel as mk
 
