@@ -1,17 +1,20 @@
 """Where one decode step's GPU time goes: backbone-only against LoRA, kernel by kernel.
 
-    python benchmarks/profile_step.py --model llama-3.2-3b --adapters 128 [--compile] [--no-graphs]
+    python benchmarks/profile_step.py --model llama-3.2-3b --adapters 128 [--compile] [--no-graphs] [--repeat 3]
 
 Runs `generate` as a user does (CUDA graphs on unless --no-graphs), profiles a call of 1 and of
 `--new` tokens, and takes the difference: what remains is `--new - 1` decode steps, prefill and
 setup cancel out. Per kernel name: launches and GPU microseconds per step, for the backbone-only
 call and the LoRA call, then their difference. The last lines compare the step's wall time with
 its summed kernel time; the rest is the time between kernels (launch gaps inside the graph).
+Per-kernel times under the profiler spread by tens of microseconds between calls: `--repeat N`
+profiles N times and reports each kernel's median.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -44,13 +47,17 @@ def kernel_times(fn, trace: list | None = None) -> tuple[Counter, Counter]:
     return us, count
 
 
-def per_step(gen, new: int, trace: list | None = None) -> tuple[Counter, Counter, float]:
-    """Per decode step: (us per kernel name, launches per kernel name, wall ms)."""
+def per_step(gen, new: int, trace: list | None = None, repeat: int = 1) -> tuple[Counter, Counter, float]:
+    """Per decode step: (us per kernel name, launches per kernel name, wall ms); with `repeat` > 1
+    each kernel's median over that many profiled pairs of calls."""
     gen(1), gen(2), gen(new)  # capture and compile outside the measurement
-    us_1, n_1 = kernel_times(lambda: gen(1))
-    us_n, n_n = kernel_times(lambda: gen(new), trace)
     steps = new - 1
-    us = Counter({k: (us_n[k] - us_1[k]) / steps for k in us_n})
+    samples = []
+    for i in range(repeat):
+        us_1, n_1 = kernel_times(lambda: gen(1))
+        us_n, n_n = kernel_times(lambda: gen(new), trace if i == repeat - 1 else None)
+        samples.append(Counter({k: (us_n[k] - us_1[k]) / steps for k in us_n}))
+    us = Counter({k: statistics.median(s[k] for s in samples) for k in samples[-1]})
     count = Counter({k: (n_n[k] - n_1[k]) / steps for k in n_n})
     wall = (timed(lambda: gen(new)) - timed(lambda: gen(1))) / steps * 1e3
     return us, count, wall
@@ -70,6 +77,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--rows", type=int, default=30, help="kernel names shown, largest difference first")
+    ap.add_argument("--repeat", type=int, default=1, help="profiled calls per setup; per-kernel medians")
     args = ap.parse_args()
     from peft import LoraConfig, get_peft_model
 
@@ -91,12 +99,12 @@ def main() -> None:
                                         min_new_tokens=n, do_sample=False, pad_token_id=0)
 
     print(environment(), f"compile={args.compile} graphs={not args.no_graphs}", flush=True)
-    base_us, base_n, base_wall = per_step(gen([None] * B), args.new)
+    base_us, base_n, base_wall = per_step(gen([None] * B), args.new, repeat=args.repeat)
     trace = []
-    lora_us, lora_n, lora_wall = per_step(gen(assign(B, args.adapters, names)), args.new, trace)
+    lora_us, lora_n, lora_wall = per_step(gen(assign(B, args.adapters, names)), args.new, trace, args.repeat)
     layers = model.model.config.num_hidden_layers
     print(f"\nper decode step, batch {B}, {args.adapters} adapters, {layers} layers "
-          f"(us; launches in brackets)\n")
+          f"(us{', median of %d profiles' % args.repeat if args.repeat > 1 else ''}; launches in brackets)\n")
     print(f"| kernel | backbone | LoRA | LoRA - backbone |\n|---|---|---|---|")
     names_all = set(base_us) | set(lora_us)
     for name in sorted(names_all, key=lambda k: -abs(lora_us[k] - base_us[k]))[: args.rows]:
