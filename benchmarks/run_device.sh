@@ -49,9 +49,9 @@ for step in "$@"; do
     # Backbone against LoRA kernel by kernel in the decode step users run (graphs; then graphs + compile).
     profile) timeout 120 python3 benchmarks/profile_step.py > "$W/profile_graphs.log" 2>&1
              timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
-    profile-compile) timeout 240 python3 benchmarks/profile_step.py --compile > "$W/profile_compile.log" 2>&1 ;;
-    # The same with each kernel's median over 3 profiles (per-kernel profiler times spread by tens of us).
-    profile-compile-3) timeout 300 python3 benchmarks/profile_step.py --compile --repeat 3 > "$W/profile_compile.log" 2>&1 ;;
+    # PROFILE_REPEAT=3: each kernel's median over 3 profiles (per-kernel profiler times spread by tens of us).
+    profile-compile) timeout 300 python3 benchmarks/profile_step.py --compile --repeat ${PROFILE_REPEAT:-1} \
+                 > "$W/profile_compile.log" 2>&1 ;;
     # The same with the H200 config patched by $PATCH (JSON), e.g. '{"pdl": false}'.
     profile-compile-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 240 python3 benchmarks/profile_step.py --compile \
