@@ -45,7 +45,7 @@ from bench_kernels import (  # noqa: E402
 from common import SHAPES, environment, time_graph, write_results  # noqa: E402
 from gemm_expand import gemm_expand  # noqa: E402
 from lorazor_kernels import build_batch_meta, get_kernel_config, lora_expand, lora_shrink, slot_bound_class  # noqa: E402
-from lorazor_kernels.lora_kernels import _pdl_options  # noqa: E402
+from lorazor_kernels.lora_launch import _pdl_options  # noqa: E402
 
 BANK = 128
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried for the Triton base GEMM, per group.

@@ -332,7 +332,7 @@ def test_programmatic_dependent_launch_is_ignored_off_hopper():
     import dataclasses
 
     from lorazor_kernels import KernelConfig
-    from lorazor_kernels.lora_kernels import _pdl_options
+    from lorazor_kernels.lora_launch import _pdl_options
 
     assert _pdl_options(dataclasses.replace(KernelConfig(), pdl=True), torch.device("cpu")) == {"USE_GDC": False}
     check_merged("exact", (48, 16, 32), M=37, K=72, r=8, L=5, dtype=torch.float32,
@@ -369,7 +369,7 @@ def test_step_caps_split_long_loops_and_keep_the_result():
     import dataclasses
 
     from lorazor_kernels import KernelConfig
-    from lorazor_kernels.lora_kernels import _at_most_steps
+    from lorazor_kernels.lora_launch import _at_most_steps
 
     assert [_at_most_steps(2, 64, s) for s in (0, 4, 16, 64)] == [2, 16, 4, 2]
     # One K chunk and one column block per program: many more programs, the same delta.
