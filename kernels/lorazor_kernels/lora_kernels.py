@@ -12,7 +12,7 @@ Every program first maps its id to a tile: a slot and a run of at most BLOCK_M r
                       cdiv(M, BM), `active_rows` cdiv(R, BM); empty tiles exit. USE_SLOT_LIST reads
                       the slot from a compact list (two_class large class); CLASS_MAX_ROWS > 0 skips
                       slots with more rows (two_class small class).
-Two ways to run the delta, same tiles and same arithmetic (fp32 u, cast to the weights' dtype):
+Three ways to run the delta, same tiles and same arithmetic (fp32 u, cast to the weights' dtype):
     shrink + expand   the default (faster on the H200): shrink splits K over grid axis 1 (the rank
                       is tiny, K is large) and writes one fp32 partial per split; expand sums the
                       partials, so no atomics and no zero-fill are needed.
@@ -20,6 +20,10 @@ Two ways to run the delta, same tiles and same arithmetic (fp32 u, cast to the w
                       one launch per projection and no u round trip through memory; when a launch
                       has too few tiles to fill the GPU, N is split over more programs, each
                       recomputing its tile's small shrink.
+    CHAINED=True      (GPU only) the expand kernel runs shrink's K split itself: program (tile, j)
+                      writes partial j, counts it in a per-tile counter, waits for its tile's other
+                      splits and expands 1 / split of the columns; one launch, split-K kept.
+Launch geometry and the entry points are in `lora_launch.py`.
 Ranks are padded only inside the kernels to a dot-legal power of two >= 16. With MASK_RANK, loads
 past a slot's real rank are masked, so a rank-8 adapter reads rank-8 bytes even in a bank whose
 largest rank is 64; without it (uniform-rank banks, zeros past each rank) the rank load is skipped.
