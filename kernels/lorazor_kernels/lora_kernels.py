@@ -157,9 +157,11 @@ def _wait_for_splits(count_ptr, done_ptr, has_columns, SPLIT_K: tl.constexpr):
     the tile's two counters at zero for the next launch: the last of its SPLIT_K programs to get
     here resets them, after every one has seen the full count.
 
-    Programs of a tile have consecutive ids, and the GPU dispatches programs in id order, so a
-    waiting program's tile-mates are running or done: no wait depends on a program that cannot
-    be scheduled. A program without columns to expand only counts itself out."""
+    A tile's programs have consecutive linear ids (its splits are grid axis 0, the fastest), and
+    the GPU dispatches programs in linear id order, so a waiting program's tile-mates are
+    dispatched right after it: no wait depends on a program that cannot be scheduled. (With the
+    splits on axis 1, split 0 of every tile filled the GPU at 128 adapters and waited forever for
+    split 7.) A program without columns to expand only counts itself out."""
     if has_columns:
         seen = tl.atomic_add(count_ptr, 0, sem="acquire")
         while seen < SPLIT_K:
@@ -279,8 +281,14 @@ def _lora_expand_kernel(
     (`u[:, g * r_max :]`) and its own scaling row (`scaling_ptr + g * stride_sg`): merged
     projections, e.g. q/k/v in one output. Segment edges are multiples of BLOCK_N.
     """
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if CHAINED:  # a tile's splits on axis 0, so the GPU dispatches them one after another
+        pid = tl.program_id(1)
+        pid_n = tl.program_id(0)
+        tiles = tl.num_programs(1)
+    else:
+        pid = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        tiles = tl.num_programs(0)
     slot, rows, mask_m, rank = _tile(
         pid, rank_ptr, r_max, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
         tiles_per_slot, TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, MASK_RANK, BLOCK_M,
@@ -324,7 +332,7 @@ def _lora_expand_kernel(
             )
             _signal_split(u_ptr + pid_n * stride_us + rows[:, None] * stride_um + offs_rs[None, :] * stride_ur,
                           partial, mask_m[:, None] & mask_rs[None, :], flags_ptr + pid)
-            _wait_for_splits(flags_ptr + pid, flags_ptr + tl.num_programs(0) + pid, n_lo < N, SPLIT_K)
+            _wait_for_splits(flags_ptr + pid, flags_ptr + tiles + pid, n_lo < N, SPLIT_K)
         else:
             _dependent_launch_prologue(USE_GDC)
         for seg in tl.static_range(3):

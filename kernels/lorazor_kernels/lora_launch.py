@@ -118,7 +118,7 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
     # A plain projection is one segment [0, N); merged ones read scaling row g for segment g.
     seg_args = (*(segments + (N, N))[:2], scaling.stride(0) if segments else 0)
     for programs, tiles_per_slot, table, slot_list, class_rows in launches:
-        _lora_expand_kernel[(programs, split)](
+        _lora_expand_kernel[(split, programs) if chained else (programs, split)](
             x if reads_x else stand_in, lora_a if reads_x else stand_in, stand_in if fused else u, lora_b, y,
             scaling, lora_rank, flags, *_meta_tensors(meta, table, slot_list),
             x.shape[1] if reads_x else 0, N, lora_b.shape[2], lora_a.shape[1] if reads_x else 0, tiles_per_slot,
