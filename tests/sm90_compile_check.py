@@ -25,7 +25,7 @@ GRIDS = [(True, False, 0), (False, False, 0), (False, True, 0), (False, False, 1
 # the exact grid's tiles_per_slot), pointers and integers divisible by 16 are marked so (every size
 # and stride of the H200 decode shapes but the rank), which turns on vector loads and cp.async.
 UNIT_ARGS = ("stride_xk", "stride_ak", "stride_ur", "stride_bn", "stride_yn", "tiles_per_slot")
-NOT_DIVISIBLE_BY_16 = ("r_max", "a_rows")
+NOT_DIVISIBLE_BY_16 = ("r_max",)
 
 
 def resources(compiled) -> str:
@@ -71,27 +71,22 @@ def main() -> None:
                     BLOCK_M=16, DOT_PRECISION="tf32", USE_GDC=table)  # PDL with the exact grid (the H200's)
         compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256))
         for fused in (True, False):
-            compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=fused, CHAINED=False, SPLIT_K=12, BLOCK_N=128,
-                                                      BLOCK_R=64 if fused else 16, BLOCK_K=256 if fused else 16,
-                                                      BLOCK_RS=16))
-        # Chained: shrink split, per-tile counters and the wait, then the expand, in one launch.
-        compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, CHAINED=True, SPLIT_K=8, BLOCK_N=128,
-                                                  BLOCK_R=16, BLOCK_K=128, BLOCK_RS=32))
-        count += 4
+            compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=fused, SPLIT_K=12, BLOCK_N=128,
+                                                      BLOCK_R=64 if fused else 16, BLOCK_K=256 if fused else 16))
+        count += 3
     # Triton's launcher turns an int argument equal to 1 into a constant: a rank-1 bank hits that.
     base = dict(TILE_TABLE=True, USE_SLOT_LIST=False, CLASS_MAX_ROWS=0, MASK_RANK=False, BLOCK_M=16,
                 DOT_PRECISION="tf32", r_max=1, USE_GDC=False)
     compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256))
-    compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, CHAINED=False, SPLIT_K=4, BLOCK_N=128, BLOCK_R=16,
-                                              BLOCK_K=16, BLOCK_RS=16))
+    compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, SPLIT_K=4, BLOCK_N=128, BLOCK_R=16, BLOCK_K=16))
     # fp32 weights and activations use IEEE dots (the fp32 GPU tests and the fp32 oracle path).
     fp32 = {k: ("*fp32" if v == "*bf16" else v) for k, v in POINTERS.items()}
     base = dict(TILE_TABLE=True, USE_SLOT_LIST=False, CLASS_MAX_ROWS=0, MASK_RANK=True, BLOCK_M=16,
                 DOT_PRECISION="ieee", USE_GDC=False)
     compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256), fp32)
     for fused in (True, False):
-        compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=fused, CHAINED=False, SPLIT_K=3, BLOCK_N=128,
-                                                  BLOCK_R=16, BLOCK_K=256 if fused else 16, BLOCK_RS=16), fp32)
+        compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=fused, SPLIT_K=3, BLOCK_N=128,
+                                                  BLOCK_R=16, BLOCK_K=256 if fused else 16), fp32)
     # The H200's decode launches (exact grid, bf16, merged uniform-rank banks, PDL, its kernel config):
     # the code that actually runs there, vectorized and pipelined.
     from lorazor_kernels import KernelConfig
@@ -102,19 +97,13 @@ def main() -> None:
                 DOT_PRECISION="tf32", USE_GDC=cfg.pdl)
     shrink = compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=cfg.shrink_block_k), launched=True,
                           options=dict(num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages))
-    expand = compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, CHAINED=False, SPLIT_K=8,
-                                                       BLOCK_N=cfg.expand_block_n, BLOCK_R=16, BLOCK_K=16, BLOCK_RS=16),
-                          launched=True, options=dict(num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages))
-    # The chained launch of a merged q/k/v projection (A rows 3 * 8, padded to 32) at that config.
-    chained = compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, CHAINED=True, SPLIT_K=8,
-                                                        BLOCK_N=cfg.expand_block_n, BLOCK_R=16,
-                                                        BLOCK_K=cfg.shrink_block_k, BLOCK_RS=32),
-                           launched=True, options=dict(num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages))
-    count += 3
+    expand = compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, SPLIT_K=8, BLOCK_N=cfg.expand_block_n,
+                                                       BLOCK_R=16, BLOCK_K=16), launched=True,
+                          options=dict(num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages))
+    count += 2
     if "--resources" in sys.argv:
         print(f"Triton {triton.__version__}, sm_90: H200 shrink ({cfg.shrink_num_warps} warps): {resources(shrink)}")
         print(f"H200 expand ({cfg.expand_block_n} columns, {cfg.expand_num_warps} warps): {resources(expand)}")
-        print(f"H200 chained ({cfg.expand_num_warps} warps): {resources(chained)}")
     # The one-program metadata build, with and without the exact grid's tile table.
     from lorazor_kernels import meta_kernel as mk
 

@@ -5,7 +5,7 @@ This package takes tensors and step metadata; it knows nothing about models.
 
 from .decode_attention import decode_attention, decode_attention_op, decode_attention_reference
 from .kernel_config import KernelConfig, get_kernel_config
-from .lora_launch import lora_chained, lora_expand, lora_fused, lora_shrink
+from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound, slot_bound_class
 from .ops import add_batched_lora_, batched_lora, linear_lora_op
 from .reference import NO_ADAPTER, lora_delta_reference
@@ -23,7 +23,6 @@ __all__ = [
     "decode_attention_reference",
     "get_kernel_config",
     "linear_lora_op",
-    "lora_chained",
     "lora_delta_reference",
     "lora_expand",
     "lora_fused",

@@ -46,11 +46,6 @@ class KernelConfig:
             which builds it at the start of the step, and in `batched_lora`). Ignored elsewhere.
             On in the H200 file: compiled decode of Llama-3.2-3B at 128 adapters went from
             33.4k to 34.7k tok/s (benchmarks/results/e2e_llama-3.2-3b_exact_pdl.md).
-        chained: on CUDA devices, run each projection's shrink and expand as one launch
-            (`lora_chained`): program (tile, j) shrinks K split j of its tile (the shrink's split,
-            `target_programs_per_sm`), then expands 1 / split of the columns once all of its tile's
-            splits are in. Expand block and launch options as the expand's. Falls back to shrink +
-            expand elsewhere (CPU interpreter, `two_class` class split).
         one_program_meta: build the `exact`/`full` step metadata in one Triton program
             (`meta_kernel.py`) instead of about 25 small torch kernels. On in the H200 file: about
             0.06 ms less per compiled decode step in one-run A/Bs
@@ -75,7 +70,6 @@ class KernelConfig:
     fused_num_warps: int = 4
     fused_num_stages: int = 3
     pdl: bool = False
-    chained: bool = False
     one_program_meta: bool = False
 
     @classmethod

@@ -12,7 +12,7 @@ Every program first maps its id to a tile: a slot and a run of at most BLOCK_M r
                       cdiv(M, BM), `active_rows` cdiv(R, BM); empty tiles exit. USE_SLOT_LIST reads
                       the slot from a compact list (two_class large class); CLASS_MAX_ROWS > 0 skips
                       slots with more rows (two_class small class).
-Three ways to run the delta, same tiles and same arithmetic (fp32 u, cast to the weights' dtype):
+Two ways to run the delta, same tiles and same arithmetic (fp32 u, cast to the weights' dtype):
     shrink + expand   the default (faster on the H200): shrink splits K over grid axis 1 (the rank
                       is tiny, K is large) and writes one fp32 partial per split; expand sums the
                       partials, so no atomics and no zero-fill are needed.
@@ -20,9 +20,6 @@ Three ways to run the delta, same tiles and same arithmetic (fp32 u, cast to the
                       one launch per projection and no u round trip through memory; when a launch
                       has too few tiles to fill the GPU, N is split over more programs, each
                       recomputing its tile's small shrink.
-    CHAINED=True      (GPU only) the expand kernel runs shrink's K split itself: program (tile, j)
-                      writes partial j, counts it in a per-tile counter, waits for its tile's other
-                      splits and expands 1 / split of the columns; one launch, split-K kept.
 Launch geometry and the entry points are in `lora_launch.py`.
 Ranks are padded only inside the kernels to a dot-legal power of two >= 16. With MASK_RANK, loads
 past a slot's real rank are masked, so a rank-8 adapter reads rank-8 bytes even in a bank whose
@@ -128,47 +125,13 @@ def _shrink_rows(
 
 @triton.jit
 def _load_u(u_ptr, rows, mask_m, offs_r, mask_r, stride_us, stride_um, stride_ur, SPLIT_K: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, FROM_L2: tl.constexpr):
-    """fp32 `[BM, BR]`: the sum of shrink's SPLIT_K partials for these rows, below the rank.
-    FROM_L2: partials other programs of this launch wrote: read past the SM's L1 (`.cg`)."""
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """fp32 `[BM, BR]`: the sum of shrink's SPLIT_K partials for these rows, below the rank."""
     u_ptrs = u_ptr + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
     u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
-        if FROM_L2:
-            u += tl.load(u_ptrs + split * stride_us, mask=mask_m[:, None] & mask_r[None, :], other=0.0,
-                         cache_modifier=".cg")
-        else:
-            u += tl.load(u_ptrs + split * stride_us, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        u += tl.load(u_ptrs + split * stride_us, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     return u
-
-
-@triton.jit
-def _signal_split(u_tile, partial, mask, count_ptr):
-    """Store this program's shrink partial, then count it for its tile (`CHAINED`): every warp's
-    stores come before the count (barrier), and the count releases them to the tile's readers."""
-    tl.store(u_tile, partial, mask=mask)
-    tl.debug_barrier()
-    tl.atomic_add(count_ptr, 1, sem="release")
-
-
-@triton.jit
-def _wait_for_splits(count_ptr, done_ptr, has_columns, SPLIT_K: tl.constexpr):
-    """Wait until all SPLIT_K partials of this program's tile are counted (`CHAINED`), then leave
-    the tile's two counters at zero for the next launch: the last of its SPLIT_K programs to get
-    here resets them, after every one has seen the full count.
-
-    A tile's programs have consecutive linear ids (its splits are grid axis 0, the fastest), and
-    the GPU dispatches programs in linear id order, so a waiting program's tile-mates are
-    dispatched right after it: no wait depends on a program that cannot be scheduled. (With the
-    splits on axis 1, split 0 of every tile filled the GPU at 128 adapters and waited forever for
-    split 7.) A program without columns to expand only counts itself out."""
-    if has_columns:
-        seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-        while seen < SPLIT_K:
-            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel") == SPLIT_K - 1:
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed")
-        tl.atomic_xchg(done_ptr, 0, sem="relaxed")
 
 
 @triton.jit
@@ -257,38 +220,26 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _lora_expand_kernel(
-    x_ptr, a_ptr, u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr, flags_ptr,
+    x_ptr, a_ptr, u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
-    K, N, r_max, a_rows, tiles_per_slot, n_per_program, k_per_split, seg_n1, seg_n2, stride_sg,
+    K, N, r_max, tiles_per_slot, n_per_program, seg_n1, seg_n2, stride_sg,
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
-    FUSED: tl.constexpr, CHAINED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_RS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
+    FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
-    fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote, or, CHAINED, that this launch
-    writes itself: program (tile, j) first shrinks K split j of its tile over all `a_rows` rows of A
-    (BLOCK_RS wide) into u[j], then waits for its tile's SPLIT_K partials (`_signal_split`,
-    `_wait_for_splits`; grid axis 1 is SPLIT_K) and expands its share of the columns. One launch
-    per projection instead of two, and a tile's expand starts as soon as its own shrink is done
-    rather than after the whole shrink grid. GPU only: a program waits on its tile's other programs,
-    which the interpreter, running programs one by one, never gets to.
+    fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote.
 
     y's columns are up to three segments [0, seg_n1), [seg_n1, seg_n2), [seg_n2, N); a plain
     projection is one segment (seg_n1 = seg_n2 = N). Segment g reads its own r_max columns of u
     (`u[:, g * r_max :]`) and its own scaling row (`scaling_ptr + g * stride_sg`): merged
     projections, e.g. q/k/v in one output. Segment edges are multiples of BLOCK_N.
     """
-    if CHAINED:  # a tile's splits on axis 0, so the GPU dispatches them one after another
-        pid = tl.program_id(1)
-        pid_n = tl.program_id(0)
-        tiles = tl.num_programs(1)
-    else:
-        pid = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        tiles = tl.num_programs(0)
+    pid = tl.program_id(0)
+    pid_n = tl.program_id(1)
     slot, rows, mask_m, rank = _tile(
         pid, rank_ptr, r_max, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
         tiles_per_slot, TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, MASK_RANK, BLOCK_M,
@@ -317,24 +268,7 @@ def _lora_expand_kernel(
             stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION,
         )
     else:
-        if CHAINED:  # this program's shrink split, then wait (with PDL, after its first A load)
-            if MASK_RANK:
-                shrink_rank = rank
-            else:
-                shrink_rank = a_rows  # merged projections: every member's rows of A
-            offs_rs = tl.arange(0, BLOCK_RS)
-            mask_rs = offs_rs < shrink_rank
-            k_lo = pid_n * k_per_split
-            partial = _shrink_rows(
-                x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_rs[:, None] * stride_ar,
-                mask_m, mask_rs, k_lo, tl.minimum(k_lo + k_per_split, K), K, stride_xk, stride_ak,
-                BLOCK_M, BLOCK_RS, BLOCK_K, DOT_PRECISION, USE_GDC,
-            )
-            _signal_split(u_ptr + pid_n * stride_us + rows[:, None] * stride_um + offs_rs[None, :] * stride_ur,
-                          partial, mask_m[:, None] & mask_rs[None, :], flags_ptr + pid)
-            _wait_for_splits(flags_ptr + pid, flags_ptr + tiles + pid, n_lo < N, SPLIT_K)
-        else:
-            _dependent_launch_prologue(USE_GDC)
+        _dependent_launch_prologue(USE_GDC)
         for seg in tl.static_range(3):
             if seg == 0:
                 seg_lo = 0
@@ -349,7 +283,7 @@ def _lora_expand_kernel(
             hi = tl.minimum(n_hi, seg_hi)
             if lo < hi:  # u and scaling are loaded once per segment this program touches
                 u = _load_u(u_ptr + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r,
-                            stride_us, stride_um, stride_ur, SPLIT_K, BLOCK_M, BLOCK_R, CHAINED)
+                            stride_us, stride_um, stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
                 scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
                 _expand_rows(
                     u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,

@@ -1,5 +1,5 @@
 """Launching GridTrim's kernels (`lora_kernels.py`): grid geometry per mode, K and N splits, PDL
-options, and the entry points `lora_shrink`, `lora_expand`, `lora_fused` and `lora_chained`."""
+options, and the entry points `lora_shrink`, `lora_expand` and `lora_fused`."""
 
 from __future__ import annotations
 
@@ -81,12 +81,10 @@ def _columns_per_program(programs: int, N: int, block_n: int, per_sm: int, devic
     return triton.cdiv(n_blocks, splits) * block_n
 
 
-def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=None, lora_a=None, segments=None,
-                chained=False):
-    """Every launch of the expand kernel for a step: from shrink's u, fused (x and lora_a given), or
-    chained (x, lora_a and chained=True: the launch writes u itself), optionally over merged-projection
-    segments (column edges, scaling `[G, L]`)."""
-    fused = u is None and not chained
+def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=None, lora_a=None, segments=None):
+    """Every launch of the expand kernel for a step: fused (x and lora_a given) or from shrink's u,
+    optionally over merged-projection segments (column edges, scaling `[G, L]`)."""
+    fused = u is None
     N = lora_b.shape[1]
     block_n = min(cfg.fused_block_n if fused else cfg.expand_block_n, max(16, triton.next_power_of_2(N)))
     segments = tuple(segments or ())
@@ -95,60 +93,30 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
     if any(e % block_n for e in segments):
         raise ValueError(f"segment edges {segments} must be multiples of 16")
     launches = _launches(meta, expand=True)
-    programs = sum(n for n, *_ in launches)
-    flags = y  # stand-in
-    if chained:  # axis 1 is the shrink's K split; each program expands 1 / split of the columns
-        K = x.shape[1]
-        split = _split_k(meta, K, 1, cfg, y.device)
-        k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.shrink_block_k) * cfg.shrink_block_k
-        split = triton.cdiv(K, k_per_split)
-        u = torch.empty(split, y.shape[0], padded_rank(lora_a.shape[1]), dtype=torch.float32, device=y.device)
-        n_per_program = triton.cdiv(triton.cdiv(N, block_n), split) * block_n
-        flags = tile_flags(y.device, 2 * max(n for n, *_ in launches))
-    else:
-        k_per_split = 0
-        per_sm = cfg.fused_programs_per_sm if fused else cfg.expand_programs_per_sm
-        n_per_program = _columns_per_program(programs, N, block_n, per_sm, y.device, 0 if fused else cfg.expand_max_steps)
-        split = triton.cdiv(N, n_per_program)
+    per_sm = cfg.fused_programs_per_sm if fused else cfg.expand_programs_per_sm
+    n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, per_sm, y.device,
+                                         0 if fused else cfg.expand_max_steps)
     stand_in = y  # for the pointers the variant does not read
-    reads_x = fused or chained
-    xs = (x.stride(0), x.stride(1)) if reads_x else (0, 0)
-    a_s = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2)) if reads_x else (0, 0, 0)
+    xs = (x.stride(0), x.stride(1)) if fused else (0, 0)
+    a_s = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2)) if fused else (0, 0, 0)
     us = (0, 0, 0) if fused else (u.stride(0), u.stride(1), u.stride(2))
     # A plain projection is one segment [0, N); merged ones read scaling row g for segment g.
     seg_args = (*(segments + (N, N))[:2], scaling.stride(0) if segments else 0)
     for programs, tiles_per_slot, table, slot_list, class_rows in launches:
-        _lora_expand_kernel[(split, programs) if chained else (programs, split)](
-            x if reads_x else stand_in, lora_a if reads_x else stand_in, stand_in if fused else u, lora_b, y,
-            scaling, lora_rank, flags, *_meta_tensors(meta, table, slot_list),
-            x.shape[1] if reads_x else 0, N, lora_b.shape[2], lora_a.shape[1] if reads_x else 0, tiles_per_slot,
-            n_per_program, k_per_split, *seg_args,
+        _lora_expand_kernel[(programs, triton.cdiv(N, n_per_program))](
+            x if fused else stand_in, lora_a if fused else stand_in, stand_in if fused else u, lora_b, y, scaling,
+            lora_rank, *_meta_tensors(meta, table, slot_list),
+            x.shape[1] if fused else 0, N, lora_b.shape[2], tiles_per_slot, n_per_program, *seg_args,
             *xs, *a_s, *us, lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
-            FUSED=fused, CHAINED=chained, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m,
-            BLOCK_N=block_n, BLOCK_R=padded_rank(lora_b.shape[2]),
-            BLOCK_K=cfg.fused_block_k if fused else cfg.shrink_block_k if chained else 16,
-            BLOCK_RS=padded_rank(lora_a.shape[1]) if chained else 16,
+            FUSED=fused, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m,
+            BLOCK_N=block_n, BLOCK_R=padded_rank(lora_b.shape[2]), BLOCK_K=cfg.fused_block_k if fused else 16,
             DOT_PRECISION=_dot_precision(lora_b.dtype),
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
             num_stages=cfg.fused_num_stages if fused else cfg.expand_num_stages,
             **_pdl_options(cfg, y.device),
         )
     return y
-
-
-# Per-tile counters of chained launches, by device: zero between launches (each launch leaves them
-# so). Launches on one device share them, so they must be stream-ordered (one stream, as a decode
-# step is). Buffers are never freed: a captured CUDA graph keeps the address it was captured with.
-_TILE_FLAGS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def tile_flags(device: torch.device, size: int) -> torch.Tensor:
-    """The device's int32 counters, at least `size` long (4096 at first, enough for 2048 tiles)."""
-    buffers = _TILE_FLAGS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < size:
-        buffers.append(torch.zeros(max(size, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def lora_shrink(
@@ -243,27 +211,3 @@ def lora_fused(
     """
     return _run_expand(y, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device), mask_rank,
                        x=x, lora_a=lora_a)
-
-
-def lora_chained(
-    x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
-    y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None, mask_rank: bool = True,
-    segments: tuple[int, ...] | None = None,
-) -> torch.Tensor:
-    """Shrink and expand in one launch on the GPU, split-K shrink kept: `y[m] += scaling[s] * (x[m] @
-    A[s].T) @ B[s].T` in place (`KernelConfig.chained`).
-
-    Same arguments as `lora_shrink` + `lora_expand` (segments included). Each program shrinks one
-    K split of its tile, and the tile's programs then expand it as soon as all its splits are in
-    (per-tile counters in global memory), instead of the expand waiting for the whole shrink grid.
-    CUDA devices only, and not the `two_class` split expand (its launches differ from the shrink's).
-    Returns `y`.
-    """
-    if y.device.type != "cuda":
-        raise ValueError(f"lora_chained runs on a CUDA device only (its programs wait on each other), got {y.device}")
-    if meta.grid == "two_class" and meta.class_split:
-        raise ValueError("lora_chained does not take a two_class step with its class split on")
-    if segments is not None and mask_rank:
-        raise ValueError("segments need mask_rank=False (uniform ranks, zero-padded weights)")
-    return _run_expand(y, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device), mask_rank,
-                       x=x, lora_a=lora_a, segments=segments, chained=True)

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from .kernel_config import KernelConfig, get_kernel_config
-from .lora_launch import lora_chained, lora_expand, lora_fused, lora_shrink
+from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
 from .reference import check_lora_args, lora_delta_reference
 
@@ -49,7 +49,7 @@ def add_batched_lora_(
         meta: step metadata from `build_batch_meta(row_slot, L, grid)`.
         backend: "triton" (GPU, or CPU under TRITON_INTERPRET=1) or "reference".
         cfg: kernel launch config (default: the device's tuned file); `cfg.fused` picks one fused
-            kernel, `cfg.chained` (CUDA only) one chained launch, else shrink + expand.
+            kernel or shrink + expand.
         mask_rank: False skips the per-slot rank load in the kernels; only valid when every slot
             a row uses has zero weights past its rank (the `AdapterBank` layout) and rank ~r_max.
         segments: merged projections (see `lora_expand`): y is `[M, N_1 + ... + N_G]`, lora_a is
@@ -69,8 +69,6 @@ def add_batched_lora_(
     if cfg.fused and not segments:
         return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
     mask_rank = mask_rank and not segments  # merged projections hold uniform ranks: no rank load
-    if cfg.chained and y.device.type == "cuda" and not (meta.grid == "two_class" and meta.class_split):
-        return lora_chained(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments or None)
     u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None)
 
