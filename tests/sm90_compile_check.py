@@ -100,17 +100,7 @@ def main() -> None:
     expand = compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, SPLIT_K=8, BLOCK_N=cfg.expand_block_n,
                                                        BLOCK_R=16, BLOCK_K=16), launched=True,
                           options=dict(num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages))
-    # The same launches with the bulk L2 prefetch of each program's weight range (the PTX must hold it).
-    for kernel, consts, opts in ((lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=cfg.shrink_block_k),
-                                  dict(num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages)),
-                                 (lk._lora_expand_kernel, dict(base, FUSED=False, SPLIT_K=8, BLOCK_N=cfg.expand_block_n,
-                                                               BLOCK_R=16, BLOCK_K=16),
-                                  dict(num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages))):
-        prefetching = compile_sm90(kernel, dict(consts, PREFETCH_L2=True), launched=True, options=opts)
-        assert "cp.async.bulk.prefetch.L2.global" in prefetching.asm["ptx"], "the L2 prefetch was compiled away"
-        if "--resources" in sys.argv:
-            print(f"{kernel.fn.__name__} with PREFETCH_L2: {resources(prefetching)}")
-    count += 4
+    count += 2
     if "--resources" in sys.argv:
         print(f"Triton {triton.__version__}, sm_90: H200 shrink ({cfg.shrink_num_warps} warps): {resources(shrink)}")
         print(f"H200 expand ({cfg.expand_block_n} columns, {cfg.expand_num_warps} warps): {resources(expand)}")

@@ -317,33 +317,6 @@ def test_gpu_programmatic_dependent_launch_matches_reference(widths, K):
     check_merged("exact", widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16, cfg=cfg, graph=True)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("widths, K, L", [((3072, 1024, 1024), 3072, 128), ((8192, 8192), 3072, 7), ((3072,), 8192, 128),
-                                          ((48, 16, 32), 72, 5)])
-def test_gpu_l2_prefetch_matches_reference(widths, K, L):
-    # The bulk L2 prefetch is a hint: with it on (and PDL, as on the H200) the delta must not change.
-    import dataclasses
-
-    from lorazor_kernels import get_kernel_config
-
-    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), pdl=True, shrink_prefetch_l2=True,
-                              expand_prefetch_l2=True)
-    check_merged("exact", widths, M=256, K=K, r=8, L=L, dtype=torch.bfloat16, cfg=cfg, graph=True)
-
-
-def test_l2_prefetch_only_for_aligned_rows_on_hopper():
-    from lorazor_kernels.lora_launch import _prefetch_ok
-
-    w = torch.zeros(4, 8, 3072, dtype=torch.bfloat16)
-    assert not _prefetch_ok(True, w, 3072, 384)  # not on a GPU: the interpreter has no prefetch
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
-        w = w.cuda()
-        assert _prefetch_ok(True, w, 3072, 384) and not _prefetch_ok(False, w, 3072, 384)
-        assert not _prefetch_ok(True, w, 3071, 384)  # a row range of 6142 bytes: not whole 16-byte units
-        assert not _prefetch_ok(True, w[:, :, 4:3068], 3064, 384)  # rows start 8 bytes off 16-byte alignment
-        assert not _prefetch_ok(True, w.transpose(1, 2), 8, 8)  # rows not contiguous
-
-
 @pytest.mark.parametrize("widths", [(48, 16, 32), (80,)], ids=["qkv", "plain"])
 def test_linear_with_lora_is_the_gemm_plus_the_delta(widths):
     check_merged("exact", widths, M=37, K=72, r=8, L=5, dtype=torch.float32, linear=True)

@@ -46,9 +46,6 @@ class KernelConfig:
             which builds it at the start of the step, and in `batched_lora`). Ignored elsewhere.
             On in the H200 file: compiled decode of Llama-3.2-3B at 128 adapters went from
             33.4k to 34.7k tok/s (benchmarks/results/e2e_llama-3.2-3b_exact_pdl.md).
-        shrink_prefetch_l2 / expand_prefetch_l2: each shrink (expand) program first asks the L2 for
-            its whole A (B) range with one bulk prefetch per rank row (sm_90+, aligned weights;
-            ignored elsewhere), before it waits for the kernel ahead under PDL.
         one_program_meta: build the `exact`/`full` step metadata in one Triton program
             (`meta_kernel.py`) instead of about 25 small torch kernels. On in the H200 file: about
             0.06 ms less per compiled decode step in one-run A/Bs
@@ -73,8 +70,6 @@ class KernelConfig:
     fused_num_warps: int = 4
     fused_num_stages: int = 3
     pdl: bool = False
-    shrink_prefetch_l2: bool = False
-    expand_prefetch_l2: bool = False
     one_program_meta: bool = False
 
     @classmethod

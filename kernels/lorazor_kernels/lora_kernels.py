@@ -188,27 +188,6 @@ def _dependent_launch_prologue(USE_GDC: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows_l2(row_ptrs, count, mask, CHUNKS: tl.constexpr = 8):
-    """Ask the L2 for `count` elements from each row pointer `[BR]` with a mask set, each row in CHUNKS
-    bulk prefetches (`cp.async.bulk.prefetch.L2`, sm_90+), so the threads share the work instead
-    of repeating it. A hint: no data comes back and nothing waits on it. Issued before the wait for
-    the kernel ahead, it puts a program's whole weight range in flight at once, where the loop's
-    pipelined loads keep only a few tiles in flight. Rows must start 16-byte aligned and `count`
-    fill whole 16-byte units (the launcher checks, `_prefetch_ok`)."""
-    elem: tl.constexpr = row_ptrs.dtype.element_ty.primitive_bitwidth // 8
-    align: tl.constexpr = 16 // elem
-    chunk = tl.cdiv(tl.cdiv(count, CHUNKS), align) * align  # elements, whole 16-byte units
-    offs = tl.arange(0, CHUNKS) * chunk
-    nbytes = (tl.minimum(count - offs, chunk) * elem)[None, :]
-    on = mask[:, None] & (nbytes > 0)
-    tl.inline_asm_elementwise(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p cp.async.bulk.prefetch.L2.global [$1], $3;\nmov.b32 $0, 0;\n}",
-        "=r,l,r,r", [row_ptrs[:, None] + offs[None, :], on.to(tl.int32), nbytes], dtype=tl.int32, is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, u_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
@@ -216,7 +195,7 @@ def _lora_shrink_kernel(
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr, PREFETCH_L2: tl.constexpr = False,
+    USE_GDC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -230,11 +209,8 @@ def _lora_shrink_kernel(
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     k_lo = pid_k * k_per_split
-    a_rows = a_ptr + slot.to(tl.int64) * stride_al + offs_r * stride_ar
-    if PREFETCH_L2:  # this program's whole A range (stride_ak == 1), before the wait below
-        _prefetch_rows_l2(a_rows + k_lo, tl.minimum(k_lo + k_per_split, K) - k_lo, mask_r)
     acc = _shrink_rows(  # waits for the kernel ahead after its first A load (USE_GDC)
-        x_ptr + rows[:, None] * stride_xm, a_rows[:, None],
+        x_ptr + rows[:, None] * stride_xm, a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar,
         mask_m, mask_r, k_lo, k_lo + k_per_split, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K,
         DOT_PRECISION, USE_GDC,
     )
@@ -252,7 +228,7 @@ def _lora_expand_kernel(
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr, PREFETCH_L2: tl.constexpr = False,
+    USE_GDC: tl.constexpr,
 ):
     """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
     fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote.
@@ -279,8 +255,6 @@ def _lora_expand_kernel(
     # tile lookup and keep several independent B loads in flight.
     n_lo = pid_n * n_per_program
     n_hi = tl.minimum(n_lo + n_per_program, N)
-    if PREFETCH_L2:  # this program's whole B range (stride_bn == 1), before the wait for the kernel ahead
-        _prefetch_rows_l2(b_slot + offs_r * stride_br + n_lo, n_hi - n_lo, mask_r)
     # The first B tile before the wait for the kernel ahead (adapter weights never depend on it).
     b_first = _load_b(b_slot, offs_r, mask_r, n_lo, N, stride_br, stride_bn, BLOCK_N)
     if FUSED:  # one segment: u is shrunk here, over the whole rank (waiting after its first A load)

@@ -52,16 +52,6 @@ def _pdl_options(cfg: KernelConfig, device: torch.device) -> dict:
     return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
 
 
-def _prefetch_ok(on: bool, w: torch.Tensor, length: int, chunk: int) -> bool:
-    """Whether the kernels may bulk-prefetch rows of weights `w` (`[L, r, length]`, last dim contiguous):
-    asked for, on an sm_90+ GPU, and every row range they prefetch 16-byte aligned and sized."""
-    size = w.element_size()
-    return (on and w.is_cuda and _hopper_or_newer(w.device.index if w.device.index is not None else
-                                                  torch.cuda.current_device())
-            and w.stride(2) == 1 and w.data_ptr() % 16 == 0
-            and all(v * size % 16 == 0 for v in (w.stride(0), w.stride(1), length, chunk)))
-
-
 def _split_k(meta: LoRABatchMeta, K: int, rank_blocks: int, cfg: KernelConfig, device: torch.device) -> int:
     """Split K so that shrink launches enough programs to keep the GPU's memory system busy."""
     max_splits = triton.cdiv(K, cfg.shrink_block_k)
@@ -107,7 +97,6 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
     n_per_program = _columns_per_program(sum(n for n, *_ in launches), N, block_n, per_sm, y.device,
                                          0 if fused else cfg.expand_max_steps)
     stand_in = y  # for the pointers the variant does not read
-    b_rows = lora_b.transpose(1, 2)  # [L, r, N]: the rows the expand reads (and may prefetch)
     xs = (x.stride(0), x.stride(1)) if fused else (0, 0)
     a_s = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2)) if fused else (0, 0, 0)
     us = (0, 0, 0) if fused else (u.stride(0), u.stride(1), u.stride(2))
@@ -123,7 +112,6 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
             FUSED=fused, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m,
             BLOCK_N=block_n, BLOCK_R=padded_rank(lora_b.shape[2]), BLOCK_K=cfg.fused_block_k if fused else 16,
             DOT_PRECISION=_dot_precision(lora_b.dtype),
-            PREFETCH_L2=not fused and _prefetch_ok(cfg.expand_prefetch_l2, b_rows, N, n_per_program),
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
             num_stages=cfg.fused_num_stages if fused else cfg.expand_num_stages,
             **_pdl_options(cfg, y.device),
@@ -168,7 +156,6 @@ def lora_shrink(
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
             BLOCK_M=meta.block_m, BLOCK_R=BLOCK_R, BLOCK_K=cfg.shrink_block_k,
             DOT_PRECISION=_dot_precision(x.dtype),
-            PREFETCH_L2=_prefetch_ok(cfg.shrink_prefetch_l2, lora_a, K, k_per_split),
             num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages,
             **_pdl_options(cfg, x.device),
         )
