@@ -291,13 +291,10 @@ def test_expand_names_a_u_of_the_wrong_shape():
     meta = build_batch_meta(torch.zeros(M, dtype=torch.long, device=DEVICE), L, "exact")
     args = (b, torch.ones(2, L, device=DEVICE), torch.full((L,), r, dtype=torch.int32, device=DEVICE),
             torch.zeros(M, 48, device=DEVICE), meta)
-    for u in (torch.zeros(2, M + 1, 16, device=DEVICE), torch.zeros(2, M, 8, device=DEVICE)):
-        # other rows than y; narrower than 2 segments x r
-        with pytest.raises(ValueError, match=r"u must be lora_shrink's partials \[S, M = 6, >= 16\] or every slot"):
+    for u in (torch.zeros(M, 16, device=DEVICE), torch.zeros(2, M + 1, 16, device=DEVICE),
+              torch.zeros(2, M, 8, device=DEVICE)):  # 2-D; other rows than y; narrower than 2 segments x r
+        with pytest.raises(ValueError, match=r"u must be lora_shrink's partials \[S, M = 6, >= 16\], got"):
             lora_expand(u, *args, mask_rank=False, segments=(16,))
-    # 2-D: every slot's shrink must hold L x 2 segments x r columns
-    with pytest.raises(ValueError, match=r"u of every slot must be \[M, L \* G \* r_max\] = \[6, 64\], got \(6, 16\)"):
-        lora_expand(torch.zeros(M, 16, device=DEVICE), *args, mask_rank=False, segments=(16,))
 
 
 @pytest.mark.gpu

@@ -46,10 +46,6 @@ class KernelConfig:
             which builds it at the start of the step, and in `batched_lora`). Ignored elsewhere.
             On in the H200 file: compiled decode of Llama-3.2-3B at 128 adapters went from
             33.4k to 34.7k tok/s (benchmarks/results/e2e_llama-3.2-3b_exact_pdl.md).
-        gemm_shrink: in decode steps whose batch uses most of the bank (the top class of distinct
-            adapters), compute the LoRA shrink in the base GEMM, the whole A bank stacked under
-            each projection's weight (lorazor's `gemm_shrink.py`): 4 LoRA launches per layer
-            instead of 8, for reading every slot's A each such step.
         one_program_meta: build the `exact`/`full` step metadata in one Triton program
             (`meta_kernel.py`) instead of about 25 small torch kernels. On in the H200 file: about
             0.06 ms less per compiled decode step in one-run A/Bs
@@ -75,7 +71,6 @@ class KernelConfig:
     fused_num_stages: int = 3
     pdl: bool = False
     one_program_meta: bool = False
-    gemm_shrink: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -223,7 +223,7 @@ def _lora_expand_kernel(
     x_ptr, a_ptr, u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
     K, N, r_max, tiles_per_slot, n_per_program, seg_n1, seg_n2, stride_sg,
-    stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur, stride_uslot,
+    stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -231,9 +231,7 @@ def _lora_expand_kernel(
     USE_GDC: tl.constexpr,
 ):
     """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
-    fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote, or (stride_uslot > 0, SPLIT_K = 1)
-    read the tile's slot's columns of every slot's shrink `u [M, L * R]`, as a base GEMM with the A
-    bank stacked under its weight computes it (`stride_uslot`: u's stride from one slot to the next).
+    fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote.
 
     y's columns are up to three segments [0, seg_n1), [seg_n1, seg_n2), [seg_n2, N); a plain
     projection is one segment (seg_n1 = seg_n2 = N). Segment g reads its own r_max columns of u
@@ -284,7 +282,7 @@ def _lora_expand_kernel(
             lo = tl.maximum(n_lo, seg_lo)
             hi = tl.minimum(n_hi, seg_hi)
             if lo < hi:  # u and scaling are loaded once per segment this program touches
-                u = _load_u(u_ptr + slot64 * stride_uslot + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r,
+                u = _load_u(u_ptr + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r,
                             stride_us, stride_um, stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
                 scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
                 _expand_rows(

@@ -99,12 +99,7 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
     stand_in = y  # for the pointers the variant does not read
     xs = (x.stride(0), x.stride(1)) if fused else (0, 0)
     a_s = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2)) if fused else (0, 0, 0)
-    if fused:
-        us = (0, 0, 0, 0)
-    elif u.dim() == 2:  # every slot's shrink [M, L * width]: the tile's slot's columns, one "split"
-        us = (0, u.stride(0), u.stride(1), u.shape[1] // lora_b.shape[0] * u.stride(1))
-    else:
-        us = (u.stride(0), u.stride(1), u.stride(2), 0)
+    us = (0, 0, 0) if fused else (u.stride(0), u.stride(1), u.stride(2))
     # A plain projection is one segment [0, N); merged ones read scaling row g for segment g.
     seg_args = (*(segments + (N, N))[:2], scaling.stride(0) if segments else 0)
     for programs, tiles_per_slot, table, slot_list, class_rows in launches:
@@ -114,7 +109,7 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
             x.shape[1] if fused else 0, N, lora_b.shape[2], tiles_per_slot, n_per_program, *seg_args,
             *xs, *a_s, *us, lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
-            FUSED=fused, SPLIT_K=1 if fused or u.dim() == 2 else u.shape[0], BLOCK_M=meta.block_m,
+            FUSED=fused, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m,
             BLOCK_N=block_n, BLOCK_R=padded_rank(lora_b.shape[2]), BLOCK_K=cfg.fused_block_k if fused else 16,
             DOT_PRECISION=_dot_precision(lora_b.dtype),
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
@@ -176,9 +171,7 @@ def lora_expand(
 
     Args:
         u: `[S, M, r_pad]` fp32 partials from `lora_shrink` (of A stacked `[L, G * r_max, K]` for G
-            merged segments), or every slot's shrink `[M, L * G * r_max]` (x times the whole A bank,
-            e.g. from a base GEMM with the bank stacked under its weight): each row then reads its
-            own slot's G * r_max columns.
+            merged segments).
         lora_b: `[L, N, r_max]` stacked B weights.
         scaling: `[L]` scale per slot.
         lora_rank: `[L]` int32 real rank per slot.
@@ -194,13 +187,8 @@ def lora_expand(
         `y`.
     """
     width = (len(segments or ()) + 1) * lora_b.shape[2]  # G * r_max columns of u are read
-    every_slot = (y.shape[0], lora_b.shape[0] * width)
-    if u.dim() == 2:
-        if tuple(u.shape) != every_slot:
-            raise ValueError(f"u of every slot must be [M, L * G * r_max] = {list(every_slot)}, got {tuple(u.shape)}")
-    elif u.dim() != 3 or u.shape[1] != y.shape[0] or u.shape[2] < width:
-        raise ValueError(f"u must be lora_shrink's partials [S, M = {y.shape[0]}, >= {width}] or every slot's "
-                         f"shrink {list(every_slot)}, got {tuple(u.shape)}")
+    if u.dim() != 3 or u.shape[1] != y.shape[0] or u.shape[2] < width:
+        raise ValueError(f"u must be lora_shrink's partials [S, M = {y.shape[0]}, >= {width}], got {tuple(u.shape)}")
     if segments is not None:
         if mask_rank:
             raise ValueError("segments need mask_rank=False (uniform ranks, zero-padded weights)")

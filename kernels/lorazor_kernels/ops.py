@@ -14,7 +14,7 @@ import torch
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
-from .reference import check_lora_args, lora_delta_reference, lora_expand_reference
+from .reference import check_lora_args, lora_delta_reference
 
 BACKENDS = ("triton", "reference")
 
@@ -88,80 +88,42 @@ def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
     return y
 
 
-def add_lora_expand_every_slot_(
-    y: torch.Tensor, u: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
-    meta: LoRABatchMeta, backend: str = "triton", mask_rank: bool = True, segments: tuple[int, ...] | None = None,
-) -> torch.Tensor:
-    """The expand half of `add_batched_lora_`, from every slot's shrink `u [M, L * G * r_max]` (x times
-    the whole A bank, as a base GEMM with the bank stacked under its weight computes it): each row m
-    with a slot s adds `scaling[s] * u[m, s's columns] @ lora_b[s].T` to `y` in place. Arguments as
-    in `add_batched_lora_`. Returns `y`."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if meta.has_lora is False:
-        return y
-    if backend == "triton":
-        return lora_expand(u, lora_b, scaling, lora_rank, y, meta, get_kernel_config(y.device),
-                           mask_rank and not segments, segments=segments or None)
-    rows = torch.arange(u.shape[0], device=u.device)
-    u_rows = u.unflatten(1, (lora_b.shape[0], -1))[rows, meta.row_slot.clamp(min=0)]  # each row's own slot
-    edges = (0, *(segments or ()), y.shape[1])
-    r = lora_b.shape[2]
-    for g in range(len(edges) - 1):
-        lo, hi = edges[g], edges[g + 1]
-        y[:, lo:hi] += lora_expand_reference(u_rows[:, g * r:(g + 1) * r], lora_b[:, lo:hi],
-                                             scaling[g] if segments else scaling, meta.row_slot, lora_rank).to(y.dtype)
-    return y
-
-
 @torch.library.custom_op("lorazor::linear_lora", mutates_args=())
 def _linear_lora_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor,
     scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor,
     slot_start: torch.Tensor, tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None,
     large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
-    backend: str, mask_rank: bool, segments: list[int], stacked_n: int,
+    backend: str, mask_rank: bool, segments: list[int],
 ) -> torch.Tensor:
     meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
                          tile_rows, row_bound, large_slots, class_split)
     y = torch.nn.functional.linear(x, weight, bias)
-    if stacked_n:  # weight is [W; A bank]: y's first stacked_n columns are the base output, the rest every slot's u
-        return add_lora_expand_every_slot_(y[:, :stacked_n], y[:, stacked_n:], lora_b, scaling, lora_rank, meta,
-                                           backend, mask_rank, segments or None)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
                              segments=segments or None)
 
 
 @_linear_lora_op.register_fake
 def _(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
-      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments,
-      stacked_n) -> torch.Tensor:
-    y = x.new_empty(x.shape[0], weight.shape[0])
-    return y[:, :stacked_n] if stacked_n else y  # the real op's strides: a view into the stacked GEMM's output
+      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta,
-                   backend: str = "triton", mask_rank: bool = True, segments: tuple[int, ...] = (),
-                   stacked_n: int = 0):
+                   backend: str = "triton", mask_rank: bool = True, segments: tuple[int, ...] = ()):
     """`linear(x, weight, bias)` plus the batched LoRA delta, as the registered custom op
     `lorazor::linear_lora` (x `[M, K]`; the other arguments as in `add_batched_lora_`).
 
     The base GEMM, then the delta added in place. torch.compile treats the op as opaque, so
     compiled model code runs the GEMM and the Triton kernels as they are. (The shrink on a side
     stream beside the GEMM was measured slower end to end: `benchmarks/results/e2e_ab_overlap_e8044b4/`.)
-
-    `stacked_n > 0`: `weight` (and `bias`) hold the whole A bank `[L * G * r_max, K]` under the base
-    weight's `stacked_n` rows, so the one GEMM also computes every slot's shrink and only the
-    expand kernel runs (lora_a is not read). The result is then a `[M, stacked_n]` view into that
-    GEMM's output (row stride `weight.shape[0]`).
     """
     if meta.has_lora is False:
-        y = torch.nn.functional.linear(x, weight, bias)
-        return y[:, :stacked_n] if stacked_n else y
+        return torch.nn.functional.linear(x, weight, bias)
     return torch.ops.lorazor.linear_lora(
         x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
         meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
-        meta.row_bound, meta.class_split, backend, mask_rank, list(segments), stacked_n,
+        meta.row_bound, meta.class_split, backend, mask_rank, list(segments),
     )
 
 

@@ -71,19 +71,3 @@ def lora_delta_reference(
         xa = x[rows].to(lora_a.dtype) @ lora_a[s, :r].T
         delta[rows] = ((xa @ lora_b[s, :, :r].T) * scaling[s]).to(x.dtype)
     return delta
-
-
-def lora_expand_reference(
-    u: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, row_slot: torch.Tensor,
-    lora_rank: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The expand alone: `delta[m] = scaling[s] * u[m, :r] @ lora_b[s, :, :r].T` for rows with a slot s
-    (u `[M, >= r_max]`, each row's own shrink); `[M, N]` in lora_b's dtype, rows without a slot 0."""
-    delta = lora_b.new_zeros(u.shape[0], lora_b.shape[1])
-    for s in torch.unique(row_slot[row_slot >= 0]).tolist():
-        r = lora_b.shape[2] if lora_rank is None else int(lora_rank[s])
-        if r == 0:
-            continue
-        rows = (row_slot == s).nonzero().squeeze(1)
-        delta[rows] = ((u[rows, :r].to(lora_b.dtype) @ lora_b[s, :, :r].T) * scaling[s]).to(lora_b.dtype)
-    return delta

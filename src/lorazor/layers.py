@@ -11,29 +11,22 @@ from lorazor_kernels import linear_lora_op
 from torch import nn
 
 from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
-from .gemm_shrink import GEMM_SHRINK_MAX_ROWS, StackedWeight, stack_a_under
 from .step import StepContext
 
 
 def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,
-                     segments: tuple[int, ...] = (), stacked: StackedWeight | None = None) -> torch.Tensor:
+                     segments: tuple[int, ...] = ()) -> torch.Tensor:
     """`linear(x, weight, bias)` plus the step's batched LoRA delta (x of any leading shape).
 
     Outside a step, or when no row has an adapter, the plain linear. `segments`: merged projections.
-    `stacked`: the A bank under the weight (gemm_shrink.py); a decode-sized forward of a batch that
-    uses most of the bank then gets its shrink from the base GEMM and runs only the expand kernel.
     """
     meta = context.meta
     if meta is None or meta.has_lora is False:
         return nn.functional.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1]
-    if rows != meta.num_rows:
-        raise RuntimeError(f"layer got {rows} rows but the step has {meta.num_rows}")
-    dense = stacked is not None and context.dense_bank and rows <= GEMM_SHRINK_MAX_ROWS
-    y = linear_lora_op(x.reshape(-1, x.shape[-1]), stacked.weight if dense else weight,
-                       stacked.bias if dense else bias, lora_a, lora_b, scaling, rank, meta,
-                       backend=context.backend, mask_rank=mask_rank, segments=segments,
-                       stacked_n=stacked.n if dense else 0)
+    if x.numel() // x.shape[-1] != meta.num_rows:
+        raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
+    y = linear_lora_op(x.reshape(-1, x.shape[-1]), weight, bias, lora_a, lora_b, scaling, rank, meta,
+                       backend=context.backend, mask_rank=mask_rank, segments=segments)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -53,9 +46,6 @@ class BatchedLoRALinear(nn.Module):
         self.context = context
         # (MergedGroup, index) when merged with the projections that share its input (merged.py).
         self.merged = None
-        # `KernelConfig.gemm_shrink`: the slots' A stacked under the base weight (set_gemm_shrink).
-        self.stacked: StackedWeight | None = None
-        self._stacked_layout: StackedWeight | None = None
 
     @property
     def in_features(self) -> int:
@@ -73,21 +63,7 @@ class BatchedLoRALinear(nn.Module):
                 return out
         lora, base = self.lora, self.base_layer
         return linear_step_lora(x, base.weight, base.bias, self.context, lora.lora_a, lora.lora_b, lora.scaling,
-                                lora.rank, lora.mask_rank, stacked=self.stacked)
-
-    def set_gemm_shrink(self, on: bool) -> None:
-        """Let dense-bank decode steps compute the shrink in the base GEMM (gemm_shrink.py), or not.
-        The first time it is turned on, the weight, bias and the slots' A move into one stacked
-        tensor (their views stay valid for PEFT and the bank); later switches only choose the path."""
-        if on and self._stacked_layout is None:
-            base, lora = self.base_layer, self.lora
-            self._stacked_layout, w, b, a = stack_a_under(
-                base.weight.data, None if base.bias is None else base.bias.data, lora.lora_a)
-            base.weight.data = w
-            if b is not None:
-                base.bias.data = b
-            lora.lora_a = a
-        self.stacked = self._stacked_layout if on else None
+                                lora.rank, lora.mask_rank)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={self.lora.lora_a.shape[0]}"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gemm_shrink import StackedWeight, stack_a_under
 from .layers import BatchedLoRALinear, linear_step_lora
 
 # Modules that read the same input in the supported architectures (llama, mistral, qwen2).
@@ -42,44 +41,27 @@ class MergedGroup:
         if any(b.bias is not None for b in bases):
             self.bias = torch.cat([b.bias.data if b.bias is not None else self.weight.new_zeros(w)
                                    for b, w in zip(bases, widths)])
+        for base, (lo, hi) in zip(bases, self.spans):
+            base.weight.data = self.weight[lo:hi]
+            if base.bias is not None:
+                base.bias.data = self.bias[lo:hi]
         # Adapters: A stacked [L, G*r, K], B [L, r, sum N] used as [L, sum N, r], scaling [G, L].
         loras = [m.lora for m in members]
+        r = loras[0].lora_a.shape[1]
         self.lora_a = torch.cat([lora.lora_a for lora in loras], dim=1)
         b_store = torch.cat([lora.lora_b.transpose(1, 2) for lora in loras], dim=2)
         self.lora_b = b_store.transpose(1, 2)
         self.scaling = torch.stack([lora.scaling for lora in loras])
         for g, (lora, (lo, hi)) in enumerate(zip(loras, self.spans)):
+            lora.lora_a = self.lora_a[:, g * r:(g + 1) * r]
             lora.lora_b = b_store[:, :, lo:hi].transpose(1, 2)
             lora.scaling = self.scaling[g]
-        self._point_members()
         self.rank = loras[0].rank
-        # `KernelConfig.gemm_shrink`: the group's A stacked under its weight (set_gemm_shrink).
-        self.stacked: StackedWeight | None = None
-        self._stacked_layout: StackedWeight | None = None
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
         self.ran_merged = False  # set once the merged computation has served the members
         for g, member in enumerate(members):
             member.merged = (self, g)
-
-    def _point_members(self) -> None:
-        """Make the members' weights, biases and A slices views of the group's tensors."""
-        r = self.lora_a.shape[1] // len(self.members)
-        for g, (member, (lo, hi)) in enumerate(zip(self.members, self.spans)):
-            base = member.base_layer
-            base.weight.data = self.weight[lo:hi]
-            if base.bias is not None:
-                base.bias.data = self.bias[lo:hi]
-            member.lora.lora_a = self.lora_a[:, g * r:(g + 1) * r]
-
-    def set_gemm_shrink(self, on: bool) -> None:
-        """As `BatchedLoRALinear.set_gemm_shrink`, for the merged GEMM: the group's stacked A
-        `[L, G*r, K]` goes under its concatenated weight once, and the members' views follow."""
-        if on and self._stacked_layout is None:
-            self._stacked_layout, self.weight, self.bias, self.lora_a = stack_a_under(self.weight, self.bias,
-                                                                                     self.lora_a)
-            self._point_members()
-        self.stacked = self._stacked_layout if on else None
 
     def forward(self, x: torch.Tensor, index: int) -> torch.Tensor | None:
         """Member `index`'s output from the merged computation, or None to take the per-module path."""
@@ -98,7 +80,7 @@ class MergedGroup:
             self._input = self._output = None
             return None
         y = linear_step_lora(x, self.weight, self.bias, self.context, self.lora_a, self.lora_b, self.scaling,
-                             self.rank, mask_rank=False, segments=self.edges[:-1], stacked=self.stacked)
+                             self.rank, mask_rank=False, segments=self.edges[:-1])
         # Holding x keeps its identity unique until the last member has read its slice.
         self._input, self._output = x, y
         self.ran_merged = True
@@ -132,16 +114,3 @@ def merge_projections(root: nn.Module, context) -> list[MergedGroup]:
                 continue
             groups.append(MergedGroup(members, context))
     return groups
-
-
-def set_gemm_shrink(root: nn.Module, groups: list[MergedGroup], on: bool) -> None:
-    """`KernelConfig.gemm_shrink` on every merged group and every other LoRA layer under `root`
-    (members of a group follow their group). Layers whose adapters are stored in another dtype than
-    their base weight keep the shrink kernel: one GEMM cannot read both."""
-    for group in groups:
-        if group.lora_a.dtype == group.weight.dtype:
-            group.set_gemm_shrink(on)
-    for layer in root.modules():
-        if isinstance(layer, BatchedLoRALinear) and layer.merged is None \
-                and layer.lora.lora_a.dtype == layer.base_layer.weight.dtype:
-            layer.set_gemm_shrink(on)

@@ -21,7 +21,7 @@ from .generate import LoRazorOutput, decode_loop, resolve_generation_config
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .kv_cache import KVCache
 from .layers import patch_lora_layers, unpatch_lora_layers
-from .merged import merge_projections, set_gemm_shrink
+from .merged import merge_projections
 from .policies.base import ReleasePolicy, ReleaseState, release_step
 from .step import StepContext
 
@@ -55,7 +55,6 @@ class LoRazorModel(nn.Module):
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_lora_layers(peft_model, bank, self.context)
         self.merged_groups = merge_projections(self.model, self.context) if config.merge_projections else []
-        self._apply_kernel_config()
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
         self._previous_attn = self.model.config._attn_implementation
@@ -122,22 +121,13 @@ class LoRazorModel(nn.Module):
         self.bank.remove(name)
 
     def reconfigure(self, grid: str | None = None, compile: bool | None = None) -> None:
-        """Switch the grid mode and/or torch.compile of the decode step (drops captured graphs, and
-        re-reads the kernel config's layer switches)."""
+        """Switch the grid mode and/or torch.compile of the decode step (drops captured graphs)."""
         changes = {k: v for k, v in (("grid", grid), ("compile", compile)) if v is not None}
         self.config = dataclasses.replace(self.config, **changes)
         self.context.grid = self.config.grid
         self._compiled_core = None
         if self.graphs is not None:
             self.graphs.clear()
-        self._apply_kernel_config()
-
-    def _apply_kernel_config(self) -> None:
-        """Apply the kernel config's switches that change the model's layers (`gemm_shrink`), from the
-        device's config as `get_kernel_config` reads it now (at build, and again at `reconfigure`)."""
-        from lorazor_kernels import get_kernel_config
-
-        set_gemm_shrink(self.model, self.merged_groups, get_kernel_config(self.device).gemm_shrink)
 
     def load_release_policy(self, root) -> ReleasePolicy:
         """Load the policies saved beside the adapters under `root/<adapter>/` as the default policy."""

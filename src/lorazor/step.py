@@ -43,13 +43,6 @@ class StepContext:
         self.slot_bound = slot_bound_class(distinct, self.num_slots) if self.grid == "exact" else None
 
     @property
-    def dense_bank(self) -> bool:
-        """Whether the batch is in the top class of distinct adapters (`exact` grid: more than half
-        of the bank's slots, or a bank no larger than the smallest class): the layers with the A
-        bank under their weight then compute the shrink in the base GEMM (gemm_shrink.py)."""
-        return self.slot_bound is not None and self.slot_bound >= self.num_slots
-
-    @property
     def meta_on_device(self) -> bool:
         """Whether building the metadata needs no host sync (so it can be captured in a graph)."""
         return self.grid in ("exact", "full")
