@@ -40,15 +40,23 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def _hopper_or_newer(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _pdl_options(cfg: KernelConfig, device: torch.device) -> dict:
     """Launch options for programmatic dependent launch: `cfg.pdl` on a Hopper or newer GPU."""
-    on = cfg.pdl and device.type == "cuda" and _hopper_or_newer(
-        device.index if device.index is not None else torch.cuda.current_device())
+    on = cfg.pdl and device.type == "cuda" and _hopper_or_newer(_cuda_index(device))
     return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
 
 
@@ -58,7 +66,7 @@ def _split_k(meta: LoRABatchMeta, K: int, rank_blocks: int, cfg: KernelConfig, d
     if cfg.shrink_split_k > 0:
         return min(cfg.shrink_split_k, max_splits)
     programs = sum(n for n, *_ in _launches(meta, expand=False)) * rank_blocks
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = _sm_count(_cuda_index(device)) if device.type == "cuda" else 1
     splits = triton.cdiv(cfg.target_programs_per_sm * sms, max(programs, 1))
     return max(1, min(max_splits, _at_most_steps(splits, max_splits, cfg.shrink_max_steps)))
 
@@ -76,7 +84,7 @@ def _columns_per_program(programs: int, N: int, block_n: int, per_sm: int, devic
     n_blocks = triton.cdiv(N, block_n)
     target = 1  # on the CPU (interpreter) one program per tile, unless max_steps asks for more
     if device.type == "cuda":
-        target = triton.cdiv(per_sm * torch.cuda.get_device_properties(device).multi_processor_count, max(programs, 1))
+        target = triton.cdiv(per_sm * _sm_count(_cuda_index(device)), max(programs, 1))
     splits = max(1, min(n_blocks, _at_most_steps(target, n_blocks, max_steps)))
     return triton.cdiv(n_blocks, splits) * block_n
 
