@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import DEVICE
 from helpers import PAD, build_pair, make_batch, peft_names
 from lorazor import LearnedRelease, ProfiledRelease
 from lorazor.policies import ReleasePolicy
@@ -198,8 +199,6 @@ def test_compiled_release_decision_matches_eager(with_policy):
     # The compiled decode step applies StepTrim's one-way decision through torch.compile: it must
     # release the same rows at the same steps as the eager ops, with int and 0-d tensor steps.
     from lorazor.policies.base import ReleaseState
-
-    from conftest import DEVICE
 
     g = torch.Generator().manual_seed(3)
     B = 11
