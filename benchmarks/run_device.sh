@@ -90,6 +90,17 @@ for step in "$@"; do
                  --tag _ab_inductor_pdl > "$W/e2e_ab_inductor_pdl.log" 2>&1 ;;
     gpu-tests-inductor-pdl) TORCHINDUCTOR_ENABLE_PDL=1 timeout 200 python3 -m pytest tests/test_compile.py tests/test_merged.py \
                  -q -k "compile" -p no:cacheprovider > "$W/tests_inductor_pdl.log" 2>&1 ;;
+    # Nsight Compute over one layer's GEMMs + merged exact LoRA at L = 128 and 1 (hardware counters: DRAM
+    # throughput, occupancy, warp stalls); details as text, then a one-line-per-kernel summary.
+    ncu-layer) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+               for L in 128 1; do
+                 timeout 200 "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight \
+                   --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+                   --section SchedulerStats python3 benchmarks/ncu_layer.py --adapters $L > "$W/ncu_L$L.txt" 2>&1
+                 timeout 200 "$NCU" --clock-control none --profile-from-start off --csv --metrics \
+                   gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread \
+                   python3 benchmarks/ncu_layer.py --adapters $L > "$W/ncu_L${L}_summary.csv" 2>&1
+               done ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \
