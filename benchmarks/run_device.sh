@@ -101,6 +101,19 @@ for step in "$@"; do
                    gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread \
                    python3 benchmarks/ncu_layer.py --adapters $L > "$W/ncu_L${L}_summary.csv" 2>&1
                done ;;
+    # Per-instruction warp-stall samples (SASS) of the gate/up expand and the q/k/v shrink at L = 128.
+    ncu-source) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+               for k in "_lora_expand_kernel 2" "_lora_shrink_kernel 0"; do
+                 set -- $k
+                 timeout 150 "$NCU" --clock-control none --profile-from-start off -k $1 --launch-skip $2 --launch-count 1 \
+                   --section SourceCounters --section WarpStateStats -o "$W/$1" python3 benchmarks/ncu_layer.py --adapters 128 \
+                   > "$W/$1_run.txt" 2>&1
+                 "$NCU" --import "$W/$1.ncu-rep" --page source --print-source sass --csv > "$W/$1_sass.csv" 2>&1
+                 "$NCU" --import "$W/$1.ncu-rep" --page details > "$W/$1_details.txt" 2>&1
+                 rm -f "$W/$1.ncu-rep"
+               done ;;
+    # The gate/up expand at L = 128 with stages left out (benchmarks/expand_probe.py).
+    expand-probe) timeout 200 python3 benchmarks/expand_probe.py --out "$W" > "$W/expand_probe.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \
