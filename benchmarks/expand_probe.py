@@ -35,7 +35,7 @@ def _probe_kernel(u_ptr, b_ptr, y_ptr, tile_slot_ptr, tile_rows_ptr, sink_ptr, N
                   stride_us, stride_um, stride_bl, stride_br, stride_ym,
                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   RANK: tl.constexpr, LOAD_Y: tl.constexpr, STORE_Y: tl.constexpr, DOT: tl.constexpr,
-                  ACC_Y: tl.constexpr, LOAD_B: tl.constexpr):
+                  ACC_Y: tl.constexpr, LOAD_B: tl.constexpr, FMA: tl.constexpr):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
     lanes = tl.arange(0, BLOCK_M)
@@ -52,6 +52,13 @@ def _probe_kernel(u_ptr, b_ptr, y_ptr, tile_slot_ptr, tile_rows_ptr, sink_ptr, N
         u += tl.load(u_ptr + s * stride_us + rows[:, None] * stride_um + offs_r[None, :],
                      mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     ub = u.to(b_ptr.dtype.element_ty)
+    # FMA: the rank's RANK columns only, no padding to a dot shape, u kept in fp32.
+    offs_r8 = tl.arange(0, RANK)
+    u8 = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+    if FMA:
+        for s in tl.static_range(SPLIT_K):
+            u8 += tl.load(u_ptr + s * stride_us + rows[:, None] * stride_um + offs_r8[None, :],
+                          mask=mask_m[:, None], other=0.0)
     b_slot = b_ptr + slot.to(tl.int64) * stride_bl
     sink = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     n_lo = pid_n * n_per_program
@@ -67,7 +74,10 @@ def _probe_kernel(u_ptr, b_ptr, y_ptr, tile_slot_ptr, tile_rows_ptr, sink_ptr, N
             y_old = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         else:
             y_old = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if DOT:
+        if FMA:
+            b8 = tl.load(b_slot + offs_r8[:, None] * stride_br + offs_n[None, :]).to(tl.float32)
+            acc = y_old + tl.sum(u8[:, :, None] * b8[None, :, :], axis=1)
+        elif DOT:
             if ACC_Y:
                 acc = tl.dot(ub, b, acc=y_old)
             else:
@@ -92,7 +102,13 @@ VARIANTS = {
     "no B load": dict(LOAD_B=False),
     "no B load, no dot": dict(LOAD_B=False, DOT=False),
     "B load only (no y, no dot)": dict(LOAD_Y=False, STORE_Y=False, DOT=False),
+    "FMA over the 8 rank columns, no dot": dict(FMA=True, LOAD_B=False),
 }
+# (BLOCK_N, warps, column splits, variants run): the shipped shape gets every variant.
+SHAPES_RUN = ((256, 4, 4, tuple(VARIANTS)), (128, 4, 8, ("probe, every stage",)),
+              (512, 8, 4, ("probe, every stage",)), (256, 8, 4, ("probe, every stage",)),
+              (64, 4, 4, ("FMA over the 8 rank columns, no dot",)), (128, 4, 4, ("FMA over the 8 rank columns, no dot",)),
+              (64, 2, 8, ("FMA over the 8 rank columns, no dot",)))
 
 
 def main() -> None:
@@ -121,12 +137,10 @@ def main() -> None:
     rows.append(dict(variant=f"shipped lora_expand ({cfg.expand_block_n} columns, {cfg.expand_num_warps} warps, "
                              f"{cfg.expand_num_stages} stages)", us=shipped_us))
     print(json.dumps(rows[-1]), flush=True)
-    for block_n, warps, splits in ((256, 4, 4), (128, 4, 8), (512, 8, 4), (256, 8, 4)):
+    for block_n, warps, splits, names in SHAPES_RUN:
         n_per_program = N // splits
-        for name, flags in VARIANTS.items():
-            if (block_n, warps) != (256, 4) and name != "probe, every stage":
-                continue
-            opts = dict(LOAD_Y=True, STORE_Y=True, DOT=True, ACC_Y=False, LOAD_B=True, **flags)
+        for name in names:
+            opts = dict(LOAD_Y=True, STORE_Y=True, DOT=True, ACC_Y=False, LOAD_B=True, FMA=False, **VARIANTS[name])
 
             def run():
                 for b, u, y in banks:
