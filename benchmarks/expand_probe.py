@@ -140,7 +140,7 @@ def main() -> None:
     for block_n, warps, splits, names in SHAPES_RUN:
         n_per_program = N // splits
         for name in names:
-            opts = dict(LOAD_Y=True, STORE_Y=True, DOT=True, ACC_Y=False, LOAD_B=True, FMA=False, **VARIANTS[name])
+            opts = {**dict(LOAD_Y=True, STORE_Y=True, DOT=True, ACC_Y=False, LOAD_B=True, FMA=False), **VARIANTS[name]}
 
             def run():
                 for b, u, y in banks:
