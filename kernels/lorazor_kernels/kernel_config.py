@@ -50,6 +50,12 @@ class KernelConfig:
             (`meta_kernel.py`) instead of about 25 small torch kernels. On in the H200 file: about
             0.06 ms less per compiled decode step in one-run A/Bs
             (benchmarks/results/e2e_ab_meta_95425b7/, e2e_ab_tune_d64db02/).
+        gemm_adds_lora: in the model's op (`linear_lora_op`, `exact` grid, no bias), run the LoRA
+            first and let the base GEMM add its product to the delta (`delta.addmm_(x, W.T)`,
+            cuBLAS with beta = 1) instead of the expand reading and rewriting the GEMM's output:
+            the expand then only writes (`lora_expand(write_only=True)`). Nsight Compute and
+            `benchmarks/expand_probe.py` put most of the expand's time at 128 adapters on that
+            read of y (benchmarks/results/expand_probe_b946ee5/).
     """
 
     shrink_block_k: int = 128
@@ -71,6 +77,7 @@ class KernelConfig:
     fused_num_stages: int = 3
     pdl: bool = False
     one_program_meta: bool = False
+    gemm_adds_lora: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -144,20 +144,24 @@ def _load_b(b_slot, offs_r, mask_r, n0, N, stride_br, stride_bn, BLOCK_N: tl.con
 
 @triton.jit
 def _expand_block(u, b_tile, y_rows, mask_m, scale, n0, N, stride_yn, BLOCK_N: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    """y[rows, n0:n0 + BN] += scale * u @ b_tile."""
+                  DOT_PRECISION: tl.constexpr, WRITE_ONLY: tl.constexpr):
+    """y[rows, n0:n0 + BN] += scale * u @ b_tile (WRITE_ONLY: y[...] = scale * u @ b_tile)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     acc = tl.dot(u, b_tile, input_precision=DOT_PRECISION)  # [BM, BR] @ [BR, BN]
     y_tile = y_rows + offs_n[None, :] * stride_yn
     mask = mask_m[:, None] & (offs_n < N)[None, :]
-    y_old = tl.load(y_tile, mask=mask, other=0.0)
-    tl.store(y_tile, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=mask)
+    if WRITE_ONLY:
+        tl.store(y_tile, (acc * scale).to(y_tile.dtype.element_ty), mask=mask)
+    else:
+        y_old = tl.load(y_tile, mask=mask, other=0.0)
+        tl.store(y_tile, (y_old.to(tl.float32) + acc * scale).to(y_old.dtype), mask=mask)
 
 
 @triton.jit
 def _expand_rows(
     u, b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N, stride_br, stride_bn, stride_yn,
     b_first, n_first, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WRITE_ONLY: tl.constexpr,
 ):
     """y[rows, n_lo:n_hi] += scale * u @ B[slot, :, r].T, with u `[BM, BR]` in the weights' dtype.
 
@@ -166,11 +170,27 @@ def _expand_rows(
     """
     start = n_lo
     if n_lo == n_first:
-        _expand_block(u, b_first, y_rows, mask_m, scale, n_lo, N, stride_yn, BLOCK_N, DOT_PRECISION)
+        _expand_block(u, b_first, y_rows, mask_m, scale, n_lo, N, stride_yn, BLOCK_N, DOT_PRECISION, WRITE_ONLY)
         start = n_lo + BLOCK_N
     for n0 in range(start, tl.minimum(n_hi, N), BLOCK_N):
         b_tile = _load_b(b_slot, offs_r, mask_r, n0, N, stride_br, stride_bn, BLOCK_N)
-        _expand_block(u, b_tile, y_rows, mask_m, scale, n0, N, stride_yn, BLOCK_N, DOT_PRECISION)
+        _expand_block(u, b_tile, y_rows, mask_m, scale, n0, N, stride_yn, BLOCK_N, DOT_PRECISION, WRITE_ONLY)
+
+
+@triton.jit
+def _zero_rows(j, sorted_rows_ptr, no_slot_start_ptr, M, y_ptr, stride_ym, stride_yn, n_lo, n_hi,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr):
+    """Write zeros into y[rows, n_lo:n_hi] for the j-th run of BLOCK_M rows without a slot (they sort
+    last in `sorted_rows`, from position `slot_start[L]`): the write-only expand's rows without LoRA."""
+    pos = tl.load(no_slot_start_ptr) + j * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = pos < M
+    rows = tl.load(sorted_rows_ptr + pos, mask=mask_m, other=0).to(tl.int64)
+    _dependent_launch_prologue(USE_GDC)
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn, zeros,
+                 mask=mask_m[:, None] & (offs_n < n_hi)[None, :])
 
 
 @triton.jit
@@ -222,13 +242,13 @@ def _lora_shrink_kernel(
 def _lora_expand_kernel(
     x_ptr, a_ptr, u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
-    K, N, r_max, tiles_per_slot, n_per_program, seg_n1, seg_n2, stride_sg,
+    K, N, r_max, tiles_per_slot, n_per_program, seg_n1, seg_n2, stride_sg, M, num_slots, n_tiles,
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     FUSED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    USE_GDC: tl.constexpr, WRITE_ONLY: tl.constexpr,
 ):
     """Expand a tile into y. FUSED: shrink the tile over all of K first (x, A); else sum the SPLIT_K
     fp32 partials `u [SPLIT_K, M, R]` that the shrink kernel wrote.
@@ -237,24 +257,37 @@ def _lora_expand_kernel(
     projection is one segment (seg_n1 = seg_n2 = N). Segment g reads its own r_max columns of u
     (`u[:, g * r_max :]`) and its own scaling row (`scaling_ptr + g * stride_sg`): merged
     projections, e.g. q/k/v in one output. Segment edges are multiples of BLOCK_N.
+
+    WRITE_ONLY (exact grid, from u): y is overwritten with the delta, never read; every row gets
+    written, so y may start uninitialized: rows of the tile table get their delta (zeros where the
+    slot's rank is 0), and the programs past the table's `n_tiles` write zeros into the rows without
+    a slot. The model's GEMM then adds x @ W.T to it (`KernelConfig.gemm_adds_lora`).
     """
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
+    # A program covers n_per_program columns in BLOCK_N steps: fewer, longer programs amortize the
+    # tile lookup and keep several independent B loads in flight.
+    n_lo = pid_n * n_per_program
+    n_hi = tl.minimum(n_lo + n_per_program, N)
+    if WRITE_ONLY:
+        if pid >= n_tiles:
+            _zero_rows(pid - n_tiles, sorted_rows_ptr, slot_start_ptr + num_slots, M, y_ptr, stride_ym, stride_yn,
+                       n_lo, n_hi, BLOCK_M, BLOCK_N, USE_GDC)
+            return
     slot, rows, mask_m, rank = _tile(
         pid, rank_ptr, r_max, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,
         tiles_per_slot, TILE_TABLE, USE_SLOT_LIST, CLASS_MAX_ROWS, MASK_RANK, BLOCK_M,
     )
-    if rank == 0:
+    if WRITE_ONLY:
+        if slot < 0:  # past the table's last real tile: no rows
+            return
+    elif rank == 0:
         return
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     slot64 = slot.to(tl.int64)
     b_slot = b_ptr + slot64 * stride_bl
     y_rows = y_ptr + rows[:, None] * stride_ym
-    # A program covers n_per_program columns in BLOCK_N steps: fewer, longer programs amortize the
-    # tile lookup and keep several independent B loads in flight.
-    n_lo = pid_n * n_per_program
-    n_hi = tl.minimum(n_lo + n_per_program, N)
     # The first B tile before the wait for the kernel ahead (adapter weights never depend on it).
     b_first = _load_b(b_slot, offs_r, mask_r, n_lo, N, stride_br, stride_bn, BLOCK_N)
     if FUSED:  # one segment: u is shrunk here, over the whole rank (waiting after its first A load)
@@ -265,7 +298,7 @@ def _lora_expand_kernel(
         scale = tl.load(scaling_ptr + slot).to(tl.float32)
         _expand_rows(
             u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N,
-            stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION,
+            stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION, False,
         )
     else:
         _dependent_launch_prologue(USE_GDC)
@@ -287,5 +320,5 @@ def _lora_expand_kernel(
                 scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
                 _expand_rows(
                     u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,
-                    stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                    stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION, WRITE_ONLY,
                 )

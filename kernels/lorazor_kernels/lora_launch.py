@@ -89,9 +89,11 @@ def _columns_per_program(programs: int, N: int, block_n: int, per_sm: int, devic
     return triton.cdiv(n_blocks, splits) * block_n
 
 
-def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=None, lora_a=None, segments=None):
+def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=None, lora_a=None, segments=None,
+                write_only=False):
     """Every launch of the expand kernel for a step: fused (x and lora_a given) or from shrink's u,
-    optionally over merged-projection segments (column edges, scaling `[G, L]`)."""
+    optionally over merged-projection segments (column edges, scaling `[G, L]`); `write_only`: the
+    exact grid from u, overwriting y (see `lora_expand`)."""
     fused = u is None
     N = lora_b.shape[1]
     block_n = min(cfg.fused_block_n if fused else cfg.expand_block_n, max(16, triton.next_power_of_2(N)))
@@ -111,15 +113,18 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
     # A plain projection is one segment [0, N); merged ones read scaling row g for segment g.
     seg_args = (*(segments + (N, N))[:2], scaling.stride(0) if segments else 0)
     for programs, tiles_per_slot, table, slot_list, class_rows in launches:
-        _lora_expand_kernel[(programs, triton.cdiv(N, n_per_program))](
+        # Write-only: one more program per BLOCK_M rows, for the rows without a slot (zeros).
+        zero_programs = triton.cdiv(y.shape[0], meta.block_m) if write_only else 0
+        _lora_expand_kernel[(programs + zero_programs, triton.cdiv(N, n_per_program))](
             x if fused else stand_in, lora_a if fused else stand_in, stand_in if fused else u, lora_b, y, scaling,
             lora_rank, *_meta_tensors(meta, table, slot_list),
             x.shape[1] if fused else 0, N, lora_b.shape[2], tiles_per_slot, n_per_program, *seg_args,
+            y.shape[0], meta.num_slots, programs,
             *xs, *a_s, *us, lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
             FUSED=fused, SPLIT_K=1 if fused else u.shape[0], BLOCK_M=meta.block_m,
             BLOCK_N=block_n, BLOCK_R=padded_rank(lora_b.shape[2]), BLOCK_K=cfg.fused_block_k if fused else 16,
-            DOT_PRECISION=_dot_precision(lora_b.dtype),
+            DOT_PRECISION=_dot_precision(lora_b.dtype), WRITE_ONLY=write_only,
             num_warps=cfg.fused_num_warps if fused else cfg.expand_num_warps,
             num_stages=cfg.fused_num_stages if fused else cfg.expand_num_stages,
             **_pdl_options(cfg, y.device),
@@ -173,7 +178,7 @@ def lora_shrink(
 def lora_expand(
     u: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
     y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None, mask_rank: bool = True,
-    segments: tuple[int, ...] | None = None,
+    segments: tuple[int, ...] | None = None, write_only: bool = False,
 ) -> torch.Tensor:
     """Expand in place: `y[m] += scaling[s] * u[m] @ B[s].T` for every row m with a slot s.
 
@@ -190,10 +195,15 @@ def lora_expand(
             column edges, one or two of them, multiples of 16. Segment g uses u's columns
             `[g * r_max, (g + 1) * r_max)` (shrink of A stacked `[L, G * r_max, K]`), B's columns of
             the segment, and `scaling[g]` (scaling `[G, L]`). Needs `mask_rank=False`.
+        write_only: `exact` grid only: overwrite y with the delta instead of adding to it, without
+            reading y (it may be uninitialized): rows without a slot get zeros. Used when the base
+            GEMM adds its product to the delta (`KernelConfig.gemm_adds_lora`).
 
     Returns:
         `y`.
     """
+    if write_only and meta.grid != "exact":
+        raise ValueError(f"write_only needs the exact grid, got grid {meta.grid!r}")
     width = (len(segments or ()) + 1) * lora_b.shape[2]  # G * r_max columns of u are read
     if u.dim() != 3 or u.shape[1] != y.shape[0] or u.shape[2] < width:
         raise ValueError(f"u must be lora_shrink's partials [S, M = {y.shape[0]}, >= {width}], got {tuple(u.shape)}")
@@ -204,7 +214,7 @@ def lora_expand(
             raise ValueError(f"segments {tuple(segments)} need scaling [len(segments) + 1, L], got "
                              f"{tuple(scaling.shape)}")
     return _run_expand(y, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device), mask_rank, u=u,
-                       segments=segments)
+                       segments=segments, write_only=write_only)
 
 
 def lora_fused(

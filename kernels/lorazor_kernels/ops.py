@@ -98,9 +98,23 @@ def _linear_lora_op(
 ) -> torch.Tensor:
     meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
                          tile_rows, row_bound, large_slots, class_split)
+    cfg = get_kernel_config(x.device) if backend == "triton" else None
+    if cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None and not cfg.fused:
+        return _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
     y = torch.nn.functional.linear(x, weight, bias)
-    return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, mask_rank=mask_rank,
+    return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank=mask_rank,
                              segments=segments or None)
+
+
+def _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments):
+    """`KernelConfig.gemm_adds_lora`: shrink, a write-only expand into a fresh buffer, then the GEMM
+    adds x @ W.T to it in its epilogue (one pass over the output instead of the expand's read + write)."""
+    mask_rank = mask_rank and not segments
+    u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
+    delta = x.new_empty(x.shape[0], weight.shape[0])
+    lora_expand(u, lora_b, scaling, lora_rank, delta, meta, cfg, mask_rank, segments=segments or None,
+                write_only=True)
+    return delta.addmm_(x, weight.t())
 
 
 @_linear_lora_op.register_fake

@@ -1,0 +1,76 @@
+"""The write-only expand and `KernelConfig.gemm_adds_lora` (LoRA first, then the GEMM adds x @ W.T)
+against the reference: every row overwritten, rows without a slot or rank exactly zero."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from conftest import DEVICE, TOL
+from lorazor_kernels import build_batch_meta, get_kernel_config, lora_delta_reference, lora_expand, lora_shrink
+from lorazor_kernels.kernel_config import CONFIG_ENV
+from test_kernels import check_merged, make_case
+
+
+@pytest.fixture
+def gemm_adds_lora(tmp_path, monkeypatch):
+    """The device's kernel config with `gemm_adds_lora` on, through the environment (as the model reads it)."""
+    path = tmp_path / "gemm_adds_lora.json"
+    path.write_text(json.dumps({**dataclasses.asdict(get_kernel_config(torch.device(DEVICE))), "gemm_adds_lora": True}))
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    from lorazor_kernels import ops
+
+    calls = []
+    real = ops._lora_then_gemm
+    monkeypatch.setattr(ops, "_lora_then_gemm", lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_write_only_expand_overwrites_every_row(block_n):
+    # Rows without a slot, a slot of rank 0 in this layer, mixed ranks; y starts as NaN.
+    ranks = torch.tensor([1, 4, 0, 16, 8, 13], dtype=torch.int32)
+    x, a, b, s, slot, rank = make_case(45, 80, 66, 16, 6, torch.float32, seed=11, ranks=ranks)
+    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), expand_block_n=block_n)
+    meta = build_batch_meta(slot, 6, "exact")
+    u = lora_shrink(x, a, rank, meta, cfg)
+    y = torch.full((45, 66), float("nan"), device=DEVICE)
+    lora_expand(u, b, s, rank, y, meta, cfg, write_only=True)
+    ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), slot, rank)
+    torch.testing.assert_close(y.double(), ref, **TOL[torch.float32])
+    no_lora = (slot < 0) | (rank.to(slot.device)[slot.clamp(min=0)] == 0)
+    assert (slot < 0).any() and ((slot >= 0) & no_lora).any()
+    assert torch.equal(y[no_lora], torch.zeros_like(y[no_lora])) and ref.abs().max() > 0.1
+
+
+def test_write_only_needs_the_exact_grid():
+    x, a, b, s, slot, rank = make_case(12, 32, 16, 8, 3, torch.float32, seed=1)
+    meta = build_batch_meta(slot, 3, "full")
+    with pytest.raises(ValueError, match="write_only needs the exact grid, got grid 'full'"):
+        lora_expand(lora_shrink(x, a, rank, meta), b, s, rank, torch.empty(12, 16, device=DEVICE), meta,
+                    write_only=True)
+
+
+@pytest.mark.parametrize("widths", [(48, 16, 32), (80,)], ids=["qkv", "plain"])
+def test_gemm_adds_lora_is_the_gemm_plus_the_delta(gemm_adds_lora, widths):
+    check_merged("exact", widths, M=37, K=72, r=8, L=5, dtype=torch.float32, linear=True)
+    assert gemm_adds_lora, "the op did not take the gemm_adds_lora path"
+
+
+def test_gemm_adds_lora_leaves_layers_with_a_bias_on_the_add_path(gemm_adds_lora):
+    from lorazor_kernels import linear_lora_op
+
+    x, a, b, s, slot, rank = make_case(21, 40, 24, 8, 4, torch.float32, seed=3)
+    weight, bias = torch.randn(24, 40, device=DEVICE), torch.randn(24, device=DEVICE)
+    y = linear_lora_op(x, weight, bias, a, b, s, rank, build_batch_meta(slot, 4, "exact"))
+    ref = x.double() @ weight.double().T + bias.double() + lora_delta_reference(
+        x.double(), a.double(), b.double(), s.double(), slot, rank)
+    torch.testing.assert_close(y.double(), ref, **TOL[torch.float32])
+    assert not gemm_adds_lora
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072), ((3072,), 8192)])
+def test_gpu_gemm_adds_lora_in_a_graph(gemm_adds_lora, widths, K):
+    check_merged("exact", widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16, graph=True, linear=True)
+    assert gemm_adds_lora
