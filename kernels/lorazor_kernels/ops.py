@@ -128,9 +128,11 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
     """`linear(x, weight, bias)` plus the batched LoRA delta, as the registered custom op
     `lorazor::linear_lora` (x `[M, K]`; the other arguments as in `add_batched_lora_`).
 
-    The base GEMM, then the delta added in place. torch.compile treats the op as opaque, so
-    compiled model code runs the GEMM and the Triton kernels as they are. (The shrink on a side
-    stream beside the GEMM was measured slower end to end: `benchmarks/results/e2e_ab_overlap_e8044b4/`.)
+    The base GEMM, then the delta added in place; with `KernelConfig.gemm_adds_lora` (`exact`
+    grid, no bias) the delta first, written by a write-only expand, and the GEMM adding x @ W.T to
+    it. torch.compile treats the op as opaque, so compiled model code runs the GEMM and the Triton
+    kernels as they are. (The shrink on a side stream beside the GEMM was measured slower end to
+    end: `benchmarks/results/e2e_ab_overlap_e8044b4/`.)
     """
     if meta.has_lora is False:
         return torch.nn.functional.linear(x, weight, bias)
