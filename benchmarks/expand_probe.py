@@ -111,15 +111,21 @@ SHAPES_RUN = ((256, 4, 4, tuple(VARIANTS)), (128, 4, 8, ("probe, every stage",))
               (64, 2, 8, ("FMA over the 8 rank columns, no dot",)))
 
 
-def main() -> None:
+def probe_setup(name: str, pool: int, pool_help: str):
+    """A probe's arguments (--out, --pool), the GPU's kernel config without PDL, and the step
+    metadata of 256 rows spread uniformly over a 128-slot bank (2 rows per exact tile)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/expand_probe"))
-    ap.add_argument("--pool", type=int, default=6, help="distinct weight banks (33.5 MB of B each)")
+    ap.add_argument("--out", type=Path, default=Path(f"benchmarks/results/{name}"))
+    ap.add_argument("--pool", type=int, default=pool, help=pool_help)
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = dataclasses.replace(get_kernel_config(torch.device("cuda")), pdl=False)
     slots = (torch.arange(M) % SLOTS)[torch.randperm(M)].cuda()
-    meta = build_batch_meta(slots, SLOTS, "exact", max_active_slots=SLOTS)
+    return args, cfg, build_batch_meta(slots, SLOTS, "exact", max_active_slots=SLOTS)
+
+
+def main() -> None:
+    args, cfg, meta = probe_setup("expand_probe", 6, "distinct weight banks (33.5 MB of B each)")
     banks = [(torch.randn(SLOTS, RANK, N, device="cuda", dtype=torch.bfloat16),
               torch.randn(SPLIT_K, M, BLOCK_R, device="cuda"),
               torch.randn(M, N, device="cuda", dtype=torch.bfloat16)) for _ in range(args.pool)]
@@ -133,10 +139,14 @@ def main() -> None:
         for b, u, y in banks:
             lora_expand(u, b.transpose(1, 2), scaling, rank, y, meta, cfg, mask_rank=False)
 
-    shipped_us = time_graph(shipped) * 1e3 / len(banks)
-    rows.append(dict(variant=f"shipped lora_expand ({cfg.expand_block_n} columns, {cfg.expand_num_warps} warps, "
-                             f"{cfg.expand_num_stages} stages)", us=shipped_us))
-    print(json.dumps(rows[-1]), flush=True)
+    def shipped_write_only():  # gemm_adds_lora's expand: y overwritten, never read
+        for b, u, y in banks:
+            lora_expand(u, b.transpose(1, 2), scaling, rank, y, meta, cfg, mask_rank=False, write_only=True)
+
+    shape = f"({cfg.expand_block_n} columns, {cfg.expand_num_warps} warps, {cfg.expand_num_stages} stages)"
+    for name, fn in ((f"shipped lora_expand {shape}", shipped), (f"shipped, write_only=True {shape}", shipped_write_only)):
+        rows.append(dict(variant=name, us=time_graph(fn) * 1e3 / len(banks)))
+        print(json.dumps(rows[-1]), flush=True)
     for block_n, warps, splits, names in SHAPES_RUN:
         n_per_program = N // splits
         for name in names:
@@ -153,16 +163,20 @@ def main() -> None:
             us = time_graph(run) * 1e3 / len(banks)
             rows.append(dict(variant=name, block_n=block_n, warps=warps, column_splits=splits, us=us))
             print(json.dumps(rows[-1]), flush=True)
-    bytes_moved = SLOTS * RANK * N * 2 + 2 * M * N * 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta_out = dict(environment(), command=" ".join(sys.argv), bytes_per_launch=bytes_moved, kernel_config=dataclasses.asdict(cfg))
-    (args.out / "expand_probe.json").write_text(json.dumps(dict(meta=meta_out, rows=rows), indent=2))
-    lines = ["| variant | BLOCK_N | warps | column splits | us per launch | GB/s (B + y read and written) |",
-             "|---|---|---|---|---|---|"]
+    write_probe(args.out, "expand_probe", rows, SLOTS * RANK * N * 2 + 2 * M * N * 2, "B + y read and written",
+                ("block_n", "warps", "column_splits"), cfg)
+
+
+def write_probe(out: Path, name: str, rows: list[dict], bytes_moved: int, bytes_what: str, keys: tuple, cfg) -> None:
+    """A probe's rows as `<name>.json` (with the command, commit, GPU, versions) and a `<name>.md` table."""
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(environment(), command=" ".join(sys.argv), bytes_per_launch=bytes_moved, kernel_config=dataclasses.asdict(cfg))
+    (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    lines = [f"| variant | {' | '.join(keys)} | us per launch | GB/s ({bytes_what}) |", "|---" * (len(keys) + 3) + "|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r.get('block_n', '')} | {r.get('warps', '')} | {r.get('column_splits', '')} "
-                     f"| {r['us']:.2f} | {bytes_moved / r['us'] / 1e3:.0f} |")
-    (args.out / "expand_probe.md").write_text("\n".join(lines) + "\n")
+        cells = " | ".join(str(r.get(k, "")) for k in keys)
+        lines.append(f"| {r['variant']} | {cells} | {r['us']:.2f} | {bytes_moved / r['us'] / 1e3:.0f} |")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -114,6 +114,8 @@ for step in "$@"; do
                done ;;
     # The gate/up expand at L = 128 with stages left out (benchmarks/expand_probe.py).
     expand-probe) timeout 200 python3 benchmarks/expand_probe.py --out "$W" > "$W/expand_probe.log" 2>&1 ;;
+    # The same for the q/k/v and down shrinks (benchmarks/shrink_probe.py).
+    shrink-probe) timeout 200 python3 benchmarks/shrink_probe.py --out "$W" > "$W/shrink_probe.log" 2>&1 ;;
     # e2e-quick with the tuned config patched by $PATCH (JSON, e.g. '{"pdl": true}'), results tagged $TAG.
     e2e-quick-patched) patched_config
                LORAZOR_KERNEL_CONFIG="$W/patched_config.json" timeout 220 python3 benchmarks/bench_e2e.py --model llama-3.2-3b \
