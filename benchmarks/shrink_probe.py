@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import time_graph  # noqa: E402
 from expand_probe import M, SLOTS, probe_setup, write_probe  # noqa: E402
 from lorazor_kernels import lora_shrink  # noqa: E402
-from lorazor_kernels.lora_launch import _split_k  # noqa: E402
+from lorazor_kernels.lora_launch import _k_ranges, _split_k  # noqa: E402
 
 BLOCK_M, BLOCK_R = 16, 16
 # (name, K, rows of A per slot): the merged q/k/v group and down_proj.
@@ -89,7 +89,7 @@ def main() -> None:
         banks = [(torch.randn(SLOTS, R, K, device="cuda", dtype=torch.bfloat16),
                   torch.randn(M, K, device="cuda", dtype=torch.bfloat16)) for _ in range(args.pool)]
         rank_blocks = triton.cdiv(R, BLOCK_R)
-        shipped_split = _split_k(meta, K, rank_blocks, cfg, torch.device("cuda"))
+        shipped_split = _k_ranges(_split_k(meta, K, rank_blocks, cfg, torch.device("cuda")), K, cfg.shrink_block_k)[0]
 
         def shipped():
             for a, x in banks:
@@ -102,8 +102,8 @@ def main() -> None:
                                      (shipped_split * 2, cfg.shrink_num_warps, ("probe, every stage",)),
                                      (max(1, shipped_split // 2), cfg.shrink_num_warps, ("probe, every stage",)),
                                      (shipped_split, 4, ("probe, every stage",))):
-            k_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.shrink_block_k) * cfg.shrink_block_k
-            u = torch.empty(triton.cdiv(K, k_per_split), M, rank_blocks * BLOCK_R, device="cuda")
+            splits, k_per_split = _k_ranges(splits, K, cfg.shrink_block_k)  # as lora_shrink splits K
+            u = torch.empty(splits, M, rank_blocks * BLOCK_R, device="cuda")
             for name in names:
                 opts = {**dict(LOAD_X=True, LOAD_A=True, STORE=True), **VARIANTS[name]}
 

@@ -71,6 +71,13 @@ def _split_k(meta: LoRABatchMeta, K: int, rank_blocks: int, cfg: KernelConfig, d
     return max(1, min(max_splits, _at_most_steps(splits, max_splits, cfg.shrink_max_steps)))
 
 
+def _k_ranges(split: int, K: int, block_k: int) -> tuple[int, int]:
+    """(splits, K per split) for about `split` splits of K in whole `block_k` chunks (the last
+    split may be shorter; rounding up to whole chunks can leave fewer splits than asked)."""
+    k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
 def _at_most_steps(splits: int, blocks: int, max_steps: int) -> int:
     """`splits`, raised so that no program loops over more than `max_steps` of the `blocks` (0: no cap).
     A long K (down_proj) or N (gate/up) then gets more, shorter programs than a short one."""
@@ -155,9 +162,7 @@ def lora_shrink(
     M, K = x.shape
     r_pad = padded_rank(lora_a.shape[1])
     rank_blocks = r_pad // BLOCK_R
-    split = _split_k(meta, K, rank_blocks, cfg, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.shrink_block_k) * cfg.shrink_block_k
-    split = triton.cdiv(K, k_per_split)
+    split, k_per_split = _k_ranges(_split_k(meta, K, rank_blocks, cfg, x.device), K, cfg.shrink_block_k)
     u = torch.empty(split, M, r_pad, dtype=torch.float32, device=x.device)
     for programs, tiles_per_slot, table, slot_list, class_rows in _launches(meta, expand=False):
         _lora_shrink_kernel[(programs, split, rank_blocks)](
