@@ -14,7 +14,6 @@ Variants that skip a stage compute a wrong u: this is a timing probe, never a ke
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -92,18 +91,13 @@ def main() -> None:
         rank_blocks = triton.cdiv(R, BLOCK_R)
         shipped_split = _k_ranges(_split_k(meta, K, rank_blocks, cfg, torch.device("cuda")), K, cfg.shrink_block_k)[0]
 
-        # The shipped kernel, then with its first A chunk inside the loop (after the PDL wait), then without PDL.
-        for label, run_cfg in (("shipped lora_shrink", cfg),
-                               ("shipped, wait first (shrink_a_before_wait off)",
-                                dataclasses.replace(cfg, shrink_a_before_wait=False)),
-                               ("shipped, PDL off", dataclasses.replace(cfg, pdl=False))):
-            def shipped(run_cfg=run_cfg):
-                for a, x in banks:
-                    lora_shrink(x, a, rank, meta, run_cfg, mask_rank=False)
+        def shipped():
+            for a, x in banks:
+                lora_shrink(x, a, rank, meta, cfg, mask_rank=False)
 
-            rows.append(dict(variant=f"{group}: {label}", K=K, splits=shipped_split,
-                             warps=cfg.shrink_num_warps, us=time_graph(shipped) * 1e3 / len(banks)))
-            print(json.dumps(rows[-1]), flush=True)
+        rows.append(dict(variant=f"{group}: shipped lora_shrink", K=K, splits=shipped_split,
+                         warps=cfg.shrink_num_warps, us=time_graph(shipped) * 1e3 / len(banks)))
+        print(json.dumps(rows[-1]), flush=True)
         for splits, warps, names in ((shipped_split, cfg.shrink_num_warps, tuple(VARIANTS)),
                                      (shipped_split * 2, cfg.shrink_num_warps, ("probe, every stage",)),
                                      (max(1, shipped_split // 2), cfg.shrink_num_warps, ("probe, every stage",)),

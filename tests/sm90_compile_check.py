@@ -69,7 +69,7 @@ def main() -> None:
     count = 0
     for (table, slot_list, class_rows), mask_rank in itertools.product(GRIDS, (True, False)):
         base = dict(TILE_TABLE=table, USE_SLOT_LIST=slot_list, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
-                    BLOCK_M=16, DOT_PRECISION="tf32", USE_GDC=table, WRITE_ONLY=False, A_BEFORE_WAIT=True)  # PDL: the exact grid (H200)
+                    BLOCK_M=16, DOT_PRECISION="tf32", USE_GDC=table, WRITE_ONLY=False)  # PDL: the exact grid (H200)
         compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256))
         for fused in (True, False):
             compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=fused, SPLIT_K=12, BLOCK_N=128,
@@ -77,13 +77,13 @@ def main() -> None:
         count += 3
     # Triton's launcher turns an int argument equal to 1 into a constant: a rank-1 bank hits that.
     base = dict(TILE_TABLE=True, USE_SLOT_LIST=False, CLASS_MAX_ROWS=0, MASK_RANK=False, BLOCK_M=16,
-                DOT_PRECISION="tf32", r_max=1, USE_GDC=False, WRITE_ONLY=False, A_BEFORE_WAIT=True)
+                DOT_PRECISION="tf32", r_max=1, USE_GDC=False, WRITE_ONLY=False)
     compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256))
     compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, SPLIT_K=4, BLOCK_N=128, BLOCK_R=16, BLOCK_K=16))
     # fp32 weights and activations use IEEE dots (the fp32 GPU tests and the fp32 oracle path).
     fp32 = {k: ("*fp32" if v == "*bf16" else v) for k, v in POINTERS.items()}
     base = dict(TILE_TABLE=True, USE_SLOT_LIST=False, CLASS_MAX_ROWS=0, MASK_RANK=True, BLOCK_M=16,
-                DOT_PRECISION="ieee", USE_GDC=False, WRITE_ONLY=False, A_BEFORE_WAIT=True)
+                DOT_PRECISION="ieee", USE_GDC=False, WRITE_ONLY=False)
     compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=256), fp32)
     for fused in (True, False):
         compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=fused, SPLIT_K=3, BLOCK_N=128,
@@ -95,13 +95,9 @@ def main() -> None:
 
     cfg = KernelConfig.from_json(CONFIG_DIR / "NVIDIA_H200.json")
     base = dict(TILE_TABLE=True, USE_SLOT_LIST=False, CLASS_MAX_ROWS=0, MASK_RANK=False, BLOCK_M=16,
-                DOT_PRECISION="tf32", USE_GDC=cfg.pdl, WRITE_ONLY=False, A_BEFORE_WAIT=cfg.shrink_a_before_wait)
+                DOT_PRECISION="tf32", USE_GDC=cfg.pdl, WRITE_ONLY=False)
     shrink = compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=cfg.shrink_block_k), launched=True,
                           options=dict(num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages))
-    # ... the shrink with the other `shrink_a_before_wait`, ...
-    compile_sm90(lk._lora_shrink_kernel, dict(base, BLOCK_R=16, BLOCK_K=cfg.shrink_block_k,
-                                              A_BEFORE_WAIT=not cfg.shrink_a_before_wait), launched=True,
-                 options=dict(num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages))
     expand = compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, SPLIT_K=8, BLOCK_N=cfg.expand_block_n,
                                                        BLOCK_R=16, BLOCK_K=16), launched=True,
                           options=dict(num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages))
@@ -109,7 +105,7 @@ def main() -> None:
     compile_sm90(lk._lora_expand_kernel, dict(base, FUSED=False, SPLIT_K=8, BLOCK_N=cfg.expand_block_n, BLOCK_R=16,
                                               BLOCK_K=16, WRITE_ONLY=True), launched=True,
                  options=dict(num_warps=cfg.expand_num_warps, num_stages=cfg.expand_num_stages))
-    count += 4
+    count += 3
     if "--resources" in sys.argv:
         print(f"Triton {triton.__version__}, sm_90: H200 shrink ({cfg.shrink_num_warps} warps): {resources(shrink)}")
         print(f"H200 expand ({cfg.expand_block_n} columns, {cfg.expand_num_warps} warps): {resources(expand)}")

@@ -307,27 +307,14 @@ def test_gpu_bf16_merged_projections(grid, widths, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("a_before_wait", [True, False], ids=["a_before_wait", "wait_first"])
 @pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072)])
-def test_gpu_programmatic_dependent_launch_matches_reference(widths, K, a_before_wait):
+def test_gpu_programmatic_dependent_launch_matches_reference(widths, K):
     import dataclasses
 
     from lorazor_kernels import get_kernel_config
 
-    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), pdl=True, shrink_a_before_wait=a_before_wait)
+    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), pdl=True)
     check_merged("exact", widths, M=256, K=K, r=8, L=128, dtype=torch.bfloat16, cfg=cfg, graph=True)
-
-
-@pytest.mark.parametrize("a_before_wait", [True, False], ids=["a_before_wait", "wait_first"])
-def test_shrink_with_its_first_chunk_before_or_inside_the_loop(a_before_wait):
-    """Both shrink loops (`KernelConfig.shrink_a_before_wait`): several K splits of several chunks,
-    the last chunk partial."""
-    import dataclasses
-
-    from lorazor_kernels import KernelConfig
-
-    cfg = dataclasses.replace(KernelConfig(), shrink_block_k=16, shrink_split_k=2, shrink_a_before_wait=a_before_wait)
-    check_merged("exact", (48, 16, 32), M=37, K=72, r=8, L=5, dtype=torch.float32, cfg=cfg)
 
 
 @pytest.mark.parametrize("widths", [(48, 16, 32), (80,)], ids=["qkv", "plain"])

@@ -58,10 +58,6 @@ class KernelConfig:
             read of y (benchmarks/results/expand_probe_b946ee5/). On in the H200 file since
             1a153d7: compiled decode of Llama-3.2-3B at 128 adapters 7.20-7.24 ms per step
             against 7.37-7.43 without it (benchmarks/results/e2e_ab_gemm_adds_lora_1a153d7/).
-        shrink_a_before_wait: each shrink program loads its first A chunk before the PDL wait
-            (outside its pipelined K loop); False waits first and runs every chunk in the loop.
-            `benchmarks/shrink_probe.py` put the shipped shrink 0.7-1.1 us behind a plain loop
-            over the same tiles (benchmarks/results/shrink_probe_ee7bab4/).
     """
 
     shrink_block_k: int = 128
@@ -84,7 +80,6 @@ class KernelConfig:
     pdl: bool = False
     one_program_meta: bool = False
     gemm_adds_lora: bool = False
-    shrink_a_before_wait: bool = True
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

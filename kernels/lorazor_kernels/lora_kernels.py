@@ -99,29 +99,21 @@ def _tile(
 def _shrink_rows(
     x_rows, a_rows, mask_m, mask_r, k_lo, k_hi, K, stride_xk, stride_ak,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr, A_BEFORE_WAIT: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """fp32 `[BM, BR]` = x[rows, k_lo:k_hi] @ A[slot, r, k_lo:k_hi].T; x_rows `[BM, 1]`, a_rows `[BR, 1]` pointers.
 
-    A_BEFORE_WAIT: the first A chunk is loaded before `_dependent_launch_prologue` (the wait for the
-    kernel ahead): adapter weights never depend on it, so with PDL that load overlaps its tail, but
-    the first chunk then sits outside the pipelined loop. Otherwise wait first and run every chunk
-    in the loop. k_lo < k_hi.
+    The first A chunk is loaded before `_dependent_launch_prologue` (the wait for the kernel ahead):
+    adapter weights never depend on it, so with PDL that load overlaps its tail. k_lo < k_hi.
     """
     offs_k = tl.arange(0, BLOCK_K)
-    if A_BEFORE_WAIT:
-        k = k_lo + offs_k
-        mask_k = k < K
-        a_tile = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
-        _dependent_launch_prologue(USE_GDC)
-        x_tile = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        acc = tl.dot(x_tile.to(a_tile.dtype), tl.trans(a_tile), input_precision=DOT_PRECISION)
-        k_start = k_lo + BLOCK_K
-    else:
-        _dependent_launch_prologue(USE_GDC)
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        k_start = k_lo
-    for k0 in range(k_start, k_hi, BLOCK_K):
+    k = k_lo + offs_k
+    mask_k = k < K
+    a_tile = tl.load(a_rows + k[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+    _dependent_launch_prologue(USE_GDC)
+    x_tile = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    acc = tl.dot(x_tile.to(a_tile.dtype), tl.trans(a_tile), input_precision=DOT_PRECISION)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < K
         x_tile = tl.load(x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -223,7 +215,7 @@ def _lora_shrink_kernel(
     stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_us, stride_um, stride_ur,
     TILE_TABLE: tl.constexpr, USE_SLOT_LIST: tl.constexpr, CLASS_MAX_ROWS: tl.constexpr, MASK_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr, A_BEFORE_WAIT: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -240,7 +232,7 @@ def _lora_shrink_kernel(
     acc = _shrink_rows(  # waits for the kernel ahead after its first A load (USE_GDC)
         x_ptr + rows[:, None] * stride_xm, a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar,
         mask_m, mask_r, k_lo, k_lo + k_per_split, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K,
-        DOT_PRECISION, USE_GDC, A_BEFORE_WAIT,
+        DOT_PRECISION, USE_GDC,
     )
     u_tile = u_ptr + pid_k * stride_us + rows[:, None] * stride_um + offs_r[None, :] * stride_ur
     tl.store(u_tile, acc, mask=mask_m[:, None] & mask_r[None, :])
@@ -302,7 +294,6 @@ def _lora_expand_kernel(
         u = _shrink_rows(
             x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_r[:, None] * stride_ar,
             mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, USE_GDC,
-            True,
         )
         scale = tl.load(scaling_ptr + slot).to(tl.float32)
         _expand_rows(

@@ -174,7 +174,6 @@ def lora_shrink(
             TILE_TABLE=table, USE_SLOT_LIST=slot_list is not None, CLASS_MAX_ROWS=class_rows, MASK_RANK=mask_rank,
             BLOCK_M=meta.block_m, BLOCK_R=BLOCK_R, BLOCK_K=cfg.shrink_block_k,
             DOT_PRECISION=_dot_precision(x.dtype),
-            A_BEFORE_WAIT=cfg.shrink_a_before_wait,
             num_warps=cfg.shrink_num_warps, num_stages=cfg.shrink_num_stages,
             **_pdl_options(cfg, x.device),
         )
