@@ -119,9 +119,9 @@ def _run_expand(y, lora_b, scaling, lora_rank, meta, cfg, mask_rank, u=None, x=N
     us = (0, 0, 0) if fused else (u.stride(0), u.stride(1), u.stride(2))
     # A plain projection is one segment [0, N); merged ones read scaling row g for segment g.
     seg_args = (*(segments + (N, N))[:2], scaling.stride(0) if segments else 0)
+    # Write-only (the exact grid: one launch): one more program per BLOCK_M rows, for the rows without a slot (zeros).
+    zero_programs = triton.cdiv(y.shape[0], meta.block_m) if write_only else 0
     for programs, tiles_per_slot, table, slot_list, class_rows in launches:
-        # Write-only: one more program per BLOCK_M rows, for the rows without a slot (zeros).
-        zero_programs = triton.cdiv(y.shape[0], meta.block_m) if write_only else 0
         _lora_expand_kernel[(programs + zero_programs, triton.cdiv(N, n_per_program))](
             x if fused else stand_in, lora_a if fused else stand_in, stand_in if fused else u, lora_b, y, scaling,
             lora_rank, *_meta_tensors(meta, table, slot_list),

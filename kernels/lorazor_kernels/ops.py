@@ -68,9 +68,15 @@ def add_batched_lora_(
     cfg = cfg or get_kernel_config(y.device)
     if cfg.fused and not segments:
         return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
+    return _shrink_expand(y, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
+
+
+def _shrink_expand(y, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, write_only=False):
+    """The delta by `lora_shrink` + `lora_expand` into y: added, or with `write_only` written over it."""
     mask_rank = mask_rank and not segments  # merged projections hold uniform ranks: no rank load
     u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
-    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None)
+    return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None,
+                       write_only=write_only)
 
 
 def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
@@ -109,11 +115,8 @@ def _linear_lora_op(
 def _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments):
     """`KernelConfig.gemm_adds_lora`: shrink, a write-only expand into a fresh buffer, then the GEMM
     adds x @ W.T to it in its epilogue (one pass over the output instead of the expand's read + write)."""
-    mask_rank = mask_rank and not segments
-    u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
-    delta = x.new_empty(x.shape[0], weight.shape[0])
-    lora_expand(u, lora_b, scaling, lora_rank, delta, meta, cfg, mask_rank, segments=segments or None,
-                write_only=True)
+    delta = _shrink_expand(x.new_empty(x.shape[0], weight.shape[0]), x, lora_a, lora_b, scaling, lora_rank, meta,
+                           cfg, mask_rank, segments, write_only=True)
     return delta.addmm_(x, weight.t())
 
 
