@@ -88,8 +88,11 @@ def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
     edges = (0, *segments, y.shape[1])
     for g in range(G):
         lo, hi = edges[g], edges[g + 1]
+        # No rank here, as in the kernels: `lora_rank` is one member's, and a slot that member does
+        # not target (rank 0) may still hold another member's weights. Merged members hold zeros
+        # past each slot's rank, so the full width is exact.
         delta = lora_delta_reference(x, lora_a[:, g * r:(g + 1) * r], lora_b[:, lo:hi], scaling[g],
-                                     meta.row_slot, lora_rank)
+                                     meta.row_slot, None)
         y[:, lo:hi] += delta.to(y.dtype)
     return y
 
