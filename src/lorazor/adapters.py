@@ -10,16 +10,29 @@ Slot s holds the s-th adapter in `names`; unused slots (max_loras > adapters) ha
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 NO_ADAPTER = -1
+# Adapter names become folder names (release policies are saved per adapter) and URL-ish model
+# names in a server: letters, digits, '_', '-' and '.', not starting with '.', no path separators.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
 
 class AdapterError(ValueError):
     """An adapter LoRazor cannot serve as asked; the message names the adapter and the reason."""
+
+
+def check_adapter_name(name) -> str:
+    """Return `name` if it is a valid adapter name, else raise AdapterError naming it."""
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+        raise AdapterError(
+            f"invalid adapter name {name!r}: use 1-128 letters, digits, '_', '-' or '.', not starting with '.' "
+            "(no path separators: names are used as folder names)")
+    return name
 
 
 @dataclass
@@ -98,6 +111,21 @@ def _check_layer(module_name: str, layer: nn.Module, adapters: list[str]) -> Non
         raise AdapterError(f"adapter {variants[0]!r} is a LoRA variant (DoRA/aLoRA/...) at {module_name}")
 
 
+def _check_weight_shapes(name: str, module: str, pair: dict, rank: int, lora: "ModuleLoRA") -> None:
+    """A and B of one module must both be there, of the config's rank and the module's sizes."""
+    if set(pair) != {"A", "B"}:
+        raise AdapterError(f"adapter {name!r} has lora_{'A' if 'A' not in pair else 'B'} missing for {module}")
+    a, b = pair["A"], pair["B"]
+    in_features, out_features = lora.lora_a.shape[2], lora.lora_b.shape[1]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        raise AdapterError(f"adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                           f"which disagree with the config's r={rank}")
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise AdapterError(
+            f"adapter {name!r} was trained for another model: {module} expects lora_A [r, {in_features}] and "
+            f"lora_B [{out_features}, r], the folder has {tuple(a.shape)} and {tuple(b.shape)}")
+
+
 class AdapterBank:
     """All adapters of a PeftModel, stacked per target module, and the adapter name -> slot map.
 
@@ -130,6 +158,7 @@ class AdapterBank:
             raise AdapterError(f"expected a peft.PeftModel with LoRA adapters, got {type(peft_model).__name__}")
         names = list(configs)
         for name in names:
+            check_adapter_name(name)
             _check_adapter_config(name, configs[name])
         if max_loras is not None and len(names) > max_loras:
             raise AdapterError(f"{len(names)} adapters ({names}) exceed max_loras={max_loras}")
@@ -183,17 +212,26 @@ class AdapterBank:
         from peft import LoraConfig
         from safetensors.torch import load_file
 
+        check_adapter_name(name)
         if name in self.slot_of:
             raise AdapterError(f"adapter {name!r} is already loaded (slot {self.slot_of[name]})")
         free = [s for s in range(self.num_slots) if s >= len(self.names) or self.names[s] is None]
         if not free:
             raise AdapterError(f"no free slot for adapter {name!r}: all max_loras={self.num_slots} slots are in use")
         folder = Path(adapter_dir)
+        if not (folder / "adapter_config.json").is_file():
+            raise AdapterError(f"adapter {name!r}: {folder} has no adapter_config.json (not a PEFT adapter folder)")
         cfg = LoraConfig.from_pretrained(str(folder))
         _check_adapter_config(name, cfg)
         if getattr(cfg, "rank_pattern", None) or getattr(cfg, "alpha_pattern", None):
             raise AdapterError(f"adapter {name!r} uses rank_pattern/alpha_pattern, which add_adapter does not support")
-        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        weights_file = folder / "adapter_model.safetensors"
+        if not weights_file.is_file():
+            raise AdapterError(f"adapter {name!r}: no adapter_model.safetensors in {folder}")
+        try:
+            tensors = load_file(str(weights_file))
+        except Exception as err:  # safetensors raises its own error types for a corrupt header
+            raise AdapterError(f"adapter {name!r}: {weights_file} is not a valid safetensors file ({err})") from err
         weights: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
             module, _, kind = key.rpartition(".lora_")
@@ -205,6 +243,8 @@ class AdapterBank:
         r_max = next(iter(self.modules.values())).lora_a.shape[1]
         if cfg.r > r_max:
             raise AdapterError(f"adapter {name!r} has rank {cfg.r} > the bank's rank {r_max}")
+        for module, pair in weights.items():
+            _check_weight_shapes(name, module, pair, cfg.r, self.modules[module])
         slot = free[0]
         scale = cfg.lora_alpha / (cfg.r**0.5 if cfg.use_rslora else cfg.r)
         for module, lora in self.modules.items():

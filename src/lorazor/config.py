@@ -77,7 +77,7 @@ class LoRazorConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
         for name in ("max_batch_size", "max_loras", "max_lora_rank", "max_cache_len"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         sizes = tuple(self.capture_batch_sizes)
         object.__setattr__(self, "capture_batch_sizes", sizes)  # a JSON list comes back as a tuple

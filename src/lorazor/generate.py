@@ -25,6 +25,8 @@ from transformers.generation.logits_process import (
 
 from .policies.base import ReleasePolicy, ReleaseState
 
+# New tokens when neither max_new_tokens nor max_length is given (HF's default max_length).
+DEFAULT_NEW_TOKENS = 20
 # Check "all rows finished" on the host once every this many steps (one sync each, not per step).
 STOP_CHECK_EVERY = 16
 
@@ -69,8 +71,11 @@ def resolve_generation_config(
     if cfg.num_beams not in (None, 1):
         raise NotImplementedError(f"beam search is not supported (num_beams={cfg.num_beams})")
     if max_new is None:
-        max_new = cfg.max_new_tokens if cfg.max_new_tokens is not None else max(cfg.max_length - prompt_len, 0)
-    if not isinstance(max_new, int) or max_new < 0:
+        max_new = cfg.max_new_tokens
+    if max_new is None:
+        # HF's fallback: max_length when set, else 20 new tokens.
+        max_new = max(cfg.max_length - prompt_len, 0) if cfg.max_length is not None else DEFAULT_NEW_TOKENS
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new!r}")
     return cfg, max_new
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from collections.abc import Sequence
 
 import torch
@@ -19,10 +20,11 @@ from .attention import ATTENTION_NAME, KV_RANGE_KWARG, register_attention
 from .config import LoRazorConfig
 from .generate import LoRazorOutput, decode_loop, resolve_generation_config
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
+from .guard import ModelGuard
 from .kv_cache import KVCache
-from .layers import patch_lora_layers, unpatch_lora_layers
+from .layers import BatchedLoRALinear, patch_lora_layers, unpatch_lora_layers
 from .merged import merge_projections
-from .policies.base import ReleasePolicy, ReleaseState, release_step
+from .policies.base import ReleasePolicy, ReleaseState, check_policy, release_step
 from .step import StepContext
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -49,9 +51,13 @@ class LoRazorModel(nn.Module):
         self.model = peft_model.get_base_model()
         self.bank = bank
         self.config = config
+        self.guard = ModelGuard()
         backend = config.backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "reference"
+        if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend='triton' needs a CUDA device, but the model is on {self.device}: use "
+                             "backend='reference' (or 'auto'), or set TRITON_INTERPRET=1 before importing triton")
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_lora_layers(peft_model, bank, self.context)
         self.merged_groups = merge_projections(self.model, self.context) if config.merge_projections else []
@@ -86,6 +92,15 @@ class LoRazorModel(nn.Module):
             NotImplementedError: an unsupported architecture.
         """
         config = config or LoRazorConfig()
+        if not isinstance(config, LoRazorConfig):
+            raise TypeError(f"config must be a LoRazorConfig, got {type(config).__name__}")
+        if not hasattr(peft_model, "peft_config") or not hasattr(peft_model, "get_base_model"):
+            raise TypeError(
+                f"from_peft needs a peft.PeftModel holding LoRA adapters, got {type(peft_model).__name__} (a "
+                "merge_and_unload()ed model has its adapters merged away: pass the PeftModel itself)")
+        if any(isinstance(m, BatchedLoRALinear) for m in peft_model.modules()):
+            raise RuntimeError("this PeftModel is already patched by another LoRazorModel: call its unpatch() "
+                               "first (both models would share and break the same layers)")
         model_type = peft_model.get_base_model().config.model_type
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise NotImplementedError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
@@ -114,20 +129,24 @@ class LoRazorModel(nn.Module):
         """
         from pathlib import Path
 
-        return self.bank.add(name or Path(adapter_dir).name, adapter_dir)
+        name = Path(adapter_dir).name if name is None else name
+        with self.guard.hold(f"add adapter {name!r}"):
+            return self.bank.add(name, adapter_dir)
 
     def remove_adapter(self, name: str) -> None:
         """Free an adapter's slot; later batches naming it raise KeyError."""
-        self.bank.remove(name)
+        with self.guard.hold(f"remove adapter {name!r}"):
+            self.bank.remove(name)
 
     def reconfigure(self, grid: str | None = None, compile: bool | None = None) -> None:
         """Switch the grid mode and/or torch.compile of the decode step (drops captured graphs)."""
         changes = {k: v for k, v in (("grid", grid), ("compile", compile)) if v is not None}
-        self.config = dataclasses.replace(self.config, **changes)
-        self.context.grid = self.config.grid
-        self._compiled_core = None
-        if self.graphs is not None:
-            self.graphs.clear()
+        with self.guard.hold("reconfigure"):
+            self.config = dataclasses.replace(self.config, **changes)
+            self.context.grid = self.config.grid
+            self._compiled_core = None
+            if self.graphs is not None:
+                self.graphs.clear()
 
     def load_release_policy(self, root) -> ReleasePolicy:
         """Load the policies saved beside the adapters under `root/<adapter>/` as the default policy."""
@@ -136,7 +155,8 @@ class LoRazorModel(nn.Module):
         policy = load_release_policy(root)
         if self.config.release not in ("none", policy.kind):
             raise ValueError(f"config.release={self.config.release!r} but {root} holds {policy.kind!r} policies")
-        self.release_policy = policy
+        with self.guard.hold("load a release policy"):
+            self.release_policy = policy
         return policy
 
     def set_grid(self, grid: str) -> None:
@@ -145,9 +165,11 @@ class LoRazorModel(nn.Module):
 
     def unpatch(self) -> nn.Module:
         """Put the PEFT LoRA layers and attention back; returns the PeftModel. This object is then unusable."""
-        unpatch_lora_layers(self.peft_model, self._replaced)
-        self.model.set_attn_implementation(self._previous_attn)
-        self._replaced = []
+        with self.guard.hold("unpatch"):
+            unpatch_lora_layers(self.peft_model, self._replaced)
+            self.model.set_attn_implementation(self._previous_attn)
+            self._replaced = []
+            self.guard.closed = True
         return self.peft_model
 
     # ---- forwards -------------------------------------------------------------------------------
@@ -188,6 +210,10 @@ class LoRazorModel(nn.Module):
 
         Does nothing without CUDA graphs (CPU, or `cuda_graphs=False`). Returns the graphs captured.
         """
+        with self.guard.hold("capture graphs"):
+            return self._capture(batch_sizes, policy)
+
+    def _capture(self, batch_sizes, policy: ReleasePolicy | None) -> int:
         if not self.uses_graphs:
             return 0
         if self.config.max_cache_len is None:
@@ -319,6 +345,10 @@ class LoRazorModel(nn.Module):
 
         Matches PEFT's `model(input_ids, attention_mask, adapter_names=...)` on the real tokens.
         """
+        with self.guard.hold("run a forward"):
+            return self._forward(input_ids, attention_mask, adapter_ids)
+
+    def _forward(self, input_ids, attention_mask, adapter_ids):
         attention_mask = self._check_batch(input_ids, attention_mask, adapter_ids)
         row_slot = self._row_slot(input_ids, adapter_ids)
         self.context.begin_batch(row_slot)
@@ -329,6 +359,10 @@ class LoRazorModel(nn.Module):
 
     # ---- generation ------------------------------------------------------------------------------
     def _check_batch(self, input_ids, attention_mask, adapter_ids) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -340,13 +374,27 @@ class LoRazorModel(nn.Module):
             raise ValueError(f"batch size {B} exceeds max_batch_size={self.config.max_batch_size}")
         if adapter_ids is None:
             raise ValueError("adapter_ids is required: one adapter name (or None for the backbone) per row")
+        if isinstance(adapter_ids, str):
+            raise TypeError(f"adapter_ids must be a list with one entry per row, got the string {adapter_ids!r}")
         if len(adapter_ids) != B:
             raise ValueError(f"adapter_ids has {len(adapter_ids)} entries but the batch has {B} rows")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        if not bool(attention_mask[:, -1].all()):
+        # One host sync per call (never per step) for the checks below.
+        vocab = self.model.get_input_embeddings().num_embeddings
+        low, high, empty, right = torch.stack([
+            input_ids.min(), input_ids.max(), (attention_mask.sum(-1) == 0).any(), (attention_mask[:, -1] == 0).any(),
+        ]).tolist()
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            row = int((input_ids == bad).any(-1).nonzero()[0])
+            raise ValueError(f"input_ids holds token id {bad} (row {row}), outside the vocabulary [0, {vocab})")
+        if empty:
+            row = int((attention_mask.sum(-1) == 0).nonzero()[0])
+            raise ValueError(f"attention_mask row {row} is all 0: every row needs at least one token")
+        if right:
             raise ValueError("right padding is not supported: pad on the left (tokenizer.padding_side='left')")
         return attention_mask.to(input_ids.device)
 
@@ -384,8 +432,16 @@ class LoRazorModel(nn.Module):
         Returns:
             `LoRazorOutput` with `sequences [B, T + n]` and per-row `release_steps`.
         """
+        with self.guard.hold("generate"):
+            return self._generate(input_ids, attention_mask, adapter_ids, generation_config, release_policy, release,
+                                  generator, logits_processor, kwargs)
+
+    def _generate(self, input_ids, attention_mask, adapter_ids, generation_config, release_policy, release,
+                  generator, logits_processor, kwargs) -> LoRazorOutput:
         attention_mask = self._check_batch(input_ids, attention_mask, adapter_ids)
         row_slot = self._row_slot(input_ids, adapter_ids)
+        if release_policy is not None:
+            check_policy(release_policy, self.model.config.hidden_size)
         if release_policy is None and self.config.release != "none":
             if self.release_policy is None:
                 raise ValueError(f"config.release={self.config.release!r} but no policy is loaded: "

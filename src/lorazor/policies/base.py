@@ -122,6 +122,9 @@ class ReleasePolicy:
     def bind(self, adapter_names: list[str], num_slots: int, device: torch.device) -> None:
         """Called once per `generate` with the bank's slot order; build per-slot tensors here."""
 
+    def check_hidden_size(self, hidden_size: int) -> None:
+        """Raise ValueError if the policy cannot read hidden states of this size (default: any)."""
+
     def keep(self, step: int | torch.Tensor, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
         """Rows `[B]` bool that keep their adapter for decode forward `step`.
 
@@ -132,6 +135,14 @@ class ReleasePolicy:
             state: the per-row `ReleaseState` (read-only here).
         """
         raise NotImplementedError
+
+
+def check_policy(policy, hidden_size: int) -> None:
+    """Raise a clear error when `policy` is not a release policy this model can run."""
+    if not isinstance(policy, ReleasePolicy):
+        raise TypeError(f"release_policy must be a ReleasePolicy such as ProfiledRelease({{name: k}}) or "
+                        f"LearnedRelease(...), got {type(policy).__name__}")
+    policy.check_hidden_size(hidden_size)
 
 
 def release_step(policy: ReleasePolicy | None, step: int | torch.Tensor, hidden: torch.Tensor | None,

@@ -6,9 +6,26 @@ evaluated in one batched op: each row gathers its adapter's (w, b, tau) by slot.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import ReleasePolicy, ReleaseState
+
+
+def _check_head(name, head) -> None:
+    if not isinstance(head, (tuple, list)) or len(head) != 3:
+        raise TypeError(f"the release head of adapter {name!r} must be (weight [H], bias, tau), got {head!r}")
+    w, b, tau = head
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_floating_point():
+        shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+        raise ValueError(f"the release head of adapter {name!r} needs a 1-D float weight [H], got {shape}")
+    for label, value in (("bias", b), ("tau", tau)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise ValueError(f"the release head of adapter {name!r} has {label}={value!r}: it must be a real number "
+                             "(tau may be -inf: never release, or +inf: release after prefill)")
+    if math.isinf(b):
+        raise ValueError(f"the release head of adapter {name!r} has bias={b!r}: it must be finite")
 
 
 class LearnedRelease(ReleasePolicy):
@@ -24,7 +41,17 @@ class LearnedRelease(ReleasePolicy):
 
     def __init__(self, heads: dict[str, tuple[torch.Tensor, float, float]]):
         super().__init__()
+        if not isinstance(heads, dict):
+            raise TypeError(f"heads must be a dict adapter name -> (weight, bias, tau), got {type(heads).__name__}")
+        for name, head in heads.items():
+            _check_head(name, head)
         self.heads = dict(heads)
+
+    def check_hidden_size(self, hidden_size: int) -> None:
+        for name, (w, _, _) in self.heads.items():
+            if w.shape[0] != hidden_size:
+                raise ValueError(f"the release head of adapter {name!r} has weight size {w.shape[0]} but the model's "
+                                 f"hidden size is {hidden_size}: it was trained for another model")
 
     def bind(self, adapter_names, num_slots, device) -> None:
         unknown = sorted(set(self.heads) - set(adapter_names))
