@@ -2,51 +2,48 @@
 
 Prefill runs every row's prompt with its adapter; each decode step asks the release policy which
 rows keep their adapter, runs one forward over the new tokens with that row -> slot map, and picks
-the next tokens through HF's logits processors (greedy or seeded sampling). Finished rows emit the
-pad token. Stopping is checked on the host only every `STOP_CHECK_EVERY` steps; trailing all-finished
-columns are trimmed at the end, so outputs have HF's length.
+the next tokens through HF's logits processors (greedy or seeded sampling) and stopping criteria
+(`hf_generation.GenerationPlan`). Finished rows emit the pad token. With only max length and EOS
+to check, "all rows finished" is checked on the host every `STOP_CHECK_EVERY` steps (one sync each,
+not per step); trailing all-finished columns are trimmed at the end, so outputs have HF's length.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
-from transformers.generation.logits_process import (
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.utils import ModelOutput
 
+from .hf_generation import GenerationPlan
 from .policies.base import ReleasePolicy, ReleaseState
 
-# New tokens when neither max_new_tokens nor max_length is given (HF's default max_length).
-DEFAULT_NEW_TOKENS = 20
 # Check "all rows finished" on the host once every this many steps (one sync each, not per step).
 STOP_CHECK_EVERY = 16
 
 
 @dataclass
-class LoRazorOutput:
-    """What `LoRazorModel.generate` returns.
+class LoRazorOutput(ModelOutput):
+    """What `LoRazorModel.generate` returns: a `transformers.utils.ModelOutput` (`out[0]` and
+    `out.sequences` are the tokens; decode them with `tokenizer.batch_decode(out.sequences)`).
 
     Attributes:
-        sequences: `[B, T + n]` prompt followed by the generated tokens (pad after EOS).
+        sequences: `[B, T + n]` prompt followed by the generated tokens (pad after a row stopped).
+        scores: with `output_scores=True`, one `[B, V]` float tensor per generated token: the
+            scores after the logits processors, as HF returns them.
+        logits: with `output_logits=True`, the raw logits of every generated token.
         release_steps: `[B]` decode step at which each row released its adapter (it used it in
             prefill and decode forwards 0..k-1); -1 if it never released or had no adapter.
         decode_steps: `[B]` decode forwards each row needed (generated tokens - 1).
         lora_decode_steps: `[B]` of those, how many ran with the row's adapter.
     """
 
-    sequences: torch.Tensor
-    release_steps: torch.Tensor
-    decode_steps: torch.Tensor
-    lora_decode_steps: torch.Tensor
+    sequences: torch.Tensor | None = None
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+    release_steps: torch.Tensor | None = None
+    decode_steps: torch.Tensor | None = None
+    lora_decode_steps: torch.Tensor | None = None
 
     @property
     def skip_fraction(self) -> float:
@@ -54,57 +51,13 @@ class LoRazorOutput:
         total = int(self.decode_steps.sum())
         return 0.0 if total == 0 else 1.0 - int(self.lora_decode_steps.sum()) / total
 
-
-def resolve_generation_config(
-    default: GenerationConfig | None, given: GenerationConfig | None, kwargs: dict, prompt_len: int
-) -> tuple[GenerationConfig, int]:
-    """HF precedence: explicit config (or the model's) updated by kwargs; unknown kwargs are an error.
-
-    Returns the config and max_new_tokens (0 is allowed here; HF's config rejects it).
-    """
-    cfg = copy.deepcopy(given if given is not None else (default or GenerationConfig()))
-    kwargs = dict(kwargs)
-    max_new = kwargs.pop("max_new_tokens", None)
-    unused = cfg.update(**kwargs)
-    if unused:
-        raise TypeError(f"unknown generation arguments {sorted(unused)}")
-    if cfg.num_beams not in (None, 1):
-        raise NotImplementedError(f"beam search is not supported (num_beams={cfg.num_beams})")
-    if max_new is None:
-        max_new = cfg.max_new_tokens
-    if max_new is None:
-        # HF's fallback: max_length when set, else 20 new tokens.
-        max_new = max(cfg.max_length - prompt_len, 0) if cfg.max_length is not None else DEFAULT_NEW_TOKENS
-    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new!r}")
-    return cfg, max_new
-
-
-def eos_ids(cfg: GenerationConfig) -> list[int]:
-    eos = cfg.eos_token_id
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-
-
-def build_logits_processors(cfg: GenerationConfig, prompt_len: int, device, extra=None) -> LogitsProcessorList:
-    """The processors HF's `generate` applies for these settings, in HF's order."""
-    procs = LogitsProcessorList()
-    eos = eos_ids(cfg)
-    if cfg.repetition_penalty is not None and cfg.repetition_penalty != 1.0:
-        procs.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
-    if eos and cfg.min_length:
-        procs.append(MinLengthLogitsProcessor(cfg.min_length, eos, device=device))
-    if eos and cfg.min_new_tokens:
-        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, cfg.min_new_tokens, eos, device=device))
-    if extra:
-        procs.extend(extra)
-    if cfg.do_sample:
-        if cfg.temperature is not None and cfg.temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(cfg.temperature))
-        if cfg.top_k:
-            procs.append(TopKLogitsWarper(top_k=cfg.top_k, min_tokens_to_keep=1))
-        if cfg.top_p is not None and cfg.top_p < 1.0:
-            procs.append(TopPLogitsWarper(top_p=cfg.top_p, min_tokens_to_keep=1))
-    return procs
+    def rows(self, n: int) -> "LoRazorOutput":
+        """The first `n` rows (drops CUDA-graph bucket padding)."""
+        cut = lambda t: None if t is None else t[:n]  # noqa: E731
+        steps = lambda ts: None if ts is None else tuple(t[:n] for t in ts)  # noqa: E731
+        return LoRazorOutput(sequences=cut(self.sequences), scores=steps(self.scores), logits=steps(self.logits),
+                             release_steps=cut(self.release_steps), decode_steps=cut(self.decode_steps),
+                             lora_decode_steps=cut(self.lora_decode_steps))
 
 
 def next_tokens(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
@@ -114,66 +67,95 @@ def next_tokens(scores: torch.Tensor, do_sample: bool, generator: torch.Generato
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
+def _float_scores(logits: torch.Tensor) -> torch.Tensor:
+    """Float32 logits as a fresh normal tensor: processors may change it in place, and CUDA graphs
+    overwrite the logits buffer at the next replay."""
+    scores = logits.float()
+    return scores.clone() if scores is logits else scores
+
+
+def _grow(rows: torch.Tensor, batch: int, fill) -> torch.Tensor:
+    """`rows` `[n]` extended to `[batch]` with `fill` (the bucket padding rows)."""
+    if rows.shape[0] == batch:
+        return rows
+    return torch.cat([rows, rows.new_full((batch - rows.shape[0],), fill)])
+
+
 def decode_loop(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     row_slot: torch.Tensor,
-    cfg: GenerationConfig,
-    max_new_tokens: int,
+    plan: GenerationPlan,
     policy: ReleasePolicy | None,
     release_overrides=None,
     generator: torch.Generator | None = None,
-    logits_processor=None,
+    streamer=None,
     cache_len: int | None = None,
     real_rows: int | None = None,
 ) -> LoRazorOutput:
     """Run prefill + decode for a validated, left-padded batch. See `LoRazorModel.generate`.
 
     `cache_len`: KV-cache length (>= T + max_new_tokens). `real_rows`: rows past this index are
-    bucket padding: they never count as unfinished.
+    bucket padding: they never count as unfinished and are never streamed.
     """
     B, T = input_ids.shape
+    max_new_tokens = plan.max_new_tokens
+    real_rows = B if real_rows is None else real_rows
     device = input_ids.device
-    eos = eos_ids(cfg)
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    eos, pad = plan.eos, plan.pad
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
-    procs = build_logits_processors(cfg, T, device, logits_processor)
     state = ReleaseState.create(row_slot, release_overrides)
     if policy is not None:
         policy.bind(model.bank.names, model.bank.num_slots, device)
     # One host check per call: a batch without adapters skips LoRA entirely (no kernel launches),
     # and the number of distinct adapters bounds the exact grid.
     model.context.begin_batch(row_slot)
+    # A streamer sees every step's tokens anyway (a sync each): stop exactly where HF stops.
+    check_every = 1 if streamer is not None else STOP_CHECK_EVERY
 
     tokens = torch.full((B, T + max_new_tokens), pad, dtype=torch.long, device=device)
     tokens[:, :T] = input_ids
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
-    if real_rows is not None:
-        unfinished[real_rows:] = False
+    unfinished[real_rows:] = False
     gen_len = torch.zeros(B, dtype=torch.long, device=device)
     lora_steps = torch.zeros(B, dtype=torch.long, device=device)
     done_at = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     next_pos = attention_mask.sum(-1)
+    kept_scores, kept_logits = [], []
+    if streamer is not None:
+        streamer.put(input_ids[:real_rows].cpu())
 
     cache = model.cache_for(B, cache_len or T + max_new_tokens, device)
     state = model.begin_release(state, policy, cache)
     hidden, logits = model.prefill(input_ids, attention_mask, cache, row_slot)
-    steps_run = max_new_tokens
     for t in range(max_new_tokens):
-        scores = procs(tokens[:, : T + t], logits.float())
-        tok = torch.where(unfinished, next_tokens(scores, cfg.do_sample, generator), pad)
+        # Processors, sampling and criteria see the real rows only, never the bucket padding.
+        raw = _float_scores(logits[:real_rows])
+        scores = plan.processors(tokens[:real_rows, : T + t], raw)
+        tok = torch.where(unfinished, _grow(next_tokens(scores, plan.config.do_sample, generator), B, pad), pad)
         tokens[:, T + t] = tok
+        if plan.output_scores:
+            kept_scores.append(scores)
+        if plan.output_logits:
+            kept_logits.append(raw)
+        if streamer is not None:
+            streamer.put(tok[:real_rows].cpu())
         gen_len += unfinished.long()
-        if eos:
+        if plan.stopping is not None:
+            newly = unfinished & _grow(plan.stopping(tokens[:real_rows, : T + t + 1], scores), B, False)
+        elif eos:
             newly = unfinished & torch.isin(tok, eos_t)
+        else:
+            newly = None
+        if newly is not None:
             done_at.masked_fill_(newly, t)
             unfinished &= ~newly
         if t == max_new_tokens - 1:
             break
-        if (t + 1) % STOP_CHECK_EVERY == 0:
-            # One host sync per STOP_CHECK_EVERY steps: stop when every row finished, and drop LoRA
-            # from the step (the backbone graph) once every row released its adapter.
+        if (t + 1) % check_every == 0:
+            # One host sync per check: stop when every row finished, and drop LoRA from the step
+            # (the backbone graph) once every row released its adapter.
             any_unfinished, any_active = torch.stack([unfinished.any(), state.active.any()]).tolist()
             if not any_unfinished:
                 break
@@ -183,12 +165,16 @@ def decode_loop(
         hidden, logits, step_slot = model.run_decode_step(tok, next_pos, write_pos, cache, state, policy, t, hidden)
         lora_steps += (step_slot >= 0) & unfinished
         next_pos = next_pos + 1
+    if streamer is not None:
+        streamer.end()
     # HF stops right after the step where every row finished.
-    if eos:
-        all_done = int(done_at[:real_rows].max())
-        steps_run = min(max_new_tokens, all_done + 1)
-    sequences = tokens[:, : T + steps_run]
+    steps_run = min(max_new_tokens, int(done_at[:real_rows].max()) + 1) if max_new_tokens else 0
     decode_steps = (gen_len - 1).clamp(min=0) * (row_slot >= 0)
     lora_decode = torch.minimum(lora_steps, decode_steps)
-    # clone: with CUDA graphs the state is a static buffer that the next call overwrites.
-    return LoRazorOutput(sequences, state.release_step.clone(), decode_steps, lora_decode)
+    return LoRazorOutput(
+        sequences=tokens[:, : T + steps_run],
+        scores=tuple(kept_scores[:steps_run]) if plan.output_scores else None,
+        logits=tuple(kept_logits[:steps_run]) if plan.output_logits else None,
+        # clone: with CUDA graphs the state is a static buffer that the next call overwrites.
+        release_steps=state.release_step.clone(), decode_steps=decode_steps, lora_decode_steps=lora_decode,
+    )

@@ -13,12 +13,14 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .adapters import AdapterBank
 from .attention import ATTENTION_NAME, KV_RANGE_KWARG, register_attention
 from .config import LoRazorConfig
-from .generate import LoRazorOutput, decode_loop, resolve_generation_config
+from .generate import LoRazorOutput, decode_loop
+from .hf_generation import GenerationPlan, plan_generation, resolve_config
+from .inputs import check_batch, encode_prompts, expand_rows
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .guard import ModelGuard
 from .kv_cache import KVCache
@@ -349,7 +351,7 @@ class LoRazorModel(nn.Module):
             return self._forward(input_ids, attention_mask, adapter_ids)
 
     def _forward(self, input_ids, attention_mask, adapter_ids):
-        attention_mask = self._check_batch(input_ids, attention_mask, adapter_ids)
+        attention_mask = check_batch(self, input_ids, attention_mask, adapter_ids)
         row_slot = self._row_slot(input_ids, adapter_ids)
         self.context.begin_batch(row_slot)
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1], input_ids.device)
@@ -358,46 +360,6 @@ class LoRazorModel(nn.Module):
             return self._lm_head(hidden)
 
     # ---- generation ------------------------------------------------------------------------------
-    def _check_batch(self, input_ids, attention_mask, adapter_ids) -> torch.Tensor:
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
-        if B == 0:
-            raise ValueError("empty batch: input_ids has 0 rows")
-        if T == 0:
-            raise ValueError("empty prompt: input_ids has 0 columns")
-        if B > self.config.max_batch_size:
-            raise ValueError(f"batch size {B} exceeds max_batch_size={self.config.max_batch_size}")
-        if adapter_ids is None:
-            raise ValueError("adapter_ids is required: one adapter name (or None for the backbone) per row")
-        if isinstance(adapter_ids, str):
-            raise TypeError(f"adapter_ids must be a list with one entry per row, got the string {adapter_ids!r}")
-        if len(adapter_ids) != B:
-            raise ValueError(f"adapter_ids has {len(adapter_ids)} entries but the batch has {B} rows")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        # One host sync per call (never per step) for the checks below.
-        vocab = self.model.get_input_embeddings().num_embeddings
-        low, high, empty, right = torch.stack([
-            input_ids.min(), input_ids.max(), (attention_mask.sum(-1) == 0).any(), (attention_mask[:, -1] == 0).any(),
-        ]).tolist()
-        if low < 0 or high >= vocab:
-            bad = low if low < 0 else high
-            row = int((input_ids == bad).any(-1).nonzero()[0])
-            raise ValueError(f"input_ids holds token id {bad} (row {row}), outside the vocabulary [0, {vocab})")
-        if empty:
-            row = int((attention_mask.sum(-1) == 0).nonzero()[0])
-            raise ValueError(f"attention_mask row {row} is all 0: every row needs at least one token")
-        if right:
-            raise ValueError("right padding is not supported: pad on the left (tokenizer.padding_side='left')")
-        return attention_mask.to(input_ids.device)
-
     def _row_slot(self, input_ids, adapter_ids) -> torch.Tensor:
         return self.bank.slots_for(adapter_ids, device=input_ids.device)
 
@@ -411,34 +373,67 @@ class LoRazorModel(nn.Module):
         release: Sequence[int | str | None] | None = None,
         generator: torch.Generator | None = None,
         logits_processor: LogitsProcessorList | list | None = None,
+        stopping_criteria: StoppingCriteriaList | list | None = None,
+        streamer=None,
+        tokenizer=None,
+        prefix_allowed_tokens_fn=None,
         **kwargs,
     ) -> LoRazorOutput:
         """Generate for a mixed-adapter batch, one forward per step for the whole batch.
 
+        Everything that picks the next token follows `transformers`' `generate`: the settings are
+        resolved with HF's precedence and defaults, and the logits processors and stopping criteria
+        are built by HF's own builders, in HF's order. Greedy search and sampling are supported;
+        beam search, contrastive search, assisted decoding and classifier-free guidance are refused.
+
         Args:
             input_ids: `[B, T]` left-padded prompts.
             attention_mask: `[B, T]` (1 = token, 0 = left padding); None means no padding.
-            adapter_ids: `B` adapter names, None for a backbone-only row.
+            adapter_ids: `B` adapter names, None for a backbone-only row; None: every row backbone.
             generation_config: a `transformers.GenerationConfig`; kwargs override its fields
-                (`max_new_tokens`, `min_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`,
-                `repetition_penalty`, `eos_token_id`, `pad_token_id`, ...).
+                (`max_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`, `min_p`,
+                `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, `stop_strings`,
+                `num_return_sequences`, `output_scores`, ...).
             release_policy: a StepTrim policy (`ProfiledRelease`, `LearnedRelease`); None uses the
                 model's default (`load_release_policy`, when `config.release` is not "none"), else
                 every adapter is kept to the end.
             release: per-row overrides: None (policy), "never", or a fixed release length k.
             generator: a seeded `torch.Generator` for sampling.
-            logits_processor: extra HF logits processors, applied after HF's own.
+            logits_processor, stopping_criteria: extra HF processors / criteria, merged with HF's.
+            streamer: an HF streamer (`put` with each step's tokens, `end` at the end).
+            tokenizer: needed for `stop_strings`.
+            prefix_allowed_tokens_fn: as in HF.
 
         Returns:
-            `LoRazorOutput` with `sequences [B, T + n]` and per-row `release_steps`.
+            `LoRazorOutput` (a `ModelOutput`): `sequences [B * num_return_sequences, T + n]`, per-row
+            `release_steps`, and `scores` / `logits` when asked for.
         """
         with self.guard.hold("generate"):
-            return self._generate(input_ids, attention_mask, adapter_ids, generation_config, release_policy, release,
-                                  generator, logits_processor, kwargs)
+            config, flags = resolve_config(self.model, generation_config, kwargs)
+            if adapter_ids is None:
+                adapter_ids = [None] * (input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else 0)
+            if (config.num_return_sequences or 1) > 1:
+                input_ids, attention_mask, adapter_ids, release = expand_rows(
+                    config.num_return_sequences, input_ids, attention_mask, adapter_ids, release)
+            attention_mask = check_batch(self, input_ids, attention_mask, adapter_ids)
+            plan = plan_generation(self.model, config, flags, input_ids, attention_mask, logits_processor,
+                                   stopping_criteria, tokenizer, prefix_allowed_tokens_fn)
+            return self._generate(input_ids, attention_mask, adapter_ids, plan, release_policy, release, generator,
+                                  streamer)
 
-    def _generate(self, input_ids, attention_mask, adapter_ids, generation_config, release_policy, release,
-                  generator, logits_processor, kwargs) -> LoRazorOutput:
-        attention_mask = self._check_batch(input_ids, attention_mask, adapter_ids)
+    def generate_text(self, prompts: Sequence[str], adapter_ids: Sequence[str | None] | None = None, *, tokenizer,
+                      **kwargs) -> list[str]:
+        """Generate for text prompts: left-pads them with `tokenizer` and returns each row's new text
+        (special tokens skipped). Keyword arguments are `generate`'s."""
+        input_ids, attention_mask = encode_prompts(tokenizer, prompts, self.device)
+        kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+        kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+        out = self.generate(input_ids, attention_mask=attention_mask, adapter_ids=adapter_ids, tokenizer=tokenizer,
+                            **kwargs)
+        return tokenizer.batch_decode(out.sequences[:, input_ids.shape[1]:], skip_special_tokens=True)
+
+    def _generate(self, input_ids, attention_mask, adapter_ids, plan: GenerationPlan, release_policy, release,
+                  generator, streamer) -> LoRazorOutput:
         row_slot = self._row_slot(input_ids, adapter_ids)
         if release_policy is not None:
             check_policy(release_policy, self.model.config.hidden_size)
@@ -448,7 +443,7 @@ class LoRazorModel(nn.Module):
                                  "call model.load_release_policy(path) or pass release_policy=")
             release_policy = self.release_policy
         B, T = input_ids.shape
-        cfg, max_new = resolve_generation_config(self.model.generation_config, generation_config, kwargs, T)
+        max_new = plan.max_new_tokens
         limit = self.config.max_cache_len
         if limit is not None and T + max_new > limit:
             raise ValueError(f"prompt length {T} + max_new_tokens {max_new} exceeds max_cache_len={limit}")
@@ -457,7 +452,8 @@ class LoRazorModel(nn.Module):
             raise ValueError(f"prompt length {T} + max_new_tokens {max_new} exceeds max_position_embeddings={max_pos}")
         if max_new == 0:
             empty = torch.zeros(B, dtype=torch.long, device=input_ids.device)
-            return LoRazorOutput(input_ids.clone(), empty - 1, empty, empty)
+            return LoRazorOutput(sequences=input_ids.clone(), release_steps=empty - 1, decode_steps=empty,
+                                 lora_decode_steps=empty)
         cache_len = T + max_new
         if self.uses_graphs:
             # Pad the batch to its graph bucket with backbone rows of one token; sliced off below.
@@ -472,11 +468,6 @@ class LoRazorModel(nn.Module):
                 row_slot = torch.cat([row_slot, row_slot.new_full((extra,), -1)])
                 if release is not None:
                     release = list(release) + [None] * extra
-        out = decode_loop(
-            self, input_ids, attention_mask, row_slot, cfg, max_new, release_policy, release, generator,
-            logits_processor, cache_len=cache_len, real_rows=B,
-        )
-        if out.sequences.shape[0] != B:
-            out = LoRazorOutput(out.sequences[:B], out.release_steps[:B], out.decode_steps[:B],
-                                out.lora_decode_steps[:B])
-        return out
+        out = decode_loop(self, input_ids, attention_mask, row_slot, plan, release_policy, release, generator,
+                          streamer, cache_len=cache_len, real_rows=B)
+        return out.rows(B) if out.sequences.shape[0] != B else out

@@ -1,0 +1,134 @@
+"""Hugging Face generation semantics: the settings, logits processors and stopping criteria that
+transformers' own `generate` would use for the same call, built by transformers' own builders.
+
+LoRazor runs its own decode loop (batched adapters, its KV cache, CUDA graphs), but everything that
+decides *which* token comes next is HF's: the `GenerationConfig` resolved with HF's precedence (the
+call's config or the model's, HF's global defaults such as `top_k=50`, then keyword arguments), the
+`LogitsProcessorList` in HF's order, and the `StoppingCriteriaList`. Settings that need another
+decoding strategy (beam search, contrastive search, assisted decoding) or another model call per
+step (classifier-free guidance) are refused with an error that names them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# Fields whose HF behaviour needs something LoRazor's loop does not do: refused, never ignored.
+REFUSED_FIELDS = {
+    "guidance_scale": (lambda v: v is not None and v != 1, "classifier-free guidance runs a second model call per step"),
+    "token_healing": (bool, "token healing rewrites the prompt"),
+    "output_attentions": (bool, "attention weights are not materialized by LoRazor's attention"),
+    "output_hidden_states": (bool, "only the final hidden state is kept (for the release policy)"),
+}
+
+
+@dataclass
+class GenerationPlan:
+    """What one `generate` call decodes with.
+
+    Attributes:
+        config: the resolved `GenerationConfig` (HF's precedence and defaults).
+        max_new_tokens: tokens to generate at most.
+        processors: HF's logits processors for `config`, user processors merged in HF's way.
+        stopping: HF's stopping criteria when any goes beyond max length and EOS (stop strings,
+            max_time, user criteria); None when the loop's built-in length/EOS check is exact.
+        eos: EOS token ids; pad: the token finished rows emit.
+        output_scores / output_logits: keep the processed scores / raw logits of every step.
+    """
+
+    config: GenerationConfig
+    max_new_tokens: int
+    processors: LogitsProcessorList
+    stopping: StoppingCriteriaList | None
+    eos: list[int]
+    pad: int
+    output_scores: bool
+    output_logits: bool
+
+
+def _call(fn, **kwargs):
+    """Call a transformers helper with the keyword arguments its version accepts (5.17 and 5.24+)."""
+    accepted = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def check_max_new_tokens(value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {value!r}")
+
+
+def resolve_config(hf_model, given: GenerationConfig | None, kwargs: dict) -> tuple[GenerationConfig, dict]:
+    """The call's `GenerationConfig` with HF's precedence; unknown kwargs and unsupported settings raise.
+
+    Returns the config and the defaults flags `plan_generation` needs.
+    """
+    if given is not None and not isinstance(given, GenerationConfig):
+        raise TypeError(f"generation_config must be a transformers.GenerationConfig, got {type(given).__name__}")
+    kwargs = dict(kwargs)
+    check_max_new_tokens(kwargs.get("max_new_tokens"))
+    # HF's config refuses max_new_tokens=0; LoRazor returns the prompt alone.
+    zero = kwargs.get("max_new_tokens") == 0
+    if zero:
+        kwargs.pop("max_new_tokens")
+    model_default = hf_model.generation_config
+    flags = {
+        "zero": zero,
+        "has_default_max_length": kwargs.get("max_length") is None and kwargs.get("max_new_tokens") is None
+        and (given is None or given.max_length is None) and model_default.max_length is None,
+        "has_default_min_length": kwargs.get("min_length") is None
+        and (given is None or given.min_length is None) and model_default.min_length is None,
+    }
+    config, unused = hf_model._prepare_generation_config(given, **kwargs)
+    unused = {k for k in unused if k not in ("output_attentions", "output_hidden_states")}
+    if unused:
+        raise TypeError(f"unknown generation arguments {sorted(unused)}")
+    mode = config.get_generation_mode()
+    if mode not in SUPPORTED_MODES:
+        raise NotImplementedError(
+            f"generation mode {mode.value!r} (num_beams={config.num_beams}, penalty_alpha={config.penalty_alpha}) is "
+            "not supported: LoRazor runs greedy search and sampling (do_sample=True)")
+    for name, (is_set, why) in REFUSED_FIELDS.items():
+        if is_set(getattr(config, name, None)):
+            raise NotImplementedError(f"{name}={getattr(config, name)!r} is not supported: {why}")
+    return config, flags
+
+
+def plan_generation(hf_model, config: GenerationConfig, flags: dict, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor, logits_processor=None, stopping_criteria=None, tokenizer=None,
+                    prefix_allowed_tokens_fn=None) -> GenerationPlan:
+    """Lengths, processors and criteria for a (possibly expanded) left-padded batch, as HF builds them."""
+    B, T = input_ids.shape
+    device = input_ids.device
+    _call(hf_model._prepare_special_tokens, generation_config=config, kwargs_has_attention_mask=True,
+          device=device, batch_size=B)
+    if flags["zero"]:
+        max_new = 0
+    else:
+        config = _call(hf_model._prepare_generated_length, generation_config=config,
+                       has_default_max_length=flags["has_default_max_length"],
+                       has_default_min_length=flags["has_default_min_length"], model_input_name="input_ids",
+                       inputs_tensor=input_ids, input_ids_length=T)
+        max_new = max(config.max_length - T, 0)
+    processors = _call(
+        hf_model._get_logits_processor, generation_config=config, input_ids_seq_length=T,
+        encoder_input_ids=input_ids, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        logits_processor=LogitsProcessorList(logits_processor or []), device=device,
+        model_kwargs={"attention_mask": attention_mask}, negative_prompt_ids=None,
+        negative_prompt_attention_mask=None)
+    criteria = _call(hf_model._get_stopping_criteria, generation_config=config,
+                     stopping_criteria=StoppingCriteriaList(stopping_criteria or []), tokenizer=tokenizer)
+    # Max length and EOS are what the loop checks itself (on the device, no sync per step).
+    only_builtin = all(isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in criteria)
+    eos_tensor = config._eos_token_tensor
+    eos = [] if eos_tensor is None else [int(e) for e in eos_tensor.reshape(-1).tolist()]
+    pad_tensor = config._pad_token_tensor
+    pad = int(pad_tensor) if pad_tensor is not None else (eos[0] if eos else 0)
+    return GenerationPlan(config, max_new, processors, None if only_builtin else criteria, eos, pad,
+                          bool(config.output_scores), bool(config.output_logits))
