@@ -247,14 +247,14 @@ def testbed():
     return LoRazorModel.from_peft(peft_model), oracle, tokenizer, tasks
 
 
-def testbed_prompts(tasks):
+def prompts_of(tasks):
     return [tasks["sql"].split("test")[0]["prompt"], tasks["explain"].split("test")[1]["prompt"],
             tasks["math"].split("test")[2]["prompt"]]
 
 
 def test_stop_strings_match_hf(testbed):
     model, oracle, tokenizer, tasks = testbed
-    prompts, rows = testbed_prompts(tasks), ["sql", "explain", None]
+    prompts, rows = prompts_of(tasks), ["sql", "explain", None]
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id, stop_strings=[" FROM", "e "],
               tokenizer=tokenizer)
@@ -269,7 +269,7 @@ def test_stop_strings_match_hf(testbed):
 
 def test_stop_strings_without_tokenizer_is_a_clear_error(testbed):
     model, _, tokenizer, tasks = testbed
-    enc = tokenizer(testbed_prompts(tasks)[:1], return_tensors="pt")
+    enc = tokenizer(prompts_of(tasks)[:1], return_tensors="pt")
     with pytest.raises(ValueError, match="stop strings"):
         model.generate(enc["input_ids"], adapter_ids=["sql"], max_new_tokens=4, stop_strings=["x"])
 
@@ -278,19 +278,19 @@ def test_text_streamer_prints_what_hf_prints(testbed, capsys):
     from transformers import TextStreamer
 
     model, oracle, tokenizer, tasks = testbed
-    enc = tokenizer(testbed_prompts(tasks)[:1], return_tensors="pt")
+    enc = tokenizer(prompts_of(tasks)[:1], return_tensors="pt")
     kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
         oracle.generate(**enc, adapter_names=["sql"], streamer=TextStreamer(tokenizer), **kw)
     want = capsys.readouterr().out
     model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], adapter_ids=["sql"],
                    streamer=TextStreamer(tokenizer), **kw)
-    assert capsys.readouterr().out == want and len(want) > len(testbed_prompts(tasks)[0])
+    assert capsys.readouterr().out == want and len(want) > len(prompts_of(tasks)[0])
 
 
 def test_generate_text_returns_hf_new_text(testbed):
     model, oracle, tokenizer, tasks = testbed
-    prompts, rows = testbed_prompts(tasks), ["sql", "explain", "math"]
+    prompts, rows = prompts_of(tasks), ["sql", "explain", "math"]
     texts = model.generate_text(prompts, rows, tokenizer=tokenizer, max_new_tokens=30, do_sample=False)
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -298,3 +298,22 @@ def test_generate_text_returns_hf_new_text(testbed):
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     assert texts == tokenizer.batch_decode(ref[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     assert all(isinstance(t, str) for t in texts)
+
+
+def test_min_new_tokens_runs_one_min_length_processor_and_matches_peft(pair, batch):
+    from lorazor.hf_generation import plan_generation, resolve_config
+    from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+
+    model, oracle = pair
+    ids, mask = batch
+    config, flags = resolve_config(model.model, None, dict(max_new_tokens=NEW, min_new_tokens=NEW, eos_token_id=EOS))
+    plan = plan_generation(model.model, config, flags, ids, mask)
+    kinds = [type(p) for p in plan.processors]
+    assert kinds.count(MinNewTokensLengthLogitsProcessor) == 1 and MinLengthLogitsProcessor not in kinds
+    # min_length alone is kept (with min_new_tokens given, HF overrides min_length with it).
+    config, flags = resolve_config(model.model, None, dict(max_new_tokens=NEW, min_length=12, eos_token_id=EOS))
+    assert MinLengthLogitsProcessor in [type(p) for p in plan_generation(model.model, config, flags, ids, mask).processors]
+    first = theirs(oracle, batch, do_sample=False)[:, ids.shape[1]].tolist()
+    setting = dict(min_new_tokens=5, eos_token_id=[EOS, first[0]])
+    assert torch.equal(ours(model, batch, do_sample=False, **setting).sequences,
+                       theirs(oracle, batch, do_sample=False, **setting))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -57,6 +58,21 @@ def _call(fn, **kwargs):
     """Call a transformers helper with the keyword arguments its version accepts (5.17 and 5.24+)."""
     accepted = inspect.signature(fn).parameters
     return fn(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def _drop_redundant_min_length(processors: LogitsProcessorList, prompt_len: int) -> LogitsProcessorList:
+    """HF sets min_length = prompt + min_new_tokens and then applies both min-length processors,
+    each cloning the `[B, V]` scores every step. Where they suppress the same EOS ids over the same
+    steps, the min_length one changes nothing: drop it (same tokens, one `[B, V]` copy less a step)."""
+    news = [p for p in processors if isinstance(p, MinNewTokensLengthLogitsProcessor)]
+
+    def redundant(p) -> bool:
+        return isinstance(p, MinLengthLogitsProcessor) and any(
+            n.prompt_length_to_skip == prompt_len and n.min_new_tokens + prompt_len == p.min_length
+            and torch.equal(torch.as_tensor(n.eos_token_id).cpu(), torch.as_tensor(p.eos_token_id).cpu())
+            for n in news)
+
+    return LogitsProcessorList(p for p in processors if not redundant(p))
 
 
 def check_max_new_tokens(value) -> None:
@@ -122,6 +138,7 @@ def plan_generation(hf_model, config: GenerationConfig, flags: dict, input_ids: 
         logits_processor=LogitsProcessorList(logits_processor or []), device=device,
         model_kwargs={"attention_mask": attention_mask}, negative_prompt_ids=None,
         negative_prompt_attention_mask=None)
+    processors = _drop_redundant_min_length(processors, T)
     criteria = _call(hf_model._get_stopping_criteria, generation_config=config,
                      stopping_criteria=StoppingCriteriaList(stopping_criteria or []), tokenizer=tokenizer)
     # Max length and EOS are what the loop checks itself (on the device, no sync per step).
