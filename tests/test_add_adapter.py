@@ -84,3 +84,52 @@ def test_uniform_rank_bank_skips_rank_masking_until_a_smaller_rank_arrives(tmp_p
     model.remove_adapter("small")
     assert not any(m.mask_rank for m in model.bank.modules.values())
     assert all(m.lora_a[slot].abs().sum() == 0 and m.lora_b[slot].abs().sum() == 0 for m in model.bank.modules.values())
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_rank_and_alpha_patterns_and_bin_folders_match_peft(tmp_path, safe):
+    from peft import LoraConfig
+
+    full = tiny_peft_model("llama").to(DEVICE)
+    # rank 2 by default, rank 8 on v_proj, alpha 32 on q_proj, other modules alpha 4.
+    cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                     rank_pattern={"v_proj": 8}, alpha_pattern={"q_proj": 32})
+    full.add_adapter("pat", cfg)
+    full.save_pretrained(tmp_path, selected_adapters=["pat"], safe_serialization=safe)
+    weights = "adapter_model.safetensors" if safe else "adapter_model.bin"
+    assert (tmp_path / "pat" / weights).is_file()
+    partial = copy.deepcopy(full)
+    partial.delete_adapter("pat")
+    model = LoRazorModel.from_peft(partial, LoRazorConfig(max_loras=4))
+    model.add_adapter(tmp_path / "pat")
+    ids, mask = make_batch(4, 6, seed=8, pad_rows=(2,))
+    adapters = ["pat", "math", None, "pat"]
+    out = model.generate(ids, attention_mask=mask, adapter_ids=adapters, max_new_tokens=8, pad_token_id=PAD,
+                         eos_token_id=EOS)
+    assert torch.equal(out.sequences, peft_generate(full.eval(), ids, mask, adapters, max_new_tokens=8))
+    q = next(m for n, m in model.bank.modules.items() if n.endswith("layers.0.self_attn.q_proj"))
+    v = next(m for n, m in model.bank.modules.items() if n.endswith("layers.0.self_attn.v_proj"))
+    assert q.host_rank[3] == 2 and v.host_rank[3] == 8 and float(q.scaling[3]) == 16.0 and float(v.scaling[3]) == 0.5
+
+
+class _Payload:
+    ran = False
+
+    def __reduce__(self):
+        return (_mark_ran, ())
+
+
+def _mark_ran():
+    _Payload.ran = True
+    return {}
+
+
+def test_bin_with_a_pickled_object_is_refused_and_never_run(setup, tmp_path):
+    import pickle
+
+    model, _, sql_dir = setup
+    (sql_dir / "adapter_model.safetensors").unlink()
+    (sql_dir / "adapter_model.bin").write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(AdapterError, match="adapter_model.bin is not a valid weights-only torch file"):
+        model.add_adapter(sql_dir)
+    assert not _Payload.ran

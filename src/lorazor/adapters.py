@@ -111,6 +111,39 @@ def _check_layer(module_name: str, layer: nn.Module, adapters: list[str]) -> Non
         raise AdapterError(f"adapter {variants[0]!r} is a LoRA variant (DoRA/aLoRA/...) at {module_name}")
 
 
+def _load_adapter_weights(name: str, folder) -> dict[str, torch.Tensor]:
+    """PEFT's saved weights: `adapter_model.safetensors`, else an older `adapter_model.bin` read with
+    `torch.load(weights_only=True)` (tensors only, never arbitrary pickled objects)."""
+    from safetensors.torch import load_file
+
+    safe, legacy = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
+    try:
+        if safe.is_file():
+            return load_file(str(safe))
+        if legacy.is_file():
+            tensors = torch.load(str(legacy), map_location="cpu", weights_only=True)
+            if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+                raise AdapterError(f"adapter {name!r}: {legacy} does not hold a dict of tensors")
+            return tensors
+    except AdapterError:
+        raise
+    except Exception as err:  # safetensors / the weights-only unpickler raise their own error types
+        bad = safe if safe.is_file() else legacy
+        kind = "safetensors" if bad is safe else "weights-only torch"
+        raise AdapterError(f"adapter {name!r}: {bad} is not a valid {kind} file ({err})") from err
+    raise AdapterError(f"adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {folder}")
+
+
+def _module_rank_alpha(cfg, module: str) -> tuple[int, float]:
+    """The rank and alpha PEFT gives `module`: `rank_pattern` / `alpha_pattern` entries whose key
+    matches the end of the module name, else the config's `r` / `lora_alpha`."""
+    from peft.utils.other import get_pattern_key
+
+    ranks, alphas = cfg.rank_pattern or {}, cfg.alpha_pattern or {}
+    rank = ranks.get(get_pattern_key(ranks.keys(), module), cfg.r)
+    return rank, alphas.get(get_pattern_key(alphas.keys(), module), cfg.lora_alpha)
+
+
 def _check_weight_shapes(name: str, module: str, pair: dict, rank: int, lora: "ModuleLoRA") -> None:
     """A and B of one module must both be there, of the config's rank and the module's sizes."""
     if set(pair) != {"A", "B"}:
@@ -199,7 +232,8 @@ class AdapterBank:
         return cls(names, modules, num_slots)
 
     def add(self, name: str, adapter_dir, dtype: torch.dtype | None = None) -> int:
-        """Load a PEFT-saved adapter (`adapter_config.json` + `adapter_model.safetensors`) into a free slot.
+        """Load a PEFT-saved adapter (`adapter_config.json` + `adapter_model.safetensors`, or an older
+        `adapter_model.bin`) into a free slot. `rank_pattern` / `alpha_pattern` apply per module.
 
         The bank's tensors are written in place, so captured CUDA graphs stay valid. The adapter may
         only target modules the bank already holds (those some adapter targeted at `from_peft`).
@@ -210,7 +244,6 @@ class AdapterBank:
         from pathlib import Path
 
         from peft import LoraConfig
-        from safetensors.torch import load_file
 
         check_adapter_name(name)
         if name in self.slot_of:
@@ -223,15 +256,7 @@ class AdapterBank:
             raise AdapterError(f"adapter {name!r}: {folder} has no adapter_config.json (not a PEFT adapter folder)")
         cfg = LoraConfig.from_pretrained(str(folder))
         _check_adapter_config(name, cfg)
-        if getattr(cfg, "rank_pattern", None) or getattr(cfg, "alpha_pattern", None):
-            raise AdapterError(f"adapter {name!r} uses rank_pattern/alpha_pattern, which add_adapter does not support")
-        weights_file = folder / "adapter_model.safetensors"
-        if not weights_file.is_file():
-            raise AdapterError(f"adapter {name!r}: no adapter_model.safetensors in {folder}")
-        try:
-            tensors = load_file(str(weights_file))
-        except Exception as err:  # safetensors raises its own error types for a corrupt header
-            raise AdapterError(f"adapter {name!r}: {weights_file} is not a valid safetensors file ({err})") from err
+        tensors = _load_adapter_weights(name, folder)
         weights: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
             module, _, kind = key.rpartition(".lora_")
@@ -241,12 +266,14 @@ class AdapterBank:
                 raise AdapterError(f"adapter {name!r} targets {module}, which no adapter loaded at from_peft targets")
             weights.setdefault(module, {})[kind[0]] = value
         r_max = next(iter(self.modules.values())).lora_a.shape[1]
-        if cfg.r > r_max:
-            raise AdapterError(f"adapter {name!r} has rank {cfg.r} > the bank's rank {r_max}")
+        scales = {}
         for module, pair in weights.items():
-            _check_weight_shapes(name, module, pair, cfg.r, self.modules[module])
+            rank, alpha = _module_rank_alpha(cfg, module)
+            if rank > r_max:
+                raise AdapterError(f"adapter {name!r} has rank {rank} at {module} > the bank's rank {r_max}")
+            _check_weight_shapes(name, module, pair, rank, self.modules[module])
+            scales[module] = alpha / (rank**0.5 if cfg.use_rslora else rank)
         slot = free[0]
-        scale = cfg.lora_alpha / (cfg.r**0.5 if cfg.use_rslora else cfg.r)
         for module, lora in self.modules.items():
             lora.set_rank(slot, 0)  # untargeted modules give no delta
             lora.scaling[slot] = 0.0
@@ -256,7 +283,7 @@ class AdapterBank:
                 a, b = weights[module]["A"], weights[module]["B"]
                 lora.lora_a[slot, : a.shape[0]] = a.to(lora.lora_a.dtype)
                 lora.lora_b[slot, :, : b.shape[1]] = b.to(lora.lora_b.dtype)
-                lora.scaling[slot] = scale
+                lora.scaling[slot] = scales[module]
                 lora.set_rank(slot, a.shape[0])
         while len(self.names) <= slot:
             self.names.append(None)
