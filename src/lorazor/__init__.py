@@ -3,6 +3,7 @@
 from .adapters import AdapterBank, AdapterError
 from .config import LoRazorConfig
 from .generate import LoRazorOutput
+from .guard import ModelBusyError, ModelClosedError
 from .model import LoRazorModel
 from .policies import LearnedRelease, ProfiledRelease, ReleasePolicy, load_release_policy, save_release_policy
 
@@ -15,6 +16,8 @@ __all__ = [
     "LoRazorConfig",
     "LoRazorModel",
     "LoRazorOutput",
+    "ModelBusyError",
+    "ModelClosedError",
     "ProfiledRelease",
     "ReleasePolicy",
     "load_release_policy",
