@@ -317,3 +317,19 @@ def test_min_new_tokens_runs_one_min_length_processor_and_matches_peft(pair, bat
     setting = dict(min_new_tokens=5, eos_token_id=[EOS, first[0]])
     assert torch.equal(ours(model, batch, do_sample=False, **setting).sequences,
                        theirs(oracle, batch, do_sample=False, **setting))
+
+
+def test_forward_with_adapter_ids_none_is_the_backbone(pair, batch):
+    model, oracle = pair
+    ids, mask = batch
+    with torch.no_grad():
+        ref = oracle(input_ids=ids, attention_mask=mask, adapter_names=peft_names([None] * len(ROWS))).logits
+    torch.testing.assert_close(model(ids, mask)[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
+def test_num_return_sequences_past_max_batch_size_is_refused(batch):
+    from lorazor import LoRazorConfig
+
+    model = build_pair("llama", LoRazorConfig(max_batch_size=6))[0]
+    with pytest.raises(ValueError, match="4 prompts x num_return_sequences=2 rows exceed max_batch_size=6"):
+        ours(model, batch, do_sample=True, num_return_sequences=2)

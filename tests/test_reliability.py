@@ -284,3 +284,12 @@ def test_from_peft_twice_on_one_peft_model_raises_until_unpatched():
     first.unpatch()
     second = LoRazorModel.from_peft(peft_model)
     assert len(second.bank.modules) > 0
+
+
+def test_default_policy_of_the_wrong_hidden_size_is_refused(tmp_path):
+    model = build_pair("llama", LoRazorConfig(release="learned"))[0]
+    save_release_policy(LearnedRelease({"math": (torch.zeros(32), 0.0, 0.0)}), tmp_path)
+    model.load_release_policy(tmp_path)
+    ids, mask = make_batch(1, 4)
+    with pytest.raises(ValueError, match="weight size 32 but the model's hidden size is 64"):
+        model.generate(ids, attention_mask=mask, adapter_ids=["math"], max_new_tokens=2)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def check_batch(model, input_ids, attention_mask, adapter_ids) -> torch.Tensor:
-    """Validate a left-padded batch for `model`; returns the attention mask (ones when None).
+def check_batch(model, input_ids, attention_mask, adapter_ids) -> tuple[torch.Tensor, list]:
+    """Validate a left-padded batch for `model`; returns the attention mask (ones when None) and the
+    per-row adapter names (`adapter_ids=None`: every row on the backbone).
 
     Every error names the bad value. One host sync per call, never per step.
     """
@@ -24,7 +25,7 @@ def check_batch(model, input_ids, attention_mask, adapter_ids) -> torch.Tensor:
     if B > model.config.max_batch_size:
         raise ValueError(f"batch size {B} exceeds max_batch_size={model.config.max_batch_size}")
     if adapter_ids is None:
-        raise ValueError("adapter_ids is required: one adapter name (or None for the backbone) per row")
+        adapter_ids = [None] * B
     if isinstance(adapter_ids, str):
         raise TypeError(f"adapter_ids must be a list with one entry per row, got the string {adapter_ids!r}")
     if len(adapter_ids) != B:
@@ -47,18 +48,18 @@ def check_batch(model, input_ids, attention_mask, adapter_ids) -> torch.Tensor:
         raise ValueError(f"attention_mask row {row} is all 0: every row needs at least one token")
     if right:
         raise ValueError("right padding is not supported: pad on the left (tokenizer.padding_side='left')")
-    return attention_mask.to(input_ids.device)
+    return attention_mask.to(input_ids.device), list(adapter_ids)
 
 
-def expand_rows(n: int, input_ids, attention_mask, adapter_ids, release):
-    """Each row repeated `n` times in place (HF's `num_return_sequences` layout: copies adjacent)."""
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
-    if adapter_ids is None or isinstance(adapter_ids, str) or len(adapter_ids) != input_ids.shape[0]:
-        return input_ids, attention_mask, adapter_ids, release  # check_batch reports it
+def expand_rows(n: int, max_batch_size: int, input_ids, attention_mask, adapter_ids, release):
+    """Each row of a validated batch repeated `n` times (HF's `num_return_sequences` layout:
+    copies adjacent)."""
+    if input_ids.shape[0] * n > max_batch_size:
+        raise ValueError(f"{input_ids.shape[0]} prompts x num_return_sequences={n} rows exceed "
+                         f"max_batch_size={max_batch_size}")
     repeat = lambda seq: None if seq is None else [x for x in seq for _ in range(n)]  # noqa: E731
-    mask = None if attention_mask is None else attention_mask.repeat_interleave(n, dim=0)
-    return input_ids.repeat_interleave(n, dim=0), mask, repeat(adapter_ids), repeat(release)
+    return (input_ids.repeat_interleave(n, dim=0), attention_mask.repeat_interleave(n, dim=0), repeat(adapter_ids),
+            repeat(release))
 
 
 def encode_prompts(tokenizer, prompts, device) -> tuple[torch.Tensor, torch.Tensor]:

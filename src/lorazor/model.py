@@ -363,7 +363,7 @@ class LoRazorModel(nn.Module):
             return self._forward(input_ids, attention_mask, adapter_ids)
 
     def _forward(self, input_ids, attention_mask, adapter_ids):
-        attention_mask = check_batch(self, input_ids, attention_mask, adapter_ids)
+        attention_mask, adapter_ids = check_batch(self, input_ids, attention_mask, adapter_ids)
         row_slot = self._row_slot(input_ids, adapter_ids)
         self.context.begin_batch(row_slot)
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1], input_ids.device)
@@ -422,12 +422,11 @@ class LoRazorModel(nn.Module):
         """
         with self.guard.hold("generate"):
             config, flags = resolve_config(self.model, generation_config, kwargs)
-            if adapter_ids is None:
-                adapter_ids = [None] * (input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else 0)
+            attention_mask, adapter_ids = check_batch(self, input_ids, attention_mask, adapter_ids)
             if (config.num_return_sequences or 1) > 1:
                 input_ids, attention_mask, adapter_ids, release = expand_rows(
-                    config.num_return_sequences, input_ids, attention_mask, adapter_ids, release)
-            attention_mask = check_batch(self, input_ids, attention_mask, adapter_ids)
+                    config.num_return_sequences, self.config.max_batch_size, input_ids, attention_mask, adapter_ids,
+                    release)
             plan = plan_generation(self.model, config, flags, input_ids, attention_mask, logits_processor,
                                    stopping_criteria, tokenizer, prefix_allowed_tokens_fn)
             return self._generate(input_ids, attention_mask, adapter_ids, plan, release_policy, release, generator,
@@ -447,13 +446,13 @@ class LoRazorModel(nn.Module):
     def _generate(self, input_ids, attention_mask, adapter_ids, plan: GenerationPlan, release_policy, release,
                   generator, streamer) -> LoRazorOutput:
         row_slot = self._row_slot(input_ids, adapter_ids)
-        if release_policy is not None:
-            check_policy(release_policy, self.model.config.hidden_size)
         if release_policy is None and self.config.release != "none":
             if self.release_policy is None:
                 raise ValueError(f"config.release={self.config.release!r} but no policy is loaded: "
                                  "call model.load_release_policy(path) or pass release_policy=")
             release_policy = self.release_policy
+        if release_policy is not None:
+            check_policy(release_policy, self.model.config.hidden_size)
         B, T = input_ids.shape
         max_new = plan.max_new_tokens
         limit = self.config.max_cache_len
