@@ -333,3 +333,14 @@ def test_num_return_sequences_past_max_batch_size_is_refused(batch):
     model = build_pair("llama", LoRazorConfig(max_batch_size=6))[0]
     with pytest.raises(ValueError, match="4 prompts x num_return_sequences=2 rows exceed max_batch_size=6"):
         ours(model, batch, do_sample=True, num_return_sequences=2)
+
+
+def test_max_new_tokens_alone_logs_no_length_warning(pair, batch):
+    from unittest import mock
+
+    from transformers.generation import utils as hf_utils
+
+    model, _ = pair
+    with mock.patch.object(hf_utils.logger, "warning") as warning:
+        ours(model, batch, do_sample=False)
+    assert not any("seem to have been set" in str(c) for c in warning.call_args_list)

@@ -96,7 +96,8 @@ def resolve_config(hf_model, given: GenerationConfig | None, kwargs: dict) -> tu
     model_default = hf_model.generation_config
     flags = {
         "zero": zero,
-        "has_default_max_length": kwargs.get("max_length") is None and kwargs.get("max_new_tokens") is None
+        # As HF's generate defines them (its length helper warns when they are False).
+        "has_default_max_length": kwargs.get("max_length") is None
         and (given is None or given.max_length is None) and model_default.max_length is None,
         "has_default_min_length": kwargs.get("min_length") is None
         and (given is None or given.min_length is None) and model_default.min_length is None,
