@@ -42,16 +42,28 @@ def test_remove_then_reuse_the_slot(setup):
                          eos_token_id=EOS)
     ref = peft_generate(oracle, ids, mask, ["sql", "sql"], max_new_tokens=6)
     assert torch.equal(out.sequences, ref)
-    assert model.adapter_names == ["sql2", "med", "sql"]
+    assert model.adapter_names == ["med", "sql", "sql2"] and model.adapters["sql2"].slot == 0
 
 
 def test_add_adapter_errors(setup):
     model, _, sql_dir = setup
     model.add_adapter(sql_dir)
-    with pytest.raises(AdapterError, match="adapter 'sql' is already loaded"):
+    with pytest.raises(AdapterError, match="adapter 'sql' is already registered"):
         model.add_adapter(sql_dir)
-    with pytest.raises(AdapterError, match="no free slot for adapter 'x'"):
-        model.add_adapter(sql_dir, name="x")
+
+
+def test_full_bank_evicts_the_least_recently_used_and_peft_adapters_come_back_from_host(setup):
+    model, oracle, sql_dir = setup
+    model.add_adapter(sql_dir)  # slots: math, med, sql (all 3 taken)
+    ids, mask = make_batch(3, 5, seed=6)
+    gen = dict(max_new_tokens=6, pad_token_id=PAD, eos_token_id=EOS)
+    model.generate(ids, attention_mask=mask, adapter_ids=["med", "sql", None], **gen)  # math is now the LRU
+    model.add_adapter(sql_dir, name="sql2")
+    assert model.adapters["math"].location == "host" and model.adapters["sql2"].slot == 0
+    # math came from the PeftModel (no folder): it is reloaded from its host copy, evicting med.
+    out = model.generate(ids, attention_mask=mask, adapter_ids=["math", "sql2", "sql"], **gen)
+    assert torch.equal(out.sequences, peft_generate(oracle, ids, mask, ["math", "sql", "sql"], max_new_tokens=6))
+    assert model.adapters["med"].location == "host"
 
 
 def test_uniform_rank_bank_skips_rank_masking_until_a_smaller_rank_arrives(tmp_path):

@@ -5,7 +5,6 @@ import torch
 from conftest import DEVICE
 from helpers import build_pair, make_batch
 from lorazor import AdapterError, LoRazorConfig, LoRazorModel
-from lorazor.adapters import AdapterBank
 from lorazor.tiny import AdapterSpec, tiny_peft_model
 from peft import LoraConfig, get_peft_model
 
@@ -80,7 +79,7 @@ def test_conv_target_rejected():
 
     pm = get_peft_model(ConvNet(), LoraConfig(r=2, target_modules=["conv"]), adapter_name="c")
     with pytest.raises(AdapterError, match="adapter 'c' targets .*conv.*Conv1d"):
-        AdapterBank.from_peft(pm)
+        LoRazorModel.from_peft(pm)
 
 
 def test_merged_adapter_rejected():
@@ -93,7 +92,7 @@ def test_merged_adapter_rejected():
 def test_modules_to_save_rejected():
     pm = tiny_peft_model("llama", adapters=(AdapterSpec("t1", 4, 8, ("q_proj",)),))
     pm.add_adapter("head", LoraConfig(r=4, target_modules=["v_proj"], modules_to_save=["lm_head"]))
-    with pytest.raises(AdapterError, match="adapter 'head' has modules_to_save"):
+    with pytest.raises(AdapterError, match="adapter 'head' uses modules_to_save"):
         LoRazorModel.from_peft(pm)
 
 
@@ -102,9 +101,12 @@ def test_rank_above_max_lora_rank():
         LoRazorModel.from_peft(tiny_peft_model("llama"), LoRazorConfig(max_lora_rank=8))
 
 
-def test_more_adapters_than_max_loras():
-    with pytest.raises(AdapterError, match="3 adapters .* exceed max_loras=2"):
-        LoRazorModel.from_peft(tiny_peft_model("llama"), LoRazorConfig(max_loras=2))
+def test_batch_with_more_adapters_than_max_loras():
+    # More adapters than slots is fine (slots are an LRU cache); one batch using more is not.
+    model = LoRazorModel.from_peft(tiny_peft_model("llama"), LoRazorConfig(max_loras=2))
+    ids, mask = make_batch(3, 4)
+    with pytest.raises(AdapterError, match="this batch uses 3 distinct adapters but there are only max_loras=2"):
+        model.generate(ids, attention_mask=mask, adapter_ids=["math", "sql", "med"], max_new_tokens=1)
 
 
 @pytest.mark.parametrize(

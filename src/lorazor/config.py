@@ -24,8 +24,15 @@ class LoRazorConfig:
         release: default release policy when `generate` gets none: "none" (keep adapters to the
             end), "profiled" or "learned" (loaded beside each adapter, see `lorazor.policies`).
         max_batch_size: the largest batch `generate` accepts (sizes buffers and graphs).
-        max_loras: adapter slots in the bank; None: exactly the adapters of the PeftModel.
-        max_lora_rank: the largest rank a slot can hold; None: the largest rank loaded.
+        max_loras: GPU adapter slots. More adapters than slots may be registered: slots are an
+            LRU cache over them. None: one slot per adapter given at build time (at least 1).
+        max_lora_rank: the largest rank a slot can hold; None: the largest rank given at build
+            time (16 when none is given).
+        max_cpu_loras: host copies of folder adapters kept for fast reloads into slots (pinned
+            memory on a GPU machine); None: no limit. Adapters without a folder always keep theirs.
+        lora_target_modules: module names (or name suffixes such as "q_proj") that adapters may
+            target; None: every linear layer of the decoder (with `from_peft`: the modules its
+            adapters target). Declare them up front to register adapters with other targets later.
         dtype: "float32", "float16" or "bfloat16" to cast the model and adapters; None keeps them.
         cuda_graphs: capture and replay the decode step as a CUDA graph on the GPU (with the Triton
             backend; the reference backend syncs with the host and always runs eagerly).
@@ -53,6 +60,8 @@ class LoRazorConfig:
     max_batch_size: int = 256
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
+    lora_target_modules: tuple[str, ...] | None = None
     dtype: str | None = None
     cuda_graphs: bool = True
     compile: bool = False
@@ -75,6 +84,15 @@ class LoRazorConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
+        if self.lora_target_modules is not None:
+            targets = (self.lora_target_modules,) if isinstance(self.lora_target_modules, str) else tuple(
+                self.lora_target_modules)
+            object.__setattr__(self, "lora_target_modules", targets)
+            if not targets or not all(isinstance(t, str) and t for t in targets):
+                raise ValueError(f"lora_target_modules must be non-empty module names, got {self.lora_target_modules!r}")
+        if self.max_cpu_loras is not None and (
+                not isinstance(self.max_cpu_loras, int) or isinstance(self.max_cpu_loras, bool) or self.max_cpu_loras < 0):
+            raise ValueError(f"max_cpu_loras must be an int >= 0 or None, got {self.max_cpu_loras!r}")
         for name in ("max_batch_size", "max_loras", "max_lora_rank", "max_cache_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

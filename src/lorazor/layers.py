@@ -1,7 +1,7 @@
 """BatchedLoRALinear: a PEFT LoRA linear replaced by base(x) + the batched LoRA delta of each row's slot.
 
-`patch_lora_layers` swaps every PEFT LoRA layer of a model for one of these (sharing the base weights,
-no copy) and returns what `unpatch_lora_layers` needs to put the PEFT layers back.
+`patch_layers` swaps every target module of a model (a PEFT LoRA layer or a plain nn.Linear) for one
+of these (sharing the base weights, no copy) and returns what `unpatch_layers` needs to put them back.
 """
 
 from __future__ import annotations
@@ -74,24 +74,25 @@ def _parent_and_attr(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(parent_name) if parent_name else root), attr
 
 
-def patch_lora_layers(root: nn.Module, bank: AdapterBank, context: StepContext) -> list[tuple[str, nn.Module]]:
-    """Replace every PEFT LoRA layer under `root` by a `BatchedLoRALinear` (in place).
-
-    Layers no adapter targets become their plain base layer. Returns `(name, peft_layer)` pairs for
-    `unpatch_lora_layers`.
+def patch_layers(root: nn.Module, bank: AdapterBank, context: StepContext) -> list[tuple[str, nn.Module]]:
+    """Replace every bank module under `root` (a PEFT LoRA layer or a plain nn.Linear) by a
+    `BatchedLoRALinear` over its base linear, in place; PEFT LoRA layers outside the bank become
+    their plain base layer. Returns `(name, old module)` pairs for `unpatch_layers`.
     """
     replaced = []
-    for name, layer in find_lora_layers(root).items():
+    for name in [*bank.modules, *(n for n in find_lora_layers(root) if n not in bank.modules)]:
         parent, attr = _parent_and_attr(root, name)
-        base = layer.get_base_layer()
-        new = BatchedLoRALinear(base, bank.modules[name], context) if name in bank.modules else base
-        setattr(parent, attr, new)
-        replaced.append((name, layer))
+        old = getattr(parent, attr)
+        base = old.get_base_layer() if hasattr(old, "get_base_layer") else old
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"LoRA target {name} is a {type(base).__name__}, not an nn.Linear")
+        setattr(parent, attr, BatchedLoRALinear(base, bank.modules[name], context) if name in bank.modules else base)
+        replaced.append((name, old))
     return replaced
 
 
-def unpatch_lora_layers(root: nn.Module, replaced: list[tuple[str, nn.Module]]) -> None:
-    """Put the PEFT layers saved by `patch_lora_layers` back."""
+def unpatch_layers(root: nn.Module, replaced: list[tuple[str, nn.Module]]) -> None:
+    """Put the modules saved by `patch_layers` back."""
     for name, layer in replaced:
         parent, attr = _parent_and_attr(root, name)
         setattr(parent, attr, layer)

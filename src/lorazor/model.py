@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from .adapters import AdapterBank
+from .adapters import AdapterBank, AdapterRegistry, AdapterStatus
 from .attention import ATTENTION_NAME, KV_RANGE_KWARG, register_attention
 from .config import LoRazorConfig
 from .generate import LoRazorOutput, decode_loop
@@ -24,26 +24,14 @@ from .inputs import check_batch, encode_prompts, expand_rows
 from .graphs import DecodeGraphs, batch_bucket, cache_bucket
 from .guard import ModelGuard
 from .kv_cache import KVCache
-from .layers import BatchedLoRALinear, patch_lora_layers, unpatch_lora_layers
+from .build import build_from_peft, build_from_pretrained
+from .layers import patch_layers, unpatch_layers
 from .merged import merge_projections
 from .policies.base import ReleasePolicy, ReleaseState, check_policy, release_step
 from .step import StepContext
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 # Compiled decode-step specializations allowed (batch buckets x grid layouts, plus backbone).
 COMPILED_STEP_VARIANTS = 256
-
-
-def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast the parameters to `dtype` and keep every buffer as it is, as transformers'
-    `from_pretrained(dtype=...)` loads a model: RoPE's float32 `inv_freq` stays float32 (cast to
-    bf16 it roughly doubles the logits' error against a float32 reference)."""
-    buffers = {name: buf for name, buf in model.named_buffers()}
-    model.to(dtype)
-    for name, buf in buffers.items():
-        owner, _, attr = name.rpartition(".")
-        module = model.get_submodule(owner) if owner else model
-        module._buffers[attr] = buf
 
 
 def accepts_kwarg(fn, name: str) -> bool:
@@ -54,16 +42,18 @@ class LoRazorModel(nn.Module):
     """A causal LM whose LoRA layers serve a different adapter per row. Build with `from_peft`.
 
     Attributes:
-        model: the Hugging Face causal LM, its PEFT LoRA layers replaced by `BatchedLoRALinear`.
-        bank: the `AdapterBank` (adapter names, slots, stacked weights).
+        model: the Hugging Face causal LM, its LoRA target layers replaced by `BatchedLoRALinear`.
+        bank: the `AdapterBank` (the GPU slots: stacked weights, which adapter holds each slot).
+        registry: the `AdapterRegistry` (every registered adapter; slots as an LRU cache over them).
         config: the `LoRazorConfig`.
     """
 
-    def __init__(self, peft_model: nn.Module, bank: AdapterBank, config: LoRazorConfig):
+    def __init__(self, model: nn.Module, bank: AdapterBank, config: LoRazorConfig, peft_model: nn.Module | None = None):
         super().__init__()
         self.peft_model = peft_model
-        self.model = peft_model.get_base_model()
+        self.model = model
         self.bank = bank
+        self.registry = AdapterRegistry(bank, config.max_cpu_loras)
         self.config = config
         self.guard = ModelGuard()
         backend = config.backend
@@ -73,7 +63,7 @@ class LoRazorModel(nn.Module):
             raise ValueError(f"backend='triton' needs a CUDA device, but the model is on {self.device}: use "
                              "backend='reference' (or 'auto'), or set TRITON_INTERPRET=1 before importing triton")
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
-        self._replaced = patch_lora_layers(peft_model, bank, self.context)
+        self._replaced = patch_layers(model, bank, self.context)
         self.merged_groups = merge_projections(self.model, self.context) if config.merge_projections else []
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
@@ -105,52 +95,68 @@ class LoRazorModel(nn.Module):
                 modules_to_save, rank above `max_lora_rank`, more than `max_loras` adapters).
             NotImplementedError: an unsupported architecture.
         """
-        config = config or LoRazorConfig()
-        if not isinstance(config, LoRazorConfig):
-            raise TypeError(f"config must be a LoRazorConfig, got {type(config).__name__}")
-        if not hasattr(peft_model, "peft_config") or not hasattr(peft_model, "get_base_model"):
-            raise TypeError(
-                f"from_peft needs a peft.PeftModel holding LoRA adapters, got {type(peft_model).__name__} (a "
-                "merge_and_unload()ed model has its adapters merged away: pass the PeftModel itself)")
-        if any(isinstance(m, BatchedLoRALinear) for m in peft_model.modules()):
-            raise RuntimeError("this PeftModel is already patched by another LoRazorModel: call its unpatch() "
-                               "first (both models would share and break the same layers)")
-        model_type = peft_model.get_base_model().config.model_type
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise NotImplementedError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
-        if config.torch_dtype is not None:
-            cast_parameters(peft_model, config.torch_dtype)
-        peft_model.eval()
-        bank = AdapterBank.from_peft(peft_model, config.max_loras, config.max_lora_rank, config.torch_dtype)
-        model = cls(peft_model, bank, config)
-        if config.capture_batch_sizes:
-            model.capture(config.capture_batch_sizes)
+        model = build_from_peft(cls, peft_model, config)
+        if model.config.capture_batch_sizes:
+            model.capture(model.config.capture_batch_sizes)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, base, adapters: dict | None = None, config: LoRazorConfig | None = None,
+                        **load_kwargs) -> "LoRazorModel":
+        """Build from a base model and PEFT adapter folders, without PEFT.
+
+        Args:
+            base: a model id or path (loaded with `AutoModelForCausalLM.from_pretrained`, in
+                `config.dtype` when set, with `load_kwargs`) or a loaded `PreTrainedModel`.
+            adapters: adapter name -> folder (`adapter_config.json` + `adapter_model.safetensors`
+                or `.bin`). Registered in order; as many as there are slots are loaded now.
+            config: the `LoRazorConfig`; `max_loras`, `max_lora_rank`, `max_cpu_loras` and
+                `lora_target_modules` size the bank (see there).
+        """
+        model = build_from_pretrained(cls, base, adapters, config, **load_kwargs)
+        if model.config.capture_batch_sizes:
+            model.capture(model.config.capture_batch_sizes)
         return model
 
     @property
     def device(self) -> torch.device:
-        return next(self.peft_model.parameters()).device
+        return next(self.model.parameters()).device
 
     @property
     def adapter_names(self) -> list[str]:
-        return [n for n in self.bank.names if n is not None]
+        """Every registered adapter, in registration order."""
+        return list(self.registry.entries)
+
+    @property
+    def adapters(self) -> dict[str, AdapterStatus]:
+        """Registered adapter name -> `AdapterStatus` (on disk / in host memory / in a GPU slot, rank, targets)."""
+        return self.registry.statuses()
+
+    def register_adapter(self, name: str, path) -> AdapterStatus:
+        """Register a PEFT adapter folder under `name`: its config and weights' header are checked
+        against the bank now, its weights are loaded into a GPU slot when a batch first uses it."""
+        with self.guard.hold(f"register adapter {name!r}"):
+            return self.registry.register(name, path)
+
+    def unregister_adapter(self, name: str) -> None:
+        """Forget an adapter and free its slot; later batches naming it raise KeyError."""
+        with self.guard.hold(f"unregister adapter {name!r}"):
+            self.registry.unregister(name)
 
     def add_adapter(self, adapter_dir, name: str | None = None) -> int:
-        """Load a PEFT-saved adapter directory into a free slot (no recapture needed). Returns the slot.
-
-        Needs `max_loras` above the number of adapters given to `from_peft`, and targets among the
-        modules those adapters target.
-        """
+        """Register a PEFT adapter folder and load it into a GPU slot now (evicting the least recently
+        used adapter when every slot is taken; no recapture needed). Returns the slot."""
         from pathlib import Path
 
         name = Path(adapter_dir).name if name is None else name
         with self.guard.hold(f"add adapter {name!r}"):
-            return self.bank.add(name, adapter_dir)
+            self.registry.register(name, adapter_dir)
+            self.registry.make_resident([name])
+            return self.bank.slot_of[name]
 
     def remove_adapter(self, name: str) -> None:
-        """Free an adapter's slot; later batches naming it raise KeyError."""
-        with self.guard.hold(f"remove adapter {name!r}"):
-            self.bank.remove(name)
+        """Same as `unregister_adapter`."""
+        self.unregister_adapter(name)
 
     def reconfigure(self, grid: str | None = None, compile: bool | None = None) -> None:
         """Switch the grid mode and/or torch.compile of the decode step (drops captured graphs)."""
@@ -178,13 +184,14 @@ class LoRazorModel(nn.Module):
         self.reconfigure(grid=grid)
 
     def unpatch(self) -> nn.Module:
-        """Put the PEFT LoRA layers and attention back; returns the PeftModel. This object is then unusable."""
+        """Put the replaced layers (PEFT's, or plain linears) and attention back; returns the PeftModel
+        (or the base model). This object is then unusable."""
         with self.guard.hold("unpatch"):
-            unpatch_lora_layers(self.peft_model, self._replaced)
+            unpatch_layers(self.model, self._replaced)
             self.model.set_attn_implementation(self._previous_attn)
             self._replaced = []
             self.guard.closed = True
-        return self.peft_model
+        return self.peft_model if self.peft_model is not None else self.model
 
     # ---- forwards -------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int, device: torch.device) -> KVCache:
@@ -373,7 +380,8 @@ class LoRazorModel(nn.Module):
 
     # ---- generation ------------------------------------------------------------------------------
     def _row_slot(self, input_ids, adapter_ids) -> torch.Tensor:
-        return self.bank.slots_for(adapter_ids, device=input_ids.device)
+        """Per-row slots, after loading the batch's adapters that are not in a slot."""
+        return self.registry.slots_for(adapter_ids, device=input_ids.device)
 
     def generate(
         self,
@@ -452,7 +460,7 @@ class LoRazorModel(nn.Module):
                                  "call model.load_release_policy(path) or pass release_policy=")
             release_policy = self.release_policy
         if release_policy is not None:
-            check_policy(release_policy, self.model.config.hidden_size)
+            check_policy(release_policy, self.model.config.hidden_size, self.adapter_names)
         B, T = input_ids.shape
         max_new = plan.max_new_tokens
         limit = self.config.max_cache_len

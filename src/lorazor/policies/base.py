@@ -119,8 +119,13 @@ class ReleasePolicy:
     def __init__(self):
         self.bound: dict[str, torch.Tensor] = {}
 
-    def bind(self, adapter_names: list[str], num_slots: int, device: torch.device) -> None:
-        """Called once per `generate` with the bank's slot order; build per-slot tensors here."""
+    def bind(self, adapter_names: list[str | None], num_slots: int, device: torch.device) -> None:
+        """Called once per `generate` with the adapter in each slot (None: a free slot); build
+        per-slot tensors here. Adapters not in a slot are not in this batch."""
+
+    def adapter_names(self) -> list[str]:
+        """The adapters this policy has settings for (checked against the registered ones)."""
+        return []
 
     def check_hidden_size(self, hidden_size: int) -> None:
         """Raise ValueError if the policy cannot read hidden states of this size (default: any)."""
@@ -137,11 +142,15 @@ class ReleasePolicy:
         raise NotImplementedError
 
 
-def check_policy(policy, hidden_size: int) -> None:
-    """Raise a clear error when `policy` is not a release policy this model can run."""
+def check_policy(policy, hidden_size: int, registered: list[str]) -> None:
+    """Raise a clear error when `policy` is not a release policy this model can run: not a policy,
+    settings for adapters that are not registered, or heads for another hidden size."""
     if not isinstance(policy, ReleasePolicy):
         raise TypeError(f"release_policy must be a ReleasePolicy such as ProfiledRelease({{name: k}}) or "
                         f"LearnedRelease(...), got {type(policy).__name__}")
+    unknown = sorted(set(policy.adapter_names()) - set(registered))
+    if unknown:
+        raise KeyError(f"{type(policy).__name__} has settings for unknown adapters {unknown}; registered: {registered}")
     policy.check_hidden_size(hidden_size)
 
 

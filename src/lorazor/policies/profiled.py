@@ -32,10 +32,10 @@ class ProfiledRelease(ReleasePolicy):
                 raise ValueError(f"release length for adapter {name!r} must be None or an int >= 0, got {k!r}")
         self.lengths = dict(lengths)
 
+    def adapter_names(self) -> list[str]:
+        return list(self.lengths)
+
     def bind(self, adapter_names, num_slots, device) -> None:
-        unknown = sorted(set(self.lengths) - set(adapter_names))
-        if unknown:
-            raise KeyError(f"release lengths given for unknown adapters {unknown}; loaded: {list(adapter_names)}")
         k = torch.full((num_slots + 1,), NEVER_STEP, dtype=torch.long)
         for slot, name in enumerate(adapter_names):
             if self.lengths.get(name) is not None:

@@ -1,0 +1,237 @@
+"""PEFT adapter folders: the config and the weights' header at registration, the weights at load.
+
+A folder holds `adapter_config.json` and `adapter_model.safetensors` (or PEFT's older
+`adapter_model.bin`, read with `torch.load(weights_only=True)`: tensors only). Registration reads
+the JSON and the safetensors header (names and shapes, no data), so a bad folder is refused before
+any weights move. Tensor keys are PEFT's (`base_model.model.<module>.lora_A.weight`); modules are
+named as in the Hugging Face model (`model.layers.0.self_attn.q_proj`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+PEFT_PREFIX = "base_model.model."
+CONFIG_FILE = "adapter_config.json"
+SAFE_FILE = "adapter_model.safetensors"
+LEGACY_FILE = "adapter_model.bin"
+# Adapter names become folder names (release policies are saved per adapter) and model names in a
+# server: letters, digits, '_', '-' and '.', not starting with '.', no path separators.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+# Config fields whose PEFT feature LoRazor cannot batch per row: (field, is set, why).
+REFUSED_FEATURES = (
+    ("use_dora", bool, "DoRA, which LoRazor does not support"),
+    ("modules_to_save", bool, "modules_to_save: fully trained modules cannot be batched per row"),
+    ("lora_bias", bool, "lora_bias=True, which LoRazor does not support"),
+    ("fan_in_fan_out", bool, "fan_in_fan_out (Conv1D layers), which LoRazor does not support"),
+    ("trainable_token_indices", bool, "trainable tokens (an embedding target), which LoRazor does not support"),
+    ("alora_invocation_tokens", bool, "activated LoRA (aLoRA), which LoRazor does not support"),
+    ("layer_replication", bool, "layer_replication, which LoRazor does not support"),
+    ("target_parameters", bool, "target_parameters (non-Linear targets), which LoRazor does not support"),
+)
+
+
+class AdapterError(ValueError):
+    """An adapter LoRazor cannot serve as asked; the message names the adapter and the reason."""
+
+
+def check_adapter_name(name) -> str:
+    """Return `name` if it is a valid adapter name, else raise AdapterError naming it."""
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+        raise AdapterError(
+            f"invalid adapter name {name!r}: use 1-128 letters, digits, '_', '-' or '.', not starting with '.' "
+            "(no path separators: names are used as folder names)")
+    return name
+
+
+def check_lora_config(name: str, cfg) -> None:
+    """Refuse adapter configs (a PEFT config object or its JSON dict) whose features LoRazor cannot serve."""
+    get = cfg.get if isinstance(cfg, dict) else (lambda key, default=None: getattr(cfg, key, default))
+    peft_type = get("peft_type")
+    if str(getattr(peft_type, "value", peft_type)) != "LORA":
+        raise AdapterError(f"adapter {name!r} is {peft_type}, only LoRA adapters are supported")
+    for key, is_set, why in REFUSED_FEATURES:
+        if is_set(get(key)):
+            raise AdapterError(f"adapter {name!r} uses {why} ({key}={get(key)!r})")
+
+
+def module_rank_alpha(cfg: dict, module: str) -> tuple[int, float]:
+    """The rank and alpha PEFT gives `module`: `rank_pattern` / `alpha_pattern` entries whose key
+    matches the end of the module name, else the config's `r` / `lora_alpha`."""
+    from peft.utils.other import get_pattern_key
+
+    ranks, alphas = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    rank = ranks.get(get_pattern_key(ranks.keys(), module), cfg["r"])
+    return rank, alphas.get(get_pattern_key(alphas.keys(), module), cfg.get("lora_alpha", 8))
+
+
+def module_of_key(key: str) -> tuple[str, str]:
+    """PEFT tensor key -> (module name in the HF model, "A" or "B"); ("", "") for anything else."""
+    module, _, kind = key.rpartition(".lora_")
+    if kind not in ("A.weight", "B.weight"):
+        return "", ""
+    return module.removeprefix(PEFT_PREFIX), kind[0]
+
+
+@dataclass
+class AdapterSource:
+    """A registered adapter folder, validated, weights not read.
+
+    Attributes:
+        name, path: the adapter and its folder.
+        config: the parsed `adapter_config.json`.
+        shapes: module -> (A shape, B shape), from the safetensors header (None for `.bin`).
+        max_rank: the largest rank over its modules.
+    """
+
+    name: str
+    path: Path
+    config: dict
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None
+    max_rank: int
+
+
+@dataclass
+class AdapterWeights:
+    """One adapter's weights per bank module, on the host: (A `[r, K]`, B `[N, r]`, scale)."""
+
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b, _ in self.modules.values())
+
+    def pinned(self) -> "AdapterWeights":
+        """A copy in page-locked memory, so host -> GPU copies run asynchronously."""
+        return AdapterWeights({m: (a.pin_memory(), b.pin_memory(), s) for m, (a, b, s) in self.modules.items()})
+
+
+def check_shapes(name: str, module: str, a_shape, b_shape, rank: int, in_features: int, out_features: int) -> None:
+    """A `[rank, in]` and B `[out, rank]`, or an error naming the module and what disagrees."""
+    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != rank or b_shape[1] != rank:
+        raise AdapterError(f"adapter {name!r}: {module} has lora_A {tuple(a_shape)} and lora_B {tuple(b_shape)}, "
+                           f"which disagree with the config's r={rank}")
+    if a_shape[1] != in_features or b_shape[0] != out_features:
+        raise AdapterError(
+            f"adapter {name!r} was trained for another model: {module} expects lora_A [r, {in_features}] and "
+            f"lora_B [{out_features}, r], the folder has {tuple(a_shape)} and {tuple(b_shape)}")
+
+
+def _read_config(name: str, folder: Path) -> dict:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise AdapterError(f"adapter {name!r}: {folder} has no {CONFIG_FILE} (not a PEFT adapter folder)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise AdapterError(f"adapter {name!r}: {path} is not valid JSON ({err})") from err
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"adapter {name!r}: {path} must hold a JSON object, got a {type(cfg).__name__}")
+    check_lora_config(name, cfg)
+    rank = cfg.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"adapter {name!r}: {path} has r={rank!r}, expected a positive int")
+    return cfg
+
+
+def _header_shapes(name: str, path: Path) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as err:  # safetensors raises its own error types for a corrupt header
+        raise AdapterError(f"adapter {name!r}: {path} is not a valid safetensors file ({err})") from err
+    return _pair_shapes(name, shapes)
+
+
+def _pair_shapes(name: str, shapes: dict) -> dict:
+    pairs: dict[str, dict[str, tuple]] = {}
+    for key, shape in shapes.items():
+        module, kind = module_of_key(key)
+        if not module:
+            raise AdapterError(f"adapter {name!r} has an unexpected tensor {key!r}")
+        pairs.setdefault(module, {})[kind] = shape
+    for module, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"adapter {name!r} has lora_{'A' if 'A' not in pair else 'B'} missing for {module}")
+    return {module: (pair["A"], pair["B"]) for module, pair in pairs.items()}
+
+
+def read_adapter(name: str, path) -> AdapterSource:
+    """Validate an adapter folder without reading its weights (for `.bin`, without its tensors)."""
+    check_adapter_name(name)
+    folder = Path(path)
+    cfg = _read_config(name, folder)
+    if (folder / SAFE_FILE).is_file():
+        shapes = _header_shapes(name, folder / SAFE_FILE)
+    elif (folder / LEGACY_FILE).is_file():
+        shapes = None
+    else:
+        raise AdapterError(f"adapter {name!r}: no {SAFE_FILE} or {LEGACY_FILE} in {folder}")
+    ranks = [cfg["r"], *(cfg.get("rank_pattern") or {}).values()]
+    if shapes is not None:
+        ranks = [module_rank_alpha(cfg, module)[0] for module in shapes] or ranks
+    return AdapterSource(name, folder, cfg, shapes, max(ranks))
+
+
+def _read_tensors(source: AdapterSource) -> dict[str, torch.Tensor]:
+    safe, legacy = source.path / SAFE_FILE, source.path / LEGACY_FILE
+    try:
+        if safe.is_file():
+            from safetensors.torch import load_file
+
+            return load_file(str(safe))
+        tensors = torch.load(str(legacy), map_location="cpu", weights_only=True)
+    except Exception as err:  # safetensors / the weights-only unpickler raise their own error types
+        bad, kind = (safe, "safetensors") if safe.is_file() else (legacy, "weights-only torch")
+        raise AdapterError(f"adapter {source.name!r}: {bad} is not a valid {kind} file ({err})") from err
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise AdapterError(f"adapter {source.name!r}: {legacy} does not hold a dict of tensors")
+    return tensors
+
+
+def load_adapter_weights(source: AdapterSource, module_sizes: dict[str, tuple[int, int]]) -> AdapterWeights:
+    """Read an adapter's tensors (host memory) and check them against the bank's modules.
+
+    Args:
+        module_sizes: bank module name -> (in_features, out_features).
+    """
+    tensors = _read_tensors(source)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        module, kind = module_of_key(key)
+        if not module:
+            raise AdapterError(f"adapter {source.name!r} has an unexpected tensor {key!r}")
+        pairs.setdefault(module, {})[kind] = value
+    _pair_shapes(source.name, {f"{m}.lora_{k}.weight": t.shape for m, p in pairs.items() for k, t in p.items()})
+    weights = AdapterWeights()
+    use_rslora = bool(source.config.get("use_rslora"))
+    for module, pair in pairs.items():
+        check_target(source.name, module, module_sizes)
+        rank, alpha = module_rank_alpha(source.config, module)
+        check_shapes(source.name, module, pair["A"].shape, pair["B"].shape, rank, *module_sizes[module])
+        weights.modules[module] = (pair["A"], pair["B"], alpha / (rank**0.5 if use_rslora else rank))
+    return weights
+
+
+def check_target(name: str, module: str, module_sizes: dict) -> None:
+    if module not in module_sizes:
+        raise AdapterError(
+            f"adapter {name!r} targets {module}, which is not among this model's LoRA targets (declare it with "
+            "LoRazorConfig(lora_target_modules=...))")
+
+
+def check_source(source: AdapterSource, module_sizes: dict[str, tuple[int, int]], max_rank: int) -> None:
+    """Registration-time checks against the bank: rank bound, targets and shapes from the header."""
+    if source.max_rank > max_rank:
+        raise AdapterError(f"adapter {source.name!r} has rank {source.max_rank} > max_lora_rank={max_rank}")
+    for module, (a_shape, b_shape) in (source.shapes or {}).items():
+        check_target(source.name, module, module_sizes)
+        rank, _ = module_rank_alpha(source.config, module)
+        check_shapes(source.name, module, a_shape, b_shape, rank, *module_sizes[module])

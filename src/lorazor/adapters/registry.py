@@ -1,0 +1,173 @@
+"""AdapterRegistry: every adapter a model knows, and its GPU slots as an LRU cache over them.
+
+An adapter is registered from a folder (config and weights' header read and checked, no weights
+moved) or arrives in a slot from a `PeftModel`. Before a batch runs, `slots_for` makes each of its
+adapters resident: a free slot first, else the least recently used slot whose adapter the batch
+does not use. Weights come from the host cache (`max_cpu_loras` images, pinned on a GPU machine)
+or are read from the folder; an evicted adapter that has no folder keeps a host copy. Slots are
+data, never graph keys: loads and evictions never invalidate a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .bank import AdapterBank, SlotImage
+from .loader import AdapterError, AdapterSource, AdapterWeights, check_adapter_name, check_source, load_adapter_weights
+from .loader import read_adapter
+
+
+@dataclass(frozen=True)
+class AdapterStatus:
+    """Where an adapter is now.
+
+    Attributes:
+        location: "gpu" (in a slot), "host" (a host copy, no slot) or "disk" (its folder only).
+        slot: its GPU slot, or None.
+        rank: its largest rank; targets: the module kinds it targets (e.g. ("q_proj", "v_proj")).
+        path: its folder (None for adapters that came from a PeftModel).
+    """
+
+    name: str
+    location: str
+    slot: int | None
+    rank: int
+    targets: tuple[str, ...]
+    path: Path | None
+
+
+@dataclass
+class _Entry:
+    source: AdapterSource | None  # None: came from a PeftModel, no folder to reload from
+    image: SlotImage | None  # host copy
+    rank: int
+    targets: tuple[str, ...]
+
+
+def _kinds(modules) -> tuple[str, ...]:
+    return tuple(sorted({m.rsplit(".", 1)[-1] for m in modules}))
+
+
+class AdapterRegistry:
+    """Registered adapters and their residency in `bank`'s slots.
+
+    Args:
+        bank: the GPU slots.
+        max_cpu_loras: host copies of folder adapters kept for fast reloads (None: no limit).
+    """
+
+    def __init__(self, bank: AdapterBank, max_cpu_loras: int | None = None):
+        self.bank = bank
+        self.max_cpu_loras = max_cpu_loras
+        self.entries: dict[str, _Entry] = {}
+        self._host_lru: OrderedDict[str, None] = OrderedDict()  # folder adapters with a host copy
+        self._last_used = [0] * bank.num_slots
+        self._tick = 0
+        self.loads = 0  # slot writes so far (for tests and benchmarks)
+
+    # ---- registration ---------------------------------------------------------------------------
+    def register(self, name: str, path, source: AdapterSource | None = None) -> AdapterStatus:
+        """Check an adapter folder against the bank and remember it; no weights are read.
+        `source`: the folder already read by `read_adapter`."""
+        check_adapter_name(name)
+        if name in self.entries:
+            raise AdapterError(f"adapter {name!r} is already registered ({self.status(name).location})")
+        source = source or read_adapter(name, path)
+        check_source(source, self.bank.module_sizes, self.bank.r_max)
+        targets = _kinds(source.shapes) if source.shapes is not None else tuple(
+            sorted(source.config.get("target_modules") or ()))
+        self.entries[name] = _Entry(source, None, source.max_rank, targets)
+        return self.status(name)
+
+    def add_loaded(self, name: str, weights: AdapterWeights) -> int:
+        """Register an adapter given as weights (from a PeftModel) and put it in a slot now."""
+        check_adapter_name(name)
+        if name in self.entries:
+            raise AdapterError(f"adapter {name!r} is already registered")
+        ranks = [a.shape[0] for a, _, _ in weights.modules.values()]
+        if max(ranks, default=0) > self.bank.r_max:
+            raise AdapterError(f"adapter {name!r} has rank {max(ranks)} > max_lora_rank={self.bank.r_max}")
+        self.entries[name] = _Entry(None, self.bank.pack(weights), max(ranks, default=0), _kinds(weights.modules))
+        self.make_resident([name])
+        # Its host copy is kept only once it is evicted (`_evict`): the slot holds it now.
+        self.entries[name].image = None
+        return self.bank.slot_of[name]
+
+    def unregister(self, name: str) -> None:
+        """Forget an adapter and free its slot."""
+        if name not in self.entries:
+            raise KeyError(f"unknown adapter {name!r}; registered adapters: {list(self.entries)}")
+        slot = self.bank.slot_of.get(name)
+        if slot is not None:
+            self.bank.clear(slot)
+        del self.entries[name]
+        self._host_lru.pop(name, None)
+
+    # ---- residency ------------------------------------------------------------------------------
+    def slots_for(self, adapter_ids, device: torch.device | None = None) -> torch.Tensor:
+        """Per-row adapter names (None: backbone) -> `[B]` int32 slots, loading what is not resident."""
+        for i, a in enumerate(adapter_ids):
+            if a is not None and a not in self.entries:
+                raise KeyError(f"unknown adapter {a!r} at row {i}; registered adapters: {list(self.entries)}")
+        self.make_resident([a for a in adapter_ids if a is not None])
+        return self.bank.slots_for(adapter_ids, device=device)
+
+    def make_resident(self, names) -> None:
+        """Put every adapter of `names` in a slot, evicting least recently used slots that `names`
+        does not use. Raises AdapterError when `names` holds more distinct adapters than slots."""
+        wanted = list(dict.fromkeys(names))
+        if len(wanted) > self.bank.num_slots:
+            raise AdapterError(f"this batch uses {len(wanted)} distinct adapters but there are only "
+                               f"max_loras={self.bank.num_slots} GPU slots: split the batch or raise max_loras")
+        protected = set(wanted)
+        for name in wanted:
+            if name not in self.bank.slot_of:
+                self._load(name, self._victim(protected))
+        self._tick += 1
+        for name in wanted:
+            self._last_used[self.bank.slot_of[name]] = self._tick
+
+    def _victim(self, protected: set[str]) -> int:
+        free = self.bank.free_slots()
+        if free:
+            return free[0]
+        candidates = [s for s, n in enumerate(self.bank.names) if n not in protected]
+        return min(candidates, key=self._last_used.__getitem__)
+
+    def _load(self, name: str, slot: int) -> None:
+        old = self.bank.names[slot]
+        if old is not None and self.entries[old].source is None:
+            self.entries[old].image = self.bank.read(slot)  # no folder: keep it on the host
+        self.bank.write(slot, name, self._image(name))
+        self.loads += 1
+        entry = self.entries[name]
+        if entry.source is not None and name not in self._host_lru:
+            entry.image = None  # max_cpu_loras=0: no host copy outlives the load
+
+    def _image(self, name: str) -> SlotImage:
+        entry = self.entries[name]
+        if entry.image is None:
+            entry.image = self.bank.pack(load_adapter_weights(entry.source, self.bank.module_sizes))
+        if entry.source is not None:
+            self._host_lru[name] = None
+            self._host_lru.move_to_end(name)
+            while self.max_cpu_loras is not None and len(self._host_lru) > self.max_cpu_loras:
+                dropped, _ = self._host_lru.popitem(last=False)
+                if dropped != name:
+                    self.entries[dropped].image = None
+        return entry.image
+
+    # ---- status ---------------------------------------------------------------------------------
+    def status(self, name: str) -> AdapterStatus:
+        entry = self.entries[name]
+        slot = self.bank.slot_of.get(name)
+        location = "gpu" if slot is not None else ("host" if entry.image is not None else "disk")
+        return AdapterStatus(name, location, slot, entry.rank, entry.targets,
+                             entry.source.path if entry.source is not None else None)
+
+    def statuses(self) -> dict[str, AdapterStatus]:
+        return {name: self.status(name) for name in self.entries}

@@ -1,0 +1,135 @@
+"""Building a LoRazorModel: from a multi-adapter `peft.PeftModel`, or from a base model and adapter folders.
+
+Both paths end the same way: the target linear layers are found, an empty `AdapterBank` of
+`max_loras` slots is made over them, the layers are patched, and the adapters enter the registry
+(PEFT's straight into slots, folders registered and loaded while slots are free).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .adapters import AdapterBank, AdapterError, check_adapter_name, check_lora_config, check_lora_layer
+from .adapters import find_lora_layers, peft_adapter_weights, read_adapter
+from .config import LoRazorConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Slot rank when nothing given at build time says otherwise (vLLM's default max_lora_rank).
+DEFAULT_MAX_LORA_RANK = 16
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the parameters to `dtype` and keep every buffer as it is, as transformers'
+    `from_pretrained(dtype=...)` loads a model: RoPE's float32 `inv_freq` stays float32 (cast to
+    bf16 it roughly doubles the logits' error against a float32 reference)."""
+    buffers = {name: buf for name, buf in model.named_buffers()}
+    model.to(dtype)
+    for name, buf in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[attr] = buf
+
+
+def check_config(config) -> LoRazorConfig:
+    config = config or LoRazorConfig()
+    if not isinstance(config, LoRazorConfig):
+        raise TypeError(f"config must be a LoRazorConfig, got {type(config).__name__}")
+    return config
+
+
+def check_architecture(hf_model: nn.Module) -> None:
+    model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise NotImplementedError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+
+
+def linear_targets(hf_model: nn.Module, patterns) -> dict[str, nn.Linear]:
+    """The decoder's linear layers (PEFT-wrapped or plain) whose name is or ends with one of
+    `patterns`; every one of them when `patterns` is None. Module name -> base nn.Linear."""
+    decoder = hf_model.get_decoder()
+    prefix = next(name for name, m in hf_model.named_modules() if m is decoder)
+    found = {}
+    for name, module in hf_model.named_modules():
+        # A PEFT wrapper is taken under its own name; the linear inside it is its `.base_layer`.
+        if not name.startswith(f"{prefix}.") or name.endswith(".base_layer"):
+            continue
+        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        if isinstance(base, nn.Linear) and (patterns is None or any(name == p or name.endswith(f".{p}")
+                                                                     for p in patterns)):
+            found[name] = base
+    return found
+
+
+def build_from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None):
+    config = check_config(config)
+    if not hasattr(peft_model, "peft_config") or not hasattr(peft_model, "get_base_model"):
+        raise TypeError(
+            f"from_peft needs a peft.PeftModel holding LoRA adapters, got {type(peft_model).__name__} (a "
+            "merge_and_unload()ed model has its adapters merged away: pass the PeftModel itself)")
+    from .layers import BatchedLoRALinear
+
+    if any(isinstance(m, BatchedLoRALinear) for m in peft_model.modules()):
+        raise RuntimeError("this PeftModel is already patched by another LoRazorModel: call its unpatch() "
+                           "first (both models would share and break the same layers)")
+    names = list(peft_model.peft_config)
+    if not names:
+        raise AdapterError("the PeftModel holds no adapters")
+    for name in names:
+        check_adapter_name(name)
+        check_lora_config(name, peft_model.peft_config[name])
+    hf_model = peft_model.get_base_model()
+    layers = find_lora_layers(hf_model)
+    for module, layer in layers.items():
+        check_lora_layer(module, layer, names)
+    check_architecture(hf_model)
+    ranks = {a: max((layer.r[a] for layer in layers.values() if a in layer.lora_A), default=0) for a in names}
+    for a, r in ranks.items():
+        if config.max_lora_rank is not None and r > config.max_lora_rank:
+            raise AdapterError(f"adapter {a!r} has rank {r} > max_lora_rank={config.max_lora_rank}")
+    if config.torch_dtype is not None:
+        cast_parameters(peft_model, config.torch_dtype)
+    peft_model.eval()
+    targets = {m: layer.get_base_layer() for m, layer in layers.items() if any(a in layer.lora_A for a in names)}
+    if config.lora_target_modules is not None:
+        targets.update(linear_targets(hf_model, config.lora_target_modules))
+    bank = AdapterBank.empty(targets, config.max_loras or len(names), config.max_lora_rank or max(ranks.values()),
+                             config.torch_dtype)
+    model = cls(hf_model, bank, config, peft_model=peft_model)
+    for name in names:
+        model.registry.add_loaded(name, peft_adapter_weights(layers, name))
+    return model
+
+
+def build_from_pretrained(cls, base, adapters: dict | None, config: LoRazorConfig | None, **load_kwargs):
+    config = check_config(config)
+    adapters = dict(adapters or {})
+    if isinstance(base, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        if config.torch_dtype is not None:
+            load_kwargs.setdefault("dtype", config.torch_dtype)
+        hf_model = AutoModelForCausalLM.from_pretrained(base, **load_kwargs)
+    else:
+        if hasattr(base, "peft_config"):
+            raise TypeError("from_pretrained takes a base model; for a peft.PeftModel use LoRazorModel.from_peft")
+        if not hasattr(base, "get_decoder"):
+            raise TypeError(f"base must be a model id/path or a transformers PreTrainedModel, got {type(base).__name__}")
+        hf_model = base
+        if config.torch_dtype is not None:
+            cast_parameters(hf_model, config.torch_dtype)
+    check_architecture(hf_model)
+    hf_model.eval()
+    sources = {name: read_adapter(name, path) for name, path in adapters.items()}
+    max_rank = config.max_lora_rank or max((s.max_rank for s in sources.values()), default=DEFAULT_MAX_LORA_RANK)
+    targets = linear_targets(hf_model, config.lora_target_modules)
+    if not targets:
+        raise ValueError(f"no linear layer of the decoder matches lora_target_modules={config.lora_target_modules}")
+    bank = AdapterBank.empty(targets, config.max_loras or max(1, len(adapters)), max_rank, config.torch_dtype)
+    model = cls(hf_model, bank, config)
+    for name, source in sources.items():
+        model.registry.register(name, source.path, source=source)
+    model.registry.make_resident(list(adapters)[: bank.num_slots])
+    return model
