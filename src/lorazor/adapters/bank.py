@@ -91,6 +91,7 @@ class AdapterBank:
         self._tensors: tuple = ()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._staging: SlotImage | None = None
+        self._pending: dict[int, torch.cuda.Event] = {}  # slot -> end of its last write
 
     @classmethod
     def empty(cls, layers: dict[str, nn.Linear], num_slots: int, r_max: int,
@@ -132,6 +133,7 @@ class AdapterBank:
 
     def read(self, slot: int) -> SlotImage:
         """A host copy of what slot `slot` holds (to keep an adapter that has no folder when evicted)."""
+        self.wait_ready([slot])
         weights, scaling, rank = self._slot_views(slot)
         return SlotImage(torch.cat([v.reshape(-1) for v in weights]).cpu(), torch.cat(scaling).cpu(),
                          torch.cat(rank).cpu())
@@ -163,8 +165,9 @@ class AdapterBank:
     # ---- slot writes ----------------------------------------------------------------------------
     def write(self, slot: int, name: str, image: SlotImage) -> None:
         """Put adapter `name` (packed as `image`) into `slot`, in place. On the GPU: one host -> GPU
-        copy into a staging buffer, then one batched scatter into the slot, on a side stream; the
-        compute stream waits for it (work queued before still reads the old contents)."""
+        copy into a staging buffer, then one batched scatter into the slot, on a side stream that
+        starts after the work already queued (which may still read the old contents). The compute
+        stream does not wait for it here: `wait_ready` before the first step that reads the slot."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
         self._release_name(slot)
@@ -182,12 +185,19 @@ class AdapterBank:
                                     (image.weights, image.scaling, image.rank)):
                     dst.copy_(src, non_blocking=True)
                 self._scatter(weights, scaling, rank, self._staging)
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+                self._pending[slot] = self._stream.record_event()
         host_rank = image.rank.tolist()
         for m, r in zip(self.modules.values(), host_rank):
             m.host_rank[slot] = r
         self.names[slot] = name
         self.slot_of[name] = slot
+
+    def wait_ready(self, slots) -> None:
+        """Make the compute stream wait for pending writes of these slots (no host sync)."""
+        for slot in slots:
+            event = self._pending.pop(slot, None)
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
 
     def _scatter(self, weights, scaling, rank, image: SlotImage) -> None:
         torch._foreach_copy_(weights, self._split(image.weights))

@@ -118,15 +118,24 @@ class AdapterRegistry:
 
     def make_resident(self, names) -> None:
         """Put every adapter of `names` in a slot, evicting least recently used slots that `names`
-        does not use. Raises AdapterError when `names` holds more distinct adapters than slots."""
+        does not use, and make the compute stream wait for their loads. Raises AdapterError when
+        `names` holds more distinct adapters than slots."""
         wanted = list(dict.fromkeys(names))
         if len(wanted) > self.bank.num_slots:
             raise AdapterError(f"this batch uses {len(wanted)} distinct adapters but there are only "
                                f"max_loras={self.bank.num_slots} GPU slots: split the batch or raise max_loras")
-        protected = set(wanted)
+        self.prefetch(wanted, protected=wanted)
+        self.bank.wait_ready(self.bank.slot_of[name] for name in wanted)
+
+    def prefetch(self, names, protected=()) -> None:
+        """Start loading `names` into slots without making the compute stream wait (on the GPU the
+        copies overlap the steps queued after them). Evicts only slots of adapters outside
+        `names` and `protected` (the batch in flight); marks `names` most recently used."""
+        wanted = list(dict.fromkeys(names))
+        keep = set(wanted) | set(protected)
         for name in wanted:
             if name not in self.bank.slot_of:
-                self._load(name, self._victim(protected))
+                self._load(name, self._victim(keep))
         self._tick += 1
         for name in wanted:
             self._last_used[self.bank.slot_of[name]] = self._tick
@@ -136,6 +145,8 @@ class AdapterRegistry:
         if free:
             return free[0]
         candidates = [s for s, n in enumerate(self.bank.names) if n not in protected]
+        if not candidates:
+            raise AdapterError(f"no GPU slot to load into: all max_loras={self.bank.num_slots} hold adapters in use")
         return min(candidates, key=self._last_used.__getitem__)
 
     def _load(self, name: str, slot: int) -> None:
