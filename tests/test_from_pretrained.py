@@ -70,7 +70,8 @@ def test_from_a_saved_base_path_with_declared_bank(folders, tmp_path):
     oracle, paths = folders
     base_model().save_pretrained(tmp_path / "base")
     config = LoRazorConfig(max_loras=3, max_lora_rank=64, lora_target_modules=EVERY)
-    model = LoRazorModel.from_pretrained(str(tmp_path / "base"), adapters={"kv": paths["kv"]}, config=config)
+    model = LoRazorModel.from_pretrained(str(tmp_path / "base"), adapters={"kv": paths["kv"]}, config=config,
+                                         device_map=str(DEVICE))
     assert model.bank.num_slots == 3 and model.bank.r_max == 64
     model.register_adapter("r64", paths["r64"])  # targets every module: declared up front
     assert model.adapters["r64"].location == "disk"
