@@ -2,6 +2,7 @@
 
 from .adapters import AdapterBank, AdapterError
 from .config import LoRazorConfig
+from .engine import LoRazorEngine, RequestOutput
 from .generate import LoRazorOutput
 from .guard import ModelBusyError, ModelClosedError
 from .model import LoRazorModel
@@ -14,12 +15,14 @@ __all__ = [
     "AdapterError",
     "LearnedRelease",
     "LoRazorConfig",
+    "LoRazorEngine",
     "LoRazorModel",
     "LoRazorOutput",
     "ModelBusyError",
     "ModelClosedError",
     "ProfiledRelease",
     "ReleasePolicy",
+    "RequestOutput",
     "load_release_policy",
     "save_release_policy",
 ]

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from lorazor_kernels import decode_attention_op as decode_attention
 
+from .engine.paged import PAGED_KWARG, paged_attention_reference
+
 ATTENTION_NAME = "lorazor"
 # Keyword argument through which LoRazor hands the cache's per-row key ranges to decode attention.
 KV_RANGE_KWARG = "lorazor_kv_range"
@@ -23,6 +25,9 @@ def lorazor_attention(module, query, key, value, attention_mask, scaling=None, d
     With one query token and the `lorazor_kv_range` kwarg (start, end per row), the Triton decode
     kernel reads only each row's valid keys; otherwise SDPA runs over the masked cache.
     """
+    paged = kwargs.get(PAGED_KWARG)
+    if paged is not None:
+        return paged_attention_reference(module, query, paged, scaling), None
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise RuntimeError("lorazor attention needs the bool mask built by LoRazor's KV cache")
     B, H, q_len, D = query.shape

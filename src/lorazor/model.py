@@ -284,11 +284,12 @@ class LoRazorModel(nn.Module):
         hidden, logits = self.decode_step(tokens, positions, write_pos, cache, row_slot)
         return hidden, logits, row_slot
 
-    def _decoder_forward(self, input_ids, position_ids, mask, cache, row_slot, tokens_per_row, meta=None):
+    def _decoder_forward(self, input_ids, position_ids, mask, cache, row_slot, tokens_per_row, meta=None,
+                         **attention_kwargs):
         with torch.inference_mode(), self.context.step(row_slot, tokens_per_row, meta):
             out = self._decoder(
                 input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                **{self._cache_kwarg: cache},
+                **{self._cache_kwarg: cache}, **attention_kwargs,
             )
         return out.last_hidden_state
 

@@ -10,7 +10,7 @@ data, never graph keys: loads and evictions never invalidate a captured CUDA gra
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,7 @@ class AdapterRegistry:
         self._last_used = [0] * bank.num_slots
         self._tick = 0
         self.loads = 0  # slot writes so far (for tests and benchmarks)
+        self.in_use: Counter[str] = Counter()  # unfinished engine requests per adapter
 
     # ---- registration ---------------------------------------------------------------------------
     def register(self, name: str, path, source: AdapterSource | None = None) -> AdapterStatus:
@@ -101,6 +102,9 @@ class AdapterRegistry:
         """Forget an adapter and free its slot."""
         if name not in self.entries:
             raise KeyError(f"unknown adapter {name!r}; registered adapters: {list(self.entries)}")
+        if self.in_use[name] > 0:
+            raise AdapterError(f"adapter {name!r} is used by {self.in_use[name]} unfinished requests: abort them "
+                               "or let them finish first")
         slot = self.bank.slot_of.get(name)
         if slot is not None:
             self.bank.clear(slot)

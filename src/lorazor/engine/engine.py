@@ -1,0 +1,273 @@
+"""LoRazorEngine: continuous batching over a LoRazorModel with a paged KV cache.
+
+    engine = LoRazorEngine(model, max_num_seqs=64, max_num_batched_tokens=1024, num_kv_blocks=512)
+    rid = engine.add_request(prompt_ids, adapter="math", max_new_tokens=64)
+    while engine.has_unfinished():
+        for out in engine.step():          # RequestOutput per request that got a token or finished
+            ...
+    outputs = engine.generate([{"prompt_ids": ids, "adapter": "sql"}, ...])   # offline
+
+Requests join and leave at every step: a step packs the running requests' decode tokens and the
+next prefill chunks of new ones into one forward (`scheduler.py`, `runner.py`). Each request keeps
+its own sampling settings (HF's semantics, as in `LoRazorModel.generate`) and its own StepTrim
+state. This is the reference path: the attention over the paged cache is pure torch and steps run
+eagerly; CUDA graphs for decode-only steps are not wired in yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import torch
+
+from ..generate import next_tokens
+from ..hf_generation import plan_generation, resolve_config
+from ..policies import NEVER, ProfiledRelease
+from .blocks import BlockPool
+from .paged import PagedKVCache
+from .request import Request, RequestOutput, Status
+from .runner import run_step
+from .scheduler import Scheduler
+
+# KV blocks on the CPU when `num_kv_blocks` is not given (on the GPU: `gpu_memory_utilization`).
+DEFAULT_CPU_BLOCKS = 256
+
+
+class LoRazorEngine:
+    """Continuous batching with a paged KV cache, chunked prefill, per-request adapters and StepTrim.
+
+    Args:
+        model: the `LoRazorModel` to serve (every adapter registered with it can be requested).
+        max_num_seqs: requests running at once.
+        max_num_batched_tokens: tokens per step (decode tokens plus prefill chunks).
+        num_kv_blocks: KV blocks in the pool; None: `gpu_memory_utilization` of the free GPU memory
+            (`DEFAULT_CPU_BLOCKS` on the CPU).
+        block_size: token positions per block.
+        gpu_memory_utilization: share of the free GPU memory the pool takes when sized automatically.
+    """
+
+    def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 num_kv_blocks: int | None = None, block_size: int = 16, gpu_memory_utilization: float = 0.9):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        self.model = model
+        cfg = model.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = model._lm_head.weight.dtype
+        if num_kv_blocks is None:
+            per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * dtype.itemsize
+            if model.device.type == "cuda":
+                num_kv_blocks = int(torch.cuda.mem_get_info(model.device)[0] * gpu_memory_utilization // per_block)
+            else:
+                num_kv_blocks = DEFAULT_CPU_BLOCKS
+        self.pool = BlockPool(num_kv_blocks, block_size)
+        self.cache = PagedKVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads, head_dim,
+                                  dtype, model.device)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, model.bank.num_slots)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._step_lock: asyncio.Lock | None = None
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_ids, adapter: str | None = None, generation_config=None, release=None,
+                    request_id: str | None = None, generator: torch.Generator | None = None, **kwargs) -> str:
+        """Queue a request; returns its id. Everything is checked here, so a bad request is refused
+        before it touches the running ones.
+
+        Args:
+            prompt_ids: the prompt's token ids (a list or a 1-D tensor).
+            adapter: a registered adapter name, or None for the backbone.
+            generation_config, kwargs: HF generation settings, as for `LoRazorModel.generate`
+                (`max_new_tokens`, `do_sample`, `temperature`, `eos_token_id`, `stop_strings` with
+                `tokenizer=`, ...). `num_return_sequences` must be 1.
+            release: None (the model's default policy), "never", or a release length k >= 0.
+            request_id: a unique id; None: a fresh one.
+            generator: a seeded `torch.Generator` for this request's sampling.
+        """
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt = self._check_prompt(prompt_ids)
+        if adapter is not None and adapter not in self.model.registry.entries:
+            raise KeyError(f"unknown adapter {adapter!r}; registered adapters: {self.model.adapter_names}")
+        tokenizer = kwargs.pop("tokenizer", None)
+        config, flags = resolve_config(self.model.model, generation_config, kwargs)
+        if (config.num_return_sequences or 1) != 1:
+            raise ValueError(f"num_return_sequences={config.num_return_sequences}: add one request per sequence")
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.model.device)
+        plan = plan_generation(self.model.model, config, flags, ids, torch.ones_like(ids), tokenizer=tokenizer)
+        if plan.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 for an engine request, got {plan.max_new_tokens}")
+        total = len(prompt) + plan.max_new_tokens
+        capacity = self.pool.num_blocks * self.pool.block_size
+        max_pos = getattr(self.model.model.config, "max_position_embeddings", None)
+        if total > capacity:
+            raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {plan.max_new_tokens} = {total} tokens "
+                             f"exceeds the KV pool ({self.pool.num_blocks} blocks x {self.pool.block_size})")
+        if max_pos is not None and total > max_pos:
+            raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {plan.max_new_tokens} exceeds "
+                             f"max_position_embeddings={max_pos}")
+        request = Request(request_id, prompt, adapter, plan, self._release_length(adapter, release), generator)
+        self.requests[request_id] = request
+        if adapter is not None:
+            self.model.registry.in_use[adapter] += 1
+        self.scheduler.add(request)
+        return request_id
+
+    def _check_prompt(self, prompt_ids) -> list[int]:
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() != 1 or prompt_ids.dtype.is_floating_point:
+                raise ValueError(f"prompt_ids must be a 1-D integer tensor, got shape {tuple(prompt_ids.shape)} "
+                                 f"dtype {prompt_ids.dtype}")
+            prompt_ids = prompt_ids.tolist()
+        if not isinstance(prompt_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise TypeError("prompt_ids must be a list of token ids (ints) or a 1-D integer tensor")
+        if not prompt_ids:
+            raise ValueError("empty prompt: prompt_ids has no tokens")
+        vocab = self.model.model.get_input_embeddings().num_embeddings
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_ids holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        return list(prompt_ids)
+
+    def _release_length(self, adapter: str | None, release) -> int | None:
+        """Decode forwards that keep the adapter: the request's override, else the model's default policy."""
+        if release is not None and release != NEVER and (
+                not isinstance(release, int) or isinstance(release, bool) or release < 0):
+            raise ValueError(f"release must be None, 'never' or an int >= 0, got {release!r}")
+        if release == NEVER or adapter is None:
+            return None
+        if release is not None:
+            return release
+        policy = self.model.release_policy if self.model.config.release != "none" else None
+        if policy is None:
+            return None
+        if not isinstance(policy, ProfiledRelease):
+            raise NotImplementedError(f"the engine runs profiled release lengths; {type(policy).__name__} is not "
+                                      "supported in the engine yet (pass release=k or 'never' per request)")
+        return policy.lengths.get(adapter)
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request and free its KV blocks; returns its final output."""
+        if request_id not in self.requests:
+            raise KeyError(f"unknown or finished request {request_id!r}")
+        request = self.requests[request_id]
+        self._finish(request, "abort")
+        return request.report([])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- steps ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output per request that got a token or finished in it."""
+        with self.model.guard.hold("run an engine step"):
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                if self.requests:
+                    raise RuntimeError(f"{len(self.requests)} requests wait but none can be scheduled")
+                return []
+            logits = run_step(self.model, self.cache, chunks)
+        outputs = []
+        now = time.monotonic()
+        for chunk, row in zip(chunks, logits):
+            request = chunk.request
+            request.num_computed += chunk.num_tokens
+            if request.status is not Status.RUNNING or request.num_computed < len(request.tokens):
+                continue  # a prefill chunk short of the prompt's end produces no token
+            token = self._sample(request, row)
+            request.output.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            outputs.append(request.report([token]))
+        self._dispatch(outputs)
+        return outputs
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> int:
+        seq = torch.tensor([request.tokens], dtype=torch.long, device=logits.device)
+        scores = request.plan.processors(seq, logits[None])
+        request.last_scores = scores
+        return int(next_tokens(scores, request.plan.config.do_sample, request.generator)[0])
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        if token in request.plan.eos:
+            return "eos"
+        if len(request.output) >= request.plan.max_new_tokens:
+            return "length"
+        if request.plan.stopping is not None:
+            seq = torch.tensor([request.tokens], dtype=torch.long, device=request.last_scores.device)
+            if bool(request.plan.stopping(seq, request.last_scores)[0]):
+                return "stop"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.scheduler.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.monotonic()
+        del self.requests[request.request_id]
+        if request.adapter is not None:
+            self.model.registry.in_use[request.adapter] -= 1
+
+    # ---- offline and streaming ------------------------------------------------------------------
+    def generate(self, requests: list[dict], progress: bool = False) -> list[RequestOutput]:
+        """Run a list of requests (each a dict of `add_request` arguments) to the end; outputs in order."""
+        ids = [self.add_request(**r) for r in requests]
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests")
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+    async def stream(self, prompt_ids, **kwargs):
+        """`async for out in engine.stream(ids, adapter=..., max_new_tokens=...)`: this request's
+        outputs as they come. Concurrent streams in one event loop share the steps."""
+        if self._step_lock is None:
+            self._step_lock = asyncio.Lock()
+        request_id = self.add_request(prompt_ids, **kwargs)
+        queue = self._queues[request_id] = asyncio.Queue()
+        try:
+            while True:
+                if queue.empty():
+                    async with self._step_lock:
+                        if queue.empty() and request_id in self.requests:
+                            self.step()
+                    await asyncio.sleep(0)
+                    continue
+                out = queue.get_nowait()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if request_id in self.requests:  # the consumer went away: free its blocks
+                self.abort(request_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)

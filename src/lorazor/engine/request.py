@@ -1,0 +1,102 @@
+"""A request in the engine: prompt, adapter, sampling plan, StepTrim state, output and timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..hf_generation import GenerationPlan
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """One request's state as `LoRazorEngine.step` reports it.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens generated in this step (empty for a prefill chunk that produced none).
+        token_ids: every token generated so far.
+        finished: whether the request is done; finish_reason: "eos", "length", "stop" or "abort".
+        release_step: the decode step at which it released its adapter (-1: never, or no adapter).
+        decode_steps, lora_decode_steps: decode forwards run, and of those, with the adapter.
+        arrival_time, first_token_time, finish_time: `time.monotonic()` stamps (None until reached).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    release_step: int
+    decode_steps: int
+    lora_decode_steps: int
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (s)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (s)."""
+        if self.finish_time is None or self.first_token_time is None or len(self.token_ids) < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (len(self.token_ids) - 1)
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request (see `LoRazorEngine.add_request`)."""
+
+    request_id: str
+    prompt: list[int]
+    adapter: str | None
+    plan: GenerationPlan
+    release_k: int | None  # decode forwards that keep the adapter; None: never release
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # positions whose keys and values are in the cache
+    block_table: list[int] = field(default_factory=list)
+    release_step: int = -1
+    finish_reason: str | None = None
+    last_scores: torch.Tensor | None = None  # the processed scores of the last sampled token
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and generated tokens: what the cache must hold before the next token."""
+        return self.prompt + self.output
+
+    def uses_adapter_at(self, position: int) -> bool:
+        """Whether the forward at `position` runs with the adapter: prefill always does; decode
+        forward d (at position len(prompt) + d) does while d is before the release step."""
+        if self.adapter is None:
+            return False
+        decode = position - len(self.prompt)
+        if decode < 0:
+            return True
+        return self.release_step < 0 or decode < self.release_step
+
+    def report(self, new_tokens: list[int]) -> RequestOutput:
+        # As `LoRazorModel.generate` counts them: decode forwards of adapter rows, and of those the
+        # ones before the release step.
+        decode_steps = max(len(self.output) - 1, 0) if self.adapter is not None else 0
+        lora_steps = decode_steps if self.release_step < 0 else min(self.release_step, decode_steps)
+        return RequestOutput(self.request_id, new_tokens, list(self.output), self.status is Status.FINISHED,
+                             self.finish_reason, self.release_step, decode_steps, lora_steps, self.arrival_time,
+                             self.first_token_time, self.finish_time)

@@ -1,0 +1,96 @@
+"""Which requests run this step, and how many of their tokens (iteration-level scheduling).
+
+Every step:
+1. Running requests first, oldest first: a decoding request needs one token, a request whose prompt
+   is still being prefilled gets the next chunk, all within the token budget
+   (`max_num_batched_tokens`).
+2. When the KV pool cannot hold a running request's tokens, the newest running request is
+   preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+   later. Nothing is dropped.
+3. With budget left, waiting requests are admitted first come, first served, while the sequence
+   budget (`max_num_seqs`), the pool, and the GPU adapter slots (`max_adapters` distinct adapters)
+   allow. A prompt longer than the budget is prefilled in chunks over several steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .blocks import BlockPool
+from .request import Request, Status
+
+
+@dataclass
+class Chunk:
+    """`num_tokens` of `request`'s tokens from position `start`, computed in this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+
+class Scheduler:
+    """FCFS admission under a token budget and a sequence budget, chunked prefill, preemption."""
+
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_adapters: int):
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_adapters = max_adapters
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finished or aborted) and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.pool.free(request.block_table)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pool.free(request.block_table)
+        request.num_computed = 0
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[Chunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[Chunk] = []
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:
+                continue  # preempted below for an older request
+            n = min(len(request.tokens) - request.num_computed, budget)
+            while not self.pool.grow(request.block_table, request.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request in self.running:
+                chunks.append(Chunk(request, request.num_computed, n))
+                budget -= n
+        adapters = {r.adapter for r in self.running if r.adapter is not None}
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.adapter is not None and request.adapter not in adapters and len(adapters) >= self.max_adapters:
+                break  # its adapter needs a slot that running requests hold: it waits, FCFS
+            n = min(len(request.tokens) - request.num_computed, budget)
+            if not self.pool.grow(request.block_table, request.num_computed + n):
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            if request.adapter is not None:
+                adapters.add(request.adapter)
+            chunks.append(Chunk(request, request.num_computed, n))
+            budget -= n
+        return chunks

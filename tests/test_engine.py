@@ -1,0 +1,194 @@
+"""LoRazorEngine: continuous batching equals PEFT (and LoRazor's static generate for StepTrim) per request."""
+
+import asyncio
+
+import pytest
+import torch
+from helpers import EOS, PAD, build_pair, peft_names
+from lorazor import AdapterError, LoRazorConfig, LoRazorEngine, ProfiledRelease
+
+GEN = dict(pad_token_id=PAD, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_pair("llama", LoRazorConfig(cuda_graphs=False))
+
+
+def prompts(n, seed=0, base=4):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (base + 3 * i % 11,), generator=g).tolist() for i in range(n)]
+
+
+def peft_tokens(oracle, prompt, adapter, max_new_tokens, **kw):
+    with torch.no_grad():
+        out = oracle.generate(input_ids=torch.tensor([prompt]), adapter_names=peft_names([adapter]), do_sample=False,
+                              max_new_tokens=max_new_tokens, **GEN, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def engine(model, **kw):
+    return LoRazorEngine(model, **{"max_num_seqs": 8, "max_num_batched_tokens": 32, "num_kv_blocks": 64,
+                                   "block_size": 4, **kw})
+
+
+ADAPTERS = ["math", "sql", None, "med", "math", "sql", None, "med", "math"]
+
+
+def test_staggered_arrivals_equal_peft(pair):
+    model, oracle = pair
+    eng = engine(model)
+    ps = prompts(len(ADAPTERS))
+    done, ids = {}, []
+    for i, (p, a) in enumerate(zip(ps, ADAPTERS)):
+        ids.append(eng.add_request(p, adapter=a, max_new_tokens=5 + i % 4, **GEN))
+        for out in eng.step():  # requests join while others decode
+            if out.finished:
+                done[out.request_id] = out
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    for i, (p, a) in enumerate(zip(ps, ADAPTERS)):
+        assert done[ids[i]].token_ids == peft_tokens(oracle, p, a, 5 + i % 4), f"request {i} ({a})"
+        assert done[ids[i]].finish_reason in ("length", "eos")
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.parametrize("budget", [3, 7, 64], ids=["chunks_of_3", "chunks_of_7", "unchunked"])
+def test_chunked_prefill_equals_unchunked(pair, budget):
+    model, oracle = pair
+    ps = prompts(4, seed=2, base=9)
+    outs = engine(model, max_num_batched_tokens=budget).generate(
+        [dict(prompt_ids=p, adapter=a, max_new_tokens=6, **GEN) for p, a in zip(ps, ADAPTERS)])
+    assert [o.token_ids for o in outs] == [peft_tokens(oracle, p, a, 6) for p, a in zip(ps, ADAPTERS)]
+
+
+def test_preemption_and_recompute_give_the_same_tokens(pair):
+    model, oracle = pair
+    ps = prompts(6, seed=3)
+    eng = engine(model, num_kv_blocks=7, max_num_batched_tokens=16)
+    outs = eng.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=10, **GEN) for p, a in zip(ps, ADAPTERS)])
+    assert eng.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [peft_tokens(oracle, p, a, 10) for p, a in zip(ps, ADAPTERS)]
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.parametrize("release", [0, 2, "never"])
+def test_release_settings_equal_static_generate(pair, release):
+    model, _ = pair
+    ps = prompts(4, seed=4)
+    eng = engine(model, num_kv_blocks=9, max_num_batched_tokens=8)  # preemptions replay the decisions
+    outs = eng.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=7, release=release, **GEN)
+                         for p, a in zip(ps, ADAPTERS)])
+    for p, a, o in zip(ps, ADAPTERS, outs):
+        ref = model.generate(torch.tensor([p]), adapter_ids=[a], release=[release], max_new_tokens=7, do_sample=False,
+                             **GEN)
+        assert o.token_ids == ref.sequences[0, len(p):].tolist()
+        assert o.release_step == int(ref.release_steps[0])
+        assert (o.decode_steps, o.lora_decode_steps) == (int(ref.decode_steps[0]), int(ref.lora_decode_steps[0]))
+
+
+def test_default_profiled_policy_applies(pair):
+    model, _ = pair
+    model.release_policy = ProfiledRelease({"math": 1})
+    model.config = model.config.__class__(**{**model.config.to_dict(), "release": "profiled"})
+    try:
+        out = engine(model).generate([dict(prompt_ids=prompts(1)[0], adapter="math", max_new_tokens=6, **GEN)])[0]
+    finally:
+        model.release_policy = None
+        model.config = model.config.__class__(**{**model.config.to_dict(), "release": "none"})
+    assert out.release_step == 1 and out.lora_decode_steps == 1
+
+
+def test_output_does_not_depend_on_the_batch(pair):
+    model, _ = pair
+    p = prompts(1, seed=5)[0]
+    alone = engine(model).generate([dict(prompt_ids=p, adapter="sql", max_new_tokens=8, **GEN)])[0].token_ids
+    mixed = engine(model).generate([dict(prompt_ids=q, adapter=a, max_new_tokens=8, **GEN)
+                                    for q, a in zip(prompts(5, seed=6) + [p], ADAPTERS[:5] + ["sql"])])
+    assert mixed[-1].token_ids == alone
+
+
+def test_abort_frees_blocks_and_a_random_trace_never_leaks(pair):
+    model, oracle = pair
+    eng = engine(model, num_kv_blocks=16)
+    g = torch.Generator().manual_seed(7)
+    kept = {}
+    for i, p in enumerate(prompts(12, seed=7)):
+        rid = eng.add_request(p, adapter=ADAPTERS[i % len(ADAPTERS)], max_new_tokens=4 + i % 5, **GEN)
+        kept[rid] = (p, ADAPTERS[i % len(ADAPTERS)], 4 + i % 5)
+        eng.step()
+        if torch.rand(1, generator=g).item() < 0.3 and eng.requests:
+            victim = next(iter(eng.requests))
+            assert eng.abort(victim).finish_reason == "abort"
+            kept.pop(victim)
+    finished = {}
+    while eng.has_unfinished():
+        finished.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.scheduler.running and not eng.scheduler.waiting
+    for rid, out in finished.items():
+        if rid in kept:
+            p, a, n = kept[rid]
+            assert out.token_ids == peft_tokens(oracle, p, a, n)
+
+
+def test_more_adapters_than_slots_wait_their_turn(tmp_path):
+    model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False, max_loras=2))
+    ps = prompts(5, seed=8)
+    rows = ["math", "sql", "med", "math", "med"]
+    outs = engine(model).generate([dict(prompt_ids=p, adapter=a, max_new_tokens=5, **GEN) for p, a in zip(ps, rows)])
+    assert [o.token_ids for o in outs] == [peft_tokens(oracle, p, a, 5) for p, a in zip(ps, rows)]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(adapter="physics"), KeyError, "unknown adapter 'physics'"),
+    (dict(prompt_ids=[]), ValueError, "empty prompt"),
+    (dict(prompt_ids=[5] * 300), ValueError, "exceeds the KV pool"),
+    (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an int >= 0, got -1"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
+    (dict(prompt_ids=[5, 500]), ValueError, "token id 500, outside the vocabulary"),
+    (dict(release="soon"), ValueError, "release must be None, 'never' or an int >= 0, got 'soon'"),
+    (dict(num_return_sequences=2, do_sample=True), ValueError, "num_return_sequences=2"),
+    (dict(request_id="dup"), ValueError, "request_id 'dup' is already in use"),
+])
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(pair, kwargs, error, message):
+    model, oracle = pair
+    eng = engine(model, num_kv_blocks=16)
+    p = prompts(1, seed=9)[0]
+    eng.add_request(p, adapter="med", max_new_tokens=5, request_id="dup", **GEN)
+    with pytest.raises(error, match=message):
+        eng.add_request(**{"prompt_ids": [4, 5, 6], "max_new_tokens": 3, **GEN, **kwargs})
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert list(outs) == ["dup"] and outs["dup"].token_ids == peft_tokens(oracle, p, "med", 5)
+
+
+def test_adapter_in_use_cannot_be_unregistered(pair):
+    model, _ = pair
+    eng = engine(model)
+    rid = eng.add_request(prompts(1)[0], adapter="sql", max_new_tokens=3, **GEN)
+    with pytest.raises(AdapterError, match="adapter 'sql' is used by 1 unfinished requests"):
+        model.unregister_adapter("sql")
+    eng.abort(rid)
+    assert model.registry.in_use["sql"] == 0
+
+
+def test_concurrent_streams_equal_offline(pair):
+    model, oracle = pair
+    eng = engine(model)
+    ps = prompts(5, seed=10)
+
+    async def one(p, a):
+        tokens = []
+        async for out in eng.stream(p, adapter=a, max_new_tokens=6, **GEN):
+            tokens.extend(out.new_token_ids)
+            last = out
+        assert last.finished and last.ttft is not None and last.ttft >= 0
+        return tokens
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(p, a) for p, a in zip(ps, ADAPTERS)))
+
+    got = asyncio.run(all_of_them())
+    assert got == [peft_tokens(oracle, p, a, 6) for p, a in zip(ps, ADAPTERS)]
+    assert eng.pool.num_free == eng.pool.num_blocks
