@@ -1,6 +1,7 @@
 """`lorazor` command line.
 
     lorazor demo                 one mixed-adapter batch on the testbed, checked against PEFT
+    lorazor serve ...            an OpenAI-compatible server (`lorazor serve --testbed` on the CPU)
     lorazor calibrate ...        StepTrim calibration of the testbed adapters (`lorazor.testbed.calibrate`)
     lorazor eval ...             testbed accuracy and release curves (`lorazor.testbed.evaluate`)
 """
@@ -118,6 +119,12 @@ def demo_random(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def serve(args: argparse.Namespace) -> int:
+    from lorazor.serve.cli import main as serve_main
+
+    return serve_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lorazor", description="Many LoRA adapters, one backbone, one batch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (random-model demo)")
     p.add_argument("--random", action="store_true", help="use a tiny random model even if the testbed is installed")
     p.set_defaults(func=demo)
+    p = sub.add_parser("serve", help="an OpenAI-compatible server over the engine (see docs/serving.md)")
+    from lorazor.serve.cli import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=serve)
     # The testbed tools keep their own argument parsers: everything after the command goes to them.
     tools = {"calibrate": "calibrate", "eval": "evaluate"}
     sub.add_parser("calibrate", help="StepTrim calibration of the testbed adapters (see `lorazor calibrate -h`)")

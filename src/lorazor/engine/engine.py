@@ -73,6 +73,7 @@ class LoRazorEngine:
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
         self._step_lock: asyncio.Lock | None = None
+        self._pending_aborts: set[str] = set()
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids, adapter: str | None = None, generation_config=None, release=None,
@@ -90,6 +91,17 @@ class LoRazorEngine:
             request_id: a unique id; None: a fresh one.
             generator: a seeded `torch.Generator` for this request's sampling.
         """
+        request = self.prepare_request(prompt_ids, adapter, generation_config, release, request_id, generator,
+                                       **kwargs)
+        self.requests[request.request_id] = request
+        if adapter is not None:
+            self.model.registry.in_use[adapter] += 1
+        self.scheduler.add(request)
+        return request.request_id
+
+    def prepare_request(self, prompt_ids, adapter: str | None = None, generation_config=None, release=None,
+                        request_id: str | None = None, generator: torch.Generator | None = None, **kwargs) -> Request:
+        """Check a request and build it without queueing it (`add_request`'s checks, nothing changed)."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
@@ -116,12 +128,7 @@ class LoRazorEngine:
         if max_pos is not None and total > max_pos:
             raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {plan.max_new_tokens} exceeds "
                              f"max_position_embeddings={max_pos}")
-        request = Request(request_id, prompt, adapter, plan, self._release_length(adapter, release), generator)
-        self.requests[request_id] = request
-        if adapter is not None:
-            self.model.registry.in_use[adapter] += 1
-        self.scheduler.add(request)
-        return request_id
+        return Request(request_id, prompt, adapter, plan, self._release_length(adapter, release), generator)
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):
@@ -171,6 +178,7 @@ class LoRazorEngine:
     # ---- steps ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output per request that got a token or finished in it."""
+        self._run_pending_aborts()
         with self.model.guard.hold("run an engine step"):
             chunks = self.scheduler.schedule()
             if not chunks:
@@ -194,7 +202,14 @@ class LoRazorEngine:
                 self._finish(request, reason)
             outputs.append(request.report([token]))
         self._dispatch(outputs)
+        self._run_pending_aborts()
         return outputs
+
+    def _run_pending_aborts(self) -> None:
+        while self._pending_aborts:
+            request_id = self._pending_aborts.pop()
+            if request_id in self.requests:
+                self.abort(request_id)
 
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
         seq = torch.tensor([request.tokens], dtype=torch.long, device=logits.device)
@@ -242,19 +257,26 @@ class LoRazorEngine:
             bar.close()
         return [done[i] for i in ids]
 
-    async def stream(self, prompt_ids, **kwargs):
-        """`async for out in engine.stream(ids, adapter=..., max_new_tokens=...)`: this request's
-        outputs as they come. Concurrent streams in one event loop share the steps."""
+    def lock(self) -> asyncio.Lock:
+        """The asyncio lock under which streams add requests and run steps (one step at a time)."""
         if self._step_lock is None:
             self._step_lock = asyncio.Lock()
-        request_id = self.add_request(prompt_ids, **kwargs)
+        return self._step_lock
+
+    async def stream(self, prompt_ids, **kwargs):
+        """`async for out in engine.stream(ids, adapter=..., max_new_tokens=...)`: this request's
+        outputs as they come. Concurrent streams in one event loop share the steps, which run in a
+        worker thread so the loop stays responsive. A consumer that stops early aborts its request."""
+        lock = self.lock()
+        async with lock:
+            request_id = self.add_request(prompt_ids, **kwargs)
         queue = self._queues[request_id] = asyncio.Queue()
         try:
             while True:
                 if queue.empty():
-                    async with self._step_lock:
+                    async with lock:
                         if queue.empty() and request_id in self.requests:
-                            self.step()
+                            await asyncio.to_thread(self.step)
                     await asyncio.sleep(0)
                     continue
                 out = queue.get_nowait()
@@ -263,8 +285,11 @@ class LoRazorEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if request_id in self.requests:  # the consumer went away: free its blocks
-                self.abort(request_id)
+            if request_id in self.requests:
+                if lock.locked():  # a step runs in the worker thread: abort at the step boundary
+                    self._pending_aborts.add(request_id)
+                else:
+                    self.abort(request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -1,0 +1,194 @@
+"""The OpenAI-compatible HTTP app over a `LoRazorEngine` (FastAPI, server-sent events for streams).
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
+`POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's shapes), `GET /health`,
+`GET /metrics`. The request's `model` names an adapter, or the base model by its served name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ..adapters import AdapterError
+from .metrics import ServerMetrics
+from .protocol import (FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, LoadAdapterRequest, SamplingFields,
+                       UnloadAdapterRequest, generation_kwargs, stops_of, visible_text)
+
+log = logging.getLogger("lorazor.serve")
+
+
+def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | None = None) -> FastAPI:
+    """The app serving `engine` (a `LoRazorEngine`), with `tokenizer` for text in and out.
+
+    Args:
+        model_name: the name under which the base model (no adapter) is served.
+        chat_template: a Jinja chat template for tokenizers without one (else chat requests get 400).
+    """
+    @asynccontextmanager
+    async def lifespan(_):
+        yield
+        pending = list(engine.requests)
+        for request_id in pending:
+            engine.abort(request_id)
+        log.info("shutdown: aborted %d in-flight requests", len(pending))
+
+    app = FastAPI(title="LoRazor", lifespan=lifespan)
+    model = engine.model
+    metrics = ServerMetrics(engine)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, err: RequestValidationError):
+        first = err.errors()[0] if err.errors() else {}
+        loc = first.get("loc", ())
+        param = str(loc[1]) if len(loc) > 1 else None  # ("body", field, <union member>...)
+        return JSONResponse(ApiError(400, f"invalid request: {first.get('msg', err)}", param=param).body(), 400)
+
+    def adapter_for(name: str) -> str | None:
+        if name == model_name:
+            return None
+        if name not in model.registry.entries:
+            raise ApiError(404, f"model {name!r} not found: serve {model_name!r} or one of the adapters "
+                                f"{model.adapter_names}", kind="not_found_error", param="model")
+        return name
+
+    def add_args(request: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> dict:
+        kwargs = generation_kwargs(request, tokenizer, max_tokens)
+        if request.seed is not None:
+            kwargs["generator"] = torch.Generator(device=model.device).manual_seed(request.seed)
+        return dict(prompt_ids=prompt_ids, adapter=adapter_for(request.model), **kwargs)
+
+    async def deltas(args: dict, stops: list[str]):
+        """(visible text delta, RequestOutput) per step of one request; the last has `finished`."""
+        sent = ""
+        stream = engine.stream(**args)
+        try:
+            async for out in stream:
+                text = visible_text(tokenizer.decode(out.token_ids, skip_special_tokens=True), stops, out.finished)
+                if len(text) > len(sent) or out.finished:
+                    yield text[len(sent):], out
+                    sent = text
+                if out.finished:
+                    metrics.observe(out)
+        finally:
+            await stream.aclose()  # a client that went away aborts its request
+
+    def usage(prompt_ids, out) -> dict:
+        return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out.token_ids),
+                "total_tokens": len(prompt_ids) + len(out.token_ids)}
+
+    def extension(out) -> dict:
+        skip = 0.0 if out.decode_steps == 0 else 1.0 - out.lora_decode_steps / out.decode_steps
+        return {"release_step": out.release_step, "skip_fraction": skip}
+
+    async def respond(request: SamplingFields, prompt_ids: list[int], max_tokens, chat: bool):
+        args = add_args(request, prompt_ids, max_tokens)
+        stops = stops_of(request)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+
+        def choice(text, finish, delta: bool):
+            if not chat:
+                return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            key = "delta" if delta else "message"
+            return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
+
+        try:  # every check before anything is generated: a bad request gets a 4xx, never a broken stream
+            engine.prepare_request(**args)
+        except (ValueError, KeyError, TypeError, AdapterError, NotImplementedError) as err:
+            raise ApiError(400, str(err).strip('"')) from err
+        if not request.stream:
+            text, out = "", None
+            async for delta, out in deltas(args, stops):
+                text += delta
+            return {"id": rid, "object": kind, "created": created, "model": request.model,
+                    "choices": [choice(text, FINISH_REASONS[out.finish_reason], False)],
+                    "usage": usage(prompt_ids, out), "lorazor": extension(out)}
+
+        async def events():
+            async for delta, out in deltas(args, stops):
+                finish = FINISH_REASONS[out.finish_reason] if out.finished else None
+                body = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
+                        "model": request.model, "choices": [choice(delta, finish, True)]}
+                if out.finished:
+                    body["usage"] = usage(prompt_ids, out)
+                    body["lorazor"] = extension(out)
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        prompt = request.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt holds {len(prompt)} strings: send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        return await respond(request, tokenizer(prompt)["input_ids"], request.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatRequest):
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions, or start the "
+                                "server with --chat-template", param="messages")
+        messages = [m.model_dump() for m in request.messages]
+        text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                             tokenize=False)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return await respond(request, prompt_ids, request.max_completion_tokens or request.max_tokens, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        created = int(time.time())
+        data = [{"id": model_name, "object": "model", "created": created, "owned_by": "lorazor", "root": model_name,
+                 "parent": None}]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "lorazor", "root": name,
+                  "parent": model_name} for name in model.adapter_names]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_adapter(request: LoadAdapterRequest):
+        async with engine.lock():
+            try:
+                model.register_adapter(request.lora_name, request.lora_path)
+            except (AdapterError, ValueError, OSError) as err:
+                raise ApiError(400, str(err), param="lora_path") from err
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_adapter(request: UnloadAdapterRequest):
+        async with engine.lock():
+            try:
+                model.unregister_adapter(request.lora_name)
+            except KeyError as err:
+                raise ApiError(404, str(err).strip('"'), kind="not_found_error", param="lora_name") from err
+            except AdapterError as err:
+                raise ApiError(400, str(err), param="lora_name") from err
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app

@@ -1,0 +1,74 @@
+"""`lorazor serve`: build a model and engine from command-line arguments and run the app with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--testbed", action="store_true", help="serve the shipped testbed (CPU; no other arguments needed)")
+    p.add_argument("--model", help="base model id or path")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="a PEFT adapter folder to register (repeatable)")
+    p.add_argument("--served-model-name", help="name of the base model in requests (default: --model, or 'testbed')")
+    p.add_argument("--max-loras", type=int, help="GPU adapter slots")
+    p.add_argument("--max-lora-rank", type=int, help="the largest adapter rank")
+    p.add_argument("--max-cpu-loras", type=int, help="host copies of adapters kept for fast reloads")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizers without one")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: from free GPU memory; 256 on the CPU)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+
+
+def build(args: argparse.Namespace):
+    """(app, served model name) for parsed arguments."""
+    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
+
+    from .app import build_app
+
+    adapters = {}
+    for spec in args.adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--adapter takes NAME=PATH, got {spec!r}")
+        adapters[name] = path
+    config = LoRazorConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                           max_cpu_loras=args.max_cpu_loras, dtype=args.dtype)
+    if args.testbed:
+        if args.model:
+            raise SystemExit("--testbed and --model exclude each other")
+        from lorazor.testbed import load
+
+        peft_model, tokenizer, _ = load()
+        model = LoRazorModel.from_peft(peft_model, config)
+        for name, path in adapters.items():
+            model.register_adapter(name, path)
+        name = args.served_model_name or "testbed"
+    elif args.model:
+        from transformers import AutoTokenizer
+
+        model = LoRazorModel.from_pretrained(args.model, adapters=adapters, config=config)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        name = args.served_model_name or args.model
+    else:
+        raise SystemExit("lorazor serve needs --model PATH_OR_ID or --testbed")
+    engine = LoRazorEngine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                           num_kv_blocks=args.num_kv_blocks, block_size=args.block_size)
+    template = args.chat_template.read_text() if args.chat_template else None
+    return build_app(engine, tokenizer, model_name=name, chat_template=template), name
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app, name = build(args)
+    logging.getLogger("lorazor.serve").info("serving %r on http://%s:%d/v1", name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

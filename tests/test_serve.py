@@ -1,0 +1,223 @@
+"""`lorazor serve`: the OpenAI API over the engine, driven by the official `openai` client on 127.0.0.1.
+
+The server runs in this process (uvicorn in a thread, on a free loopback port) over the shipped
+testbed; every text is compared with the offline `generate()` of the same prompts and adapters.
+"""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+NEW = 12
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    from lorazor import LoRazorEngine, LoRazorModel
+    from lorazor.serve import build_app
+    from lorazor.testbed import load
+
+    peft_model, tokenizer, tasks = load()
+    model = LoRazorModel.from_peft(peft_model)
+    engine = LoRazorEngine(model, max_num_seqs=32, max_num_batched_tokens=512, num_kv_blocks=512)
+    app = build_app(engine, tokenizer, model_name="testbed", chat_template=TEMPLATE)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield dict(url=url, model=model, engine=engine, tokenizer=tokenizer, tasks=tasks)
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def client(served):
+    return openai.OpenAI(base_url=f"{served['url']}/v1", api_key="none", max_retries=0)
+
+
+def offline(served, prompts, adapters, max_new_tokens=NEW):
+    return served["model"].generate_text(prompts, adapters, tokenizer=served["tokenizer"], max_new_tokens=max_new_tokens,
+                                         do_sample=False)
+
+
+def task_prompts(served, n):
+    tasks = served["tasks"]
+    names = list(tasks)
+    rows = [(names[i % len(names)], tasks[names[i % len(names)]].split("test")[i // len(names)]["prompt"])
+            for i in range(n)]
+    return [p for _, p in rows], [a if i % 5 else None for i, (a, _) in enumerate(rows)]
+
+
+def test_completions_equal_offline_generate(served):
+    prompts, adapters = task_prompts(served, 6)
+    want = offline(served, prompts, adapters)
+    c = client(served)
+    for prompt, adapter, text in zip(prompts, adapters, want):
+        r = c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=NEW, temperature=0)
+        assert r.choices[0].text == text
+        assert r.usage.completion_tokens <= NEW and r.usage.prompt_tokens > 0
+        stream = c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=NEW, temperature=0,
+                                      stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == text
+
+
+def test_chat_equals_offline_generate_on_the_template(served):
+    tok = served["tokenizer"]
+    messages = [{"role": "user", "content": served["tasks"]["math"].split("test")[0]["prompt"]}]
+    prompt = tok.apply_chat_template(messages, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ref = served["model"].generate(ids, adapter_ids=["math"], max_new_tokens=NEW, do_sample=False,
+                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    want = tok.decode(ref.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+    c = client(served)
+    r = c.chat.completions.create(model="math", messages=messages, max_tokens=NEW, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    stream = c.chat.completions.create(model="math", messages=messages, max_tokens=NEW, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == want
+
+
+def test_stop_sequences_are_cut_as_openai_does(served):
+    prompts, adapters = task_prompts(served, 2)
+    full = offline(served, prompts, adapters, max_new_tokens=20)
+    c = client(served)
+    for prompt, adapter, text in zip(prompts, adapters, full):
+        stop = text[3:5] if len(text) > 6 else None
+        if not stop:
+            continue
+        r = c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+        assert r.choices[0].text == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_models_and_adapter_load_unload_round_trip(served):
+    from lorazor.testbed import ASSETS
+
+    c = client(served)
+    assert {m.id for m in c.models.list().data} == {"testbed", "math", "sql", "mcq", "explain"}
+    r = httpx.post(f"{served['url']}/v1/load_lora_adapter", json={"lora_name": "sql2",
+                                                                   "lora_path": str(ASSETS / "adapters" / "sql")})
+    assert r.status_code == 200, r.text
+    assert "sql2" in {m.id for m in c.models.list().data}
+    prompt = served["tasks"]["sql"].split("test")[0]["prompt"]
+    same = [c.completions.create(model=m, prompt=prompt, max_tokens=NEW, temperature=0).choices[0].text
+            for m in ("sql", "sql2")]
+    assert same[0] == same[1]
+    assert httpx.post(f"{served['url']}/v1/unload_lora_adapter", json={"lora_name": "sql2"}).status_code == 200
+    assert "sql2" not in {m.id for m in c.models.list().data}
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="sql2", prompt=prompt, max_tokens=2, temperature=0)
+
+
+def test_64_concurrent_streaming_clients_over_mixed_adapters(served):
+    prompts, adapters = task_prompts(served, 64)
+    want = offline(served, prompts, adapters, max_new_tokens=8)
+
+    async def one(c, prompt, adapter):
+        stream = await c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=8, temperature=0,
+                                            stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def everyone():
+        async with openai.AsyncOpenAI(base_url=f"{served['url']}/v1", api_key="none", max_retries=0,
+                                      timeout=120) as c:
+            return await asyncio.gather(*(one(c, p, a) for p, a in zip(prompts, adapters)))
+
+    got = asyncio.run(everyone())
+    assert got == want
+    assert served["engine"].pool.num_free == served["engine"].pool.num_blocks
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "physics", "prompt": "x", "max_tokens": 2}, 404, "model"),
+    ({"model": "testbed", "max_tokens": 2}, 400, "prompt"),
+    ({"model": "testbed", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": "testbed", "prompt": "x", "max_tokens": 10**7}, 400, None),
+    ({"model": "testbed", "prompt": "x " * 3000, "max_tokens": 2}, 400, None),
+    ({"model": "testbed", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "testbed", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "testbed", "prompt": "x", "release": "soon"}, 400, "release"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served, body, status, param):
+    r = httpx.post(f"{served['url']}/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and (param is None or error["param"] == param)
+    assert client(served).completions.create(model="testbed", prompt="The", max_tokens=2, temperature=0).choices
+
+
+def test_malformed_json_and_bad_adapter_paths(served, tmp_path):
+    r = httpx.post(f"{served['url']}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(f"{served['url']}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+    assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+    r = httpx.post(f"{served['url']}/v1/load_lora_adapter", json={"lora_name": "../x", "lora_path": str(tmp_path)})
+    assert r.status_code == 400 and "invalid adapter name" in r.json()["error"]["message"]
+    r = httpx.post(f"{served['url']}/v1/chat/completions", json={"model": "testbed", "messages": []})
+    assert r.status_code == 400
+
+
+def metric(served, name) -> float:
+    text = httpx.get(f"{served['url']}/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_a_client_that_disconnects_frees_its_blocks(served):
+    body = {"model": "explain", "prompt": served["tasks"]["explain"].split("test")[0]["prompt"], "max_tokens": 100,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{served['url']}/v1/completions", json=body) as r:
+        for _ in r.iter_lines():
+            break  # read the first event, then hang up
+    deadline = time.monotonic() + 10
+    while metric(served, "lorazor_kv_blocks_used") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(served, "lorazor_kv_blocks_used") == 0 and not served["engine"].requests
+    assert metric(served, "lorazor_requests_running") == 0
+    text = httpx.get(f"{served['url']}/metrics").text
+    assert "lorazor_time_to_first_token_seconds_count" in text and "lorazor_generation_tokens_total" in text
+
+
+def test_lorazor_serve_testbed_command_starts_serves_and_shuts_down():
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lorazor.cli", "serve", "--testbed", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "How many", "max_tokens": 3,
+                                                      "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert "lorazor" in r.json() and "release_step" in r.json()["lorazor"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        log, _ = proc.communicate(timeout=30)
+    assert "shutdown: aborted 0 in-flight requests" in log, log[-2000:]
