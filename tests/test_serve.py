@@ -30,6 +30,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, seconds: float = 60) -> None:
+    """Poll `url/health` until it answers 200 (bounded in time)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"no server at {url} after {seconds} s")
+
+
 @pytest.fixture(scope="module")
 def served():
     from lorazor import LoRazorEngine, LoRazorModel
@@ -45,12 +58,7 @@ def served():
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    wait_healthy(url)
     yield dict(url=url, model=model, engine=engine, tokenizer=tokenizer, tasks=tasks)
     server.should_exit = True
     thread.join(timeout=10)
@@ -207,12 +215,7 @@ def test_lorazor_serve_testbed_command_starts_serves_and_shuts_down():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(url)
         r = httpx.post(f"{url}/v1/completions", json={"model": "sql", "prompt": "How many", "max_tokens": 3,
                                                       "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")

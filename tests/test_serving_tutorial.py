@@ -5,7 +5,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ def blocks(kind: str) -> list[str]:
 
 
 def test_serving_tutorial_commands_run(tmp_path):
-    from test_serve import free_port
+    from test_serve import free_port, wait_healthy
 
     port = free_port()
     bash = [b.replace("8000", str(port)) for b in blocks("bash")]
@@ -30,12 +29,7 @@ def test_serving_tutorial_commands_run(tmp_path):
     proc = subprocess.Popen(start.split(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}")
         for block in commands:
             done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, (block, done.stderr)
