@@ -66,7 +66,7 @@ def test_one_program_build_fails_loudly_past_its_bound():
         pytest.skip("a device-side assert ends the process's CUDA context")
     slot = torch.arange(40) % 20  # 20 distinct slots of 1-2 rows: more partial tiles than 3 + 2
     with pytest.raises(RuntimeError, match="more distinct slots than max_active_slots"):
-        build_batch_meta(slot, 20, "exact", max_active_slots=2, builder="triton")
+        build_batch_meta(slot, 20, "exact", max_active_slots=2, builder="triton", check_bound=False)
 
 
 def test_kernels_give_the_reference_delta_from_the_one_program_meta():

@@ -115,5 +115,10 @@ def get_kernel_config(device: torch.device) -> KernelConfig:
         if not Path(override).is_file():
             raise FileNotFoundError(f"{CONFIG_ENV}={override!r} is not a file")
         return _config_from(override)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return _config_for(name)
+    return _config_for(_device_name(device.type, device.index))
+
+
+@lru_cache(maxsize=None)
+def _device_name(kind: str, index: int | None) -> str:
+    """The GPU's name (queried once per device, not at every launch)."""
+    return torch.cuda.get_device_name(index) if kind == "cuda" else "cpu"

@@ -101,7 +101,8 @@ def slot_bound_class(distinct_slots: int, num_slots: int, smallest: int = 16) ->
 
 
 def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact", block_m: int = 16,
-                     max_active_slots: int | None = None, builder: str = "auto") -> LoRABatchMeta:
+                     max_active_slots: int | None = None, builder: str = "auto",
+                     check_bound: bool = True) -> LoRABatchMeta:
     """Build the step metadata from the per-row slot map.
 
     Args:
@@ -113,10 +114,13 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
             on the host, e.g. from a request batch's adapter names). It bounds the tile table, and so
             the launch grid and the split sizes chosen from it: a bank of 128 slots serving one
             adapter launches 16 + 8 tiles, not 16 + 128. None: every slot may appear. A batch that
-            breaks the bound fails a device-side assert (never a silently dropped row).
+            breaks the bound raises ValueError when `check_bound` (a host sync; skipped during CUDA
+            graph capture), and fails a device-side assert otherwise (never a silently dropped row).
         builder: `exact`/`full` only: "torch" (sort, scatter, cumsum: the reference), "triton" (one
             program, `meta_kernel.py`; steps up to 1024 rows and 1023 slots) or "auto" (triton on a
             GPU whose `KernelConfig.one_program_meta` is on and when the step fits, else torch).
+        check_bound: check `max_active_slots` on the host (callers that know the bound holds, such as
+            a model step that derived it from the batch, pass False: no sync in the decode step).
 
     Returns:
         A `LoRABatchMeta` shared by every LoRA layer of the step.
@@ -131,6 +135,11 @@ def build_batch_meta(row_slot: torch.Tensor, num_slots: int, grid: str = "exact"
         raise ValueError(f"builder must be one of {BUILDERS}, got {builder!r}")
     if grid == "exact" and max_active_slots is not None and max_active_slots < 1:
         raise ValueError(f"max_active_slots must be >= 1 or None, got {max_active_slots}")
+    if (grid == "exact" and max_active_slots is not None and check_bound
+            and not (row_slot.is_cuda and torch.cuda.is_current_stream_capturing())):
+        distinct = int(torch.unique(row_slot[row_slot >= 0]).numel())
+        if distinct > max_active_slots:
+            raise ValueError(f"row_slot uses {distinct} distinct slots but max_active_slots={max_active_slots}")
     num_rows = row_slot.shape[0]
     if grid in ("exact", "full") and _use_one_program(builder, row_slot, num_rows, num_slots):
         return _build_in_one_program(row_slot, num_slots, grid, block_m, max_active_slots)

@@ -61,6 +61,8 @@ def add_batched_lora_(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if segments and mask_rank:
+        raise ValueError("segments need mask_rank=False (merged members share one rank, zero-padded weights)")
     if meta.has_lora is False:
         return y
     if backend == "reference":
@@ -73,7 +75,6 @@ def add_batched_lora_(
 
 def _shrink_expand(y, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, write_only=False):
     """The delta by `lora_shrink` + `lora_expand` into y: added, or with `write_only` written over it."""
-    mask_rank = mask_rank and not segments  # merged projections hold uniform ranks: no rank load
     u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None,
                        write_only=write_only)

@@ -55,7 +55,9 @@ class StepContext:
 
     def build(self, row_slot: torch.Tensor, tokens_per_row: int = 1) -> LoRABatchMeta:
         token_slot = row_slot if tokens_per_row == 1 else row_slot.repeat_interleave(tokens_per_row)
-        return build_batch_meta(token_slot, self.num_slots, self.grid, self.block_m, self.slot_bound)
+        # The bound comes from the batch itself (`begin_batch`) and release only lowers it: no check.
+        return build_batch_meta(token_slot, self.num_slots, self.grid, self.block_m, self.slot_bound,
+                                check_bound=False)
 
     def begin(self, row_slot: torch.Tensor, tokens_per_row: int = 1, meta: LoRABatchMeta | None = None) -> None:
         """Set the metadata of the forward about to run (no context manager: torch.compile-friendly)."""

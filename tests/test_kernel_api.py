@@ -1,0 +1,34 @@
+"""Sharp edges of the public kernel API: refused with a Python error naming the value, never silent."""
+
+import pytest
+import torch
+from conftest import DEVICE
+from lorazor_kernels import add_batched_lora_, build_batch_meta, get_kernel_config
+from lorazor_kernels import kernel_config
+
+
+def test_segments_with_rank_masking_are_refused_not_dropped():
+    M, K, r, L = 4, 32, 16, 3
+    x = torch.randn(M, K, device=DEVICE)
+    a, b = torch.randn(L, 2 * r, K, device=DEVICE), torch.randn(L, 48, r, device=DEVICE)
+    y = torch.zeros(M, 48, device=DEVICE)
+    meta = build_batch_meta(torch.tensor([0, 1, -1, 2], device=DEVICE, dtype=torch.int32), L, "exact")
+    rank = torch.full((L,), r, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="segments need mask_rank=False"):
+        add_batched_lora_(y, x, a, b, torch.ones(2, L, device=DEVICE), rank, meta, backend="reference", mask_rank=True,
+                          segments=(16,))
+
+
+def test_a_batch_over_max_active_slots_raises_in_python():
+    row_slot = torch.tensor([0, 3, 5, -1, 3], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="row_slot uses 3 distinct slots but max_active_slots=2"):
+        build_batch_meta(row_slot, 8, "exact", max_active_slots=2)
+    build_batch_meta(row_slot, 8, "exact", max_active_slots=3)  # within the bound
+
+
+def test_kernel_config_looks_the_device_up_once():
+    kernel_config._device_name.cache_clear()
+    for _ in range(3):
+        get_kernel_config(torch.device(DEVICE))
+    info = kernel_config._device_name.cache_info()
+    assert info.misses == 1 and info.hits == 2
