@@ -192,3 +192,29 @@ def test_concurrent_streams_equal_offline(pair):
     got = asyncio.run(all_of_them())
     assert got == [peft_tokens(oracle, p, a, 6) for p, a in zip(ps, ADAPTERS)]
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_learned_release_equals_static_generate(pair):
+    from lorazor import LearnedRelease
+
+    model, _ = pair
+    g = torch.Generator().manual_seed(11)
+    H = model.model.config.hidden_size
+    heads = {a: (torch.randn(H, generator=g), 0.3, 0.0) for a in ("math", "sql")}  # med: no head, never releases
+    policy = LearnedRelease(heads)
+    saved = model.config
+    model.release_policy = policy
+    model.config = saved.__class__(**{**saved.to_dict(), "release": "learned"})
+    try:
+        ps = prompts(6, seed=12)
+        eng = engine(model, num_kv_blocks=9, max_num_batched_tokens=8)  # preemptions replay the decisions
+        outs = eng.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=8, **GEN) for p, a in zip(ps, ADAPTERS)])
+        released = 0
+        for p, a, o in zip(ps, ADAPTERS, outs):
+            ref = model.generate(torch.tensor([p]), adapter_ids=[a], max_new_tokens=8, do_sample=False, **GEN)
+            assert o.token_ids == ref.sequences[0, len(p):].tolist()
+            assert o.release_step == int(ref.release_steps[0]), a
+            released += o.release_step >= 0
+        assert released > 0  # the heads really released some requests
+    finally:
+        model.release_policy, model.config = None, saved

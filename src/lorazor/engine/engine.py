@@ -23,7 +23,8 @@ import torch
 
 from ..generate import next_tokens
 from ..hf_generation import plan_generation, resolve_config
-from ..policies import NEVER, ProfiledRelease
+from ..policies import NEVER, LearnedRelease, ProfiledRelease
+from ..policies.base import check_policy
 from .blocks import BlockPool
 from .paged import PagedKVCache
 from .request import Request, RequestOutput, Status
@@ -128,7 +129,8 @@ class LoRazorEngine:
         if max_pos is not None and total > max_pos:
             raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {plan.max_new_tokens} exceeds "
                              f"max_position_embeddings={max_pos}")
-        return Request(request_id, prompt, adapter, plan, self._release_length(adapter, release), generator)
+        release_k, head = self._release_of(adapter, release)
+        return Request(request_id, prompt, adapter, plan, release_k, head, generator)
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):
@@ -147,22 +149,29 @@ class LoRazorEngine:
             raise ValueError(f"prompt_ids holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
         return list(prompt_ids)
 
-    def _release_length(self, adapter: str | None, release) -> int | None:
-        """Decode forwards that keep the adapter: the request's override, else the model's default policy."""
+    def _release_of(self, adapter: str | None, release):
+        """(fixed release length or None, learned head or None): the request's override, else the
+        model's default policy (`LoRazorConfig.release` with `load_release_policy`)."""
         if release is not None and release != NEVER and (
                 not isinstance(release, int) or isinstance(release, bool) or release < 0):
             raise ValueError(f"release must be None, 'never' or an int >= 0, got {release!r}")
         if release == NEVER or adapter is None:
-            return None
+            return None, None
         if release is not None:
-            return release
+            return release, None
         policy = self.model.release_policy if self.model.config.release != "none" else None
         if policy is None:
-            return None
-        if not isinstance(policy, ProfiledRelease):
-            raise NotImplementedError(f"the engine runs profiled release lengths; {type(policy).__name__} is not "
-                                      "supported in the engine yet (pass release=k or 'never' per request)")
-        return policy.lengths.get(adapter)
+            return None, None
+        check_policy(policy, self.model.model.config.hidden_size, self.model.adapter_names)
+        if isinstance(policy, ProfiledRelease):
+            return policy.lengths.get(adapter), None
+        if isinstance(policy, LearnedRelease):
+            if adapter not in policy.heads:
+                return None, None
+            w, b, tau = policy.heads[adapter]
+            return None, (w.float().to(self.model.device), float(b), float(tau))
+        raise NotImplementedError(f"the engine runs ProfiledRelease and LearnedRelease; {type(policy).__name__} is "
+                                  "not supported (pass release=k or 'never' per request)")
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request and free its KV blocks; returns its final output."""
@@ -185,14 +194,15 @@ class LoRazorEngine:
                 if self.requests:
                     raise RuntimeError(f"{len(self.requests)} requests wait but none can be scheduled")
                 return []
-            logits = run_step(self.model, self.cache, chunks)
+            logits, hidden = run_step(self.model, self.cache, chunks)
         outputs = []
         now = time.monotonic()
-        for chunk, row in zip(chunks, logits):
+        for chunk, row, last_hidden in zip(chunks, logits, hidden):
             request = chunk.request
             request.num_computed += chunk.num_tokens
             if request.status is not Status.RUNNING or request.num_computed < len(request.tokens):
                 continue  # a prefill chunk short of the prompt's end produces no token
+            request.last_hidden = last_hidden
             token = self._sample(request, row)
             request.output.append(token)
             if request.first_token_time is None:

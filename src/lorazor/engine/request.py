@@ -64,13 +64,16 @@ class Request:
     prompt: list[int]
     adapter: str | None
     plan: GenerationPlan
-    release_k: int | None  # decode forwards that keep the adapter; None: never release
+    release_k: int | None  # decode forwards that keep the adapter; None: no fixed length
+    head: tuple[torch.Tensor, float, float] | None = None  # learned release (w, b, tau) when no release_k
     generator: torch.Generator | None = None
     status: Status = Status.WAITING
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions whose keys and values are in the cache
     block_table: list[int] = field(default_factory=list)
     release_step: int = -1
+    decided: int = 0  # decode forwards whose release decision is taken (a recompute replays them)
+    last_hidden: torch.Tensor | None = None  # final hidden state of the last token computed
     finish_reason: str | None = None
     last_scores: torch.Tensor | None = None  # the processed scores of the last sampled token
     arrival_time: float = field(default_factory=time.monotonic)

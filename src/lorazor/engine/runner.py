@@ -16,20 +16,33 @@ from .scheduler import Chunk
 
 
 def decide_release(chunk: Chunk) -> None:
-    """A profiled release (`release_k`): decode forward d keeps the adapter while d < k. Recorded
-    once, so a recomputed request replays the same decisions."""
+    """StepTrim for the decode forwards in this chunk, each decided once, before it runs (a recomputed
+    request replays its decisions): a fixed length k keeps the adapter while d < k; a learned head
+    keeps it while w . h + b >= tau on the final hidden state of the forward before."""
     request = chunk.request
-    if request.adapter is None or request.release_k is None or request.release_step >= 0:
+    if request.adapter is None or request.release_step >= 0:
         return
     first_decode = len(request.prompt)
     for position in range(max(chunk.start, first_decode), chunk.start + chunk.num_tokens):
-        if position - first_decode >= request.release_k:
-            request.release_step = position - first_decode
+        d = position - first_decode
+        if d < request.decided:
+            continue
+        request.decided = d + 1
+        if request.release_k is not None:
+            release = d >= request.release_k
+        elif request.head is not None:
+            w, b, tau = request.head
+            release = float(request.last_hidden.float() @ w + b) < tau
+        else:
+            release = False
+        if release:
+            request.release_step = d
             return
 
 
-def run_step(model, cache: PagedKVCache, chunks: list[Chunk]) -> torch.Tensor:
-    """Forward the packed chunks; returns `[len(chunks), V]` float32 logits at each chunk's last token."""
+def run_step(model, cache: PagedKVCache, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward the packed chunks; returns `[len(chunks), V]` float32 logits and `[len(chunks), H]`
+    final hidden states at each chunk's last token."""
     device = model.device
     ids, positions, adapters, slots, segments, last = [], [], [], [], [], []
     for chunk in chunks:
@@ -58,7 +71,8 @@ def run_step(model, cache: PagedKVCache, chunks: list[Chunk]) -> torch.Tensor:
     try:
         hidden = model._decoder_forward(input_ids, position_ids, mask, cache, token_slot, 1, **{PAGED_KWARG: step})
         with torch.inference_mode():
-            logits = model._lm_head(hidden[0, last])
+            hidden = hidden[0, last]
+            logits = model._lm_head(hidden)
     finally:
         cache.step = None
-    return logits.float()
+    return logits.float(), hidden
