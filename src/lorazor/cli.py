@@ -16,6 +16,15 @@ import time
 import torch
 
 
+NEXT_STEPS = """
+What ran: one batch mixing four adapters and the backbone, decoded by LoRazor and by PEFT (the
+reference), then again with StepTrim releasing adapters after a few decode steps.
+Try next:
+  lorazor serve --testbed                  the same model behind an OpenAI-compatible API (docs/serving.md)
+  lorazor demo --random --arch qwen2       a random tiny model of another architecture
+  docs/quickstart.md                       your own PeftModel or adapter folders (docs/adapters.md)"""
+
+
 def demo(args: argparse.Namespace) -> int:
     """The shipped testbed when its weights are installed, else a tiny random model."""
     from lorazor.testbed import ASSETS
@@ -67,6 +76,7 @@ def demo_testbed(args: argparse.Namespace) -> int:
     print(f"StepTrim {policy.lengths}: release steps {released.release_steps.tolist()}; "
           f"{right}/{sum(1 for n in adapters if n)} adapter rows correct; decode LoRA calls skipped: "
           f"{released.skip_fraction:.0%}")
+    print(NEXT_STEPS)
     return 0 if ok else 1
 
 
