@@ -32,3 +32,28 @@ def test_kernel_config_looks_the_device_up_once():
         get_kernel_config(torch.device(DEVICE))
     info = kernel_config._device_name.cache_info()
     assert info.misses == 1 and info.hits == 2
+
+
+def test_linear_lora_op_takes_a_kernel_config(monkeypatch):
+    import dataclasses
+
+    from lorazor_kernels import linear_lora_op, lora_delta_reference
+    from lorazor_kernels import ops
+
+    g = torch.Generator().manual_seed(0)
+    M, K, N, r, L = 5, 32, 48, 16, 3
+    x = torch.randn(M, K, generator=g).to(DEVICE)
+    w = torch.randn(N, K, generator=g).to(DEVICE)
+    a, b = torch.randn(L, r, K, generator=g).to(DEVICE), torch.randn(L, N, r, generator=g).to(DEVICE)
+    s, rank = torch.rand(L).to(DEVICE), torch.full((L,), r, dtype=torch.int32, device=DEVICE)
+    slot = torch.tensor([0, 2, -1, 1, 0], dtype=torch.int32, device=DEVICE)
+    meta = build_batch_meta(slot, L, "exact")
+    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), fused=True)
+
+    def no_lookup(device):
+        raise AssertionError("the given config must be used, not the device's")
+
+    monkeypatch.setattr(ops, "get_kernel_config", no_lookup)
+    y = linear_lora_op(x, w, None, a, b, s, rank, meta, backend="triton", cfg=cfg)
+    ref = x @ w.T + lora_delta_reference(x, a, b, s, slot)
+    torch.testing.assert_close(y, ref, atol=1e-3, rtol=1e-3)

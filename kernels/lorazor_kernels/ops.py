@@ -104,11 +104,13 @@ def _linear_lora_op(
     scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor,
     slot_start: torch.Tensor, tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None,
     large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
-    backend: str, mask_rank: bool, segments: list[int],
+    backend: str, mask_rank: bool, segments: list[int], config_key: str,
 ) -> torch.Tensor:
     meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
                          tile_rows, row_bound, large_slots, class_split)
-    cfg = get_kernel_config(x.device) if backend == "triton" else None
+    cfg = None
+    if backend == "triton":
+        cfg = _CONFIGS[config_key] if config_key else get_kernel_config(x.device)
     if cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None and not cfg.fused:
         return _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
     y = torch.nn.functional.linear(x, weight, bias)
@@ -126,19 +128,35 @@ def _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, ma
 
 @_linear_lora_op.register_fake
 def _(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
-      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments) -> torch.Tensor:
+      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments,
+      config_key) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+# KernelConfigs passed to `linear_lora_op`, by key: the registered op takes the key (a string), not
+# the dataclass.
+_CONFIGS: dict[str, KernelConfig] = {}
+
+
+def _config_key(cfg: KernelConfig | None) -> str:
+    if cfg is None:
+        return ""
+    key = repr(cfg)
+    _CONFIGS.setdefault(key, cfg)
+    return key
+
+
 def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta,
-                   backend: str = "triton", mask_rank: bool = True, segments: tuple[int, ...] = ()):
+                   backend: str = "triton", mask_rank: bool = True, segments: tuple[int, ...] = (),
+                   cfg: KernelConfig | None = None):
     """`linear(x, weight, bias)` plus the batched LoRA delta, as the registered custom op
     `lorazor::linear_lora` (x `[M, K]`; the other arguments as in `add_batched_lora_`).
 
     The base GEMM, then the delta added in place; with `KernelConfig.gemm_adds_lora` (`exact`
     grid, no bias) the delta first, written by a write-only expand, and the GEMM adding x @ W.T to
     it. torch.compile treats the op as opaque, so compiled model code runs the GEMM and the Triton
-    kernels as they are. (The shrink on a side stream beside the GEMM was measured slower end to
+    kernels as they are. `cfg`: the kernel launch config (default: the device's tuned file, looked
+    up per call through a cached device name). (The shrink on a side stream beside the GEMM was measured slower end to
     end: `benchmarks/results/e2e_ab_overlap_e8044b4/`.)
     """
     if meta.has_lora is False:
@@ -146,7 +164,7 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
     return torch.ops.lorazor.linear_lora(
         x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
         meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
-        meta.row_bound, meta.class_split, backend, mask_rank, list(segments),
+        meta.row_bound, meta.class_split, backend, mask_rank, list(segments), _config_key(cfg),
     )
 
 
