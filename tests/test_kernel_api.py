@@ -57,3 +57,20 @@ def test_linear_lora_op_takes_a_kernel_config(monkeypatch):
     y = linear_lora_op(x, w, None, a, b, s, rank, meta, backend="triton", cfg=cfg)
     ref = x @ w.T + lora_delta_reference(x, a, b, s, slot)
     torch.testing.assert_close(y, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_row_major_b_warns_once_about_strided_loads(monkeypatch):
+    from lorazor_kernels import batched_lora, lora_launch
+
+    monkeypatch.setattr(lora_launch, "_B_LAYOUT_WARNED", False)
+    x = torch.randn(4, 32, device=DEVICE)
+    a = torch.randn(2, 16, 32, device=DEVICE)
+    slot = torch.tensor([0, 1, -1, 0], dtype=torch.int32, device=DEVICE)
+    fast_b = torch.randn(2, 16, 48, device=DEVICE).transpose(1, 2)  # [L, N, r] view, N contiguous
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batched_lora(x, a, fast_b, torch.ones(2, device=DEVICE), slot, fused=False)
+    with pytest.warns(UserWarning, match="contiguous along r: the expand kernel reads it with strided loads"):
+        batched_lora(x, a, fast_b.contiguous(), torch.ones(2, device=DEVICE), slot, fused=False)

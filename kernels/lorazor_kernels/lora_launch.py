@@ -9,6 +9,20 @@ import torch
 import triton
 
 from .kernel_config import KernelConfig, get_kernel_config
+
+_B_LAYOUT_WARNED = False
+
+
+def _warn_if_b_is_row_major(lora_b: torch.Tensor) -> None:
+    """Say once that a `[L, N, r]` B contiguous in r is read with strided loads: the fast layout
+    stores B as `[L, r, N]` and passes its `.transpose(1, 2)` view (as `AdapterBank` does)."""
+    global _B_LAYOUT_WARNED
+    if lora_b.stride(1) != 1 and not _B_LAYOUT_WARNED:
+        import warnings
+
+        _B_LAYOUT_WARNED = True
+        warnings.warn("lora_b [L, N, r] is contiguous along r: the expand kernel reads it with strided loads. "
+                      "Store B as [L, r, N] and pass b.transpose(1, 2) for full-width loads.", stacklevel=3)
 from .lora_kernels import BLOCK_R, _lora_expand_kernel, _lora_shrink_kernel, padded_rank
 from .meta import LARGE_CLASS_CAPACITY, SMALL_CLASS_ROWS, LoRABatchMeta
 
@@ -209,6 +223,7 @@ def lora_expand(
     """
     if write_only and meta.grid != "exact":
         raise ValueError(f"write_only needs the exact grid, got grid {meta.grid!r}")
+    _warn_if_b_is_row_major(lora_b)
     width = (len(segments or ()) + 1) * lora_b.shape[2]  # G * r_max columns of u are read
     if u.dim() != 3 or u.shape[1] != y.shape[0] or u.shape[2] < width:
         raise ValueError(f"u must be lora_shrink's partials [S, M = {y.shape[0]}, >= {width}], got {tuple(u.shape)}")
@@ -232,5 +247,6 @@ def lora_fused(
     `[L, N, r_max]`, scaling `[L]`, lora_rank `[L]`, y `[M, N]`); one launch per grid-mode launch
     instead of two, and u never leaves the registers. Returns `y`.
     """
+    _warn_if_b_is_row_major(lora_b)
     return _run_expand(y, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device), mask_rank,
                        x=x, lora_a=lora_a)
