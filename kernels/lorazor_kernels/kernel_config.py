@@ -49,15 +49,15 @@ class KernelConfig:
         one_program_meta: build the `exact`/`full` step metadata in one Triton program
             (`meta_kernel.py`) instead of about 25 small torch kernels. On in the H200 file: about
             0.06 ms less per compiled decode step in one-run A/Bs
-            (benchmarks/results/e2e_ab_meta_95425b7/, e2e_ab_tune_d64db02/).
+            (benchmarks/results/archive/e2e_ab_meta_95425b7/, e2e_ab_tune_d64db02/).
         gemm_adds_lora: in the model's op (`linear_lora_op`, `exact` grid, no bias), run the LoRA
             first and let the base GEMM add its product to the delta (`delta.addmm_(x, W.T)`,
             cuBLAS with beta = 1) instead of the expand reading and rewriting the GEMM's output:
             the expand then only writes (`lora_expand(write_only=True)`). Nsight Compute and
-            `benchmarks/expand_probe.py` put most of the expand's time at 128 adapters on that
-            read of y (benchmarks/results/expand_probe_b946ee5/). On in the H200 file since
+            `benchmarks/probes/expand_probe.py` put most of the expand's time at 128 adapters on that
+            read of y (benchmarks/results/archive/expand_probe_b946ee5/). On in the H200 file since
             1a153d7: compiled decode of Llama-3.2-3B at 128 adapters 7.20-7.24 ms per step
-            against 7.37-7.43 without it (benchmarks/results/e2e_ab_gemm_adds_lora_1a153d7/).
+            against 7.37-7.43 without it (benchmarks/results/archive/e2e_ab_gemm_adds_lora_1a153d7/).
     """
 
     shrink_block_k: int = 128

@@ -2,7 +2,7 @@
 
 `meta.build_batch_meta` builds the same tensors from torch ops: a sort, a scatter, cumsums, a
 searchsorted and gathers, about 25 small kernels (75 us of a Llama decode step at batch 256 on the
-H200, measured by `benchmarks/profile_step.py`). Here one program does it all, for steps of up to
+H200, measured by `benchmarks/probes/profile_step.py`). Here one program does it all, for steps of up to
 `MAX_ROWS` rows and banks of up to `MAX_SLOTS` slots (every decode batch LoRazor captures); larger
 ones (prefill) take the torch path, which stays the reference the tests compare against.
 

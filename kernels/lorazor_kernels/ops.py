@@ -157,7 +157,7 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
     it. torch.compile treats the op as opaque, so compiled model code runs the GEMM and the Triton
     kernels as they are. `cfg`: the kernel launch config (default: the device's tuned file, looked
     up per call through a cached device name). (The shrink on a side stream beside the GEMM was measured slower end to
-    end: `benchmarks/results/e2e_ab_overlap_e8044b4/`.)
+    end: `benchmarks/results/archive/e2e_ab_overlap_e8044b4/`.)
     """
     if meta.has_lora is False:
         return torch.nn.functional.linear(x, weight, bias)

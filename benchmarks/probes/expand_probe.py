@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]  # probes, then benchmarks/
 from common import environment, time_graph  # noqa: E402
 from lorazor_kernels import build_batch_meta, get_kernel_config, lora_expand  # noqa: E402
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]  # probes, then benchmarks/
 from bench_kernels import (  # noqa: E402
     M, RANK, _merged_lora, base_weights, layer_pool, merged_pool, merged_scaling, slot_map,
 )

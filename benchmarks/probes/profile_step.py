@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]  # probes, then benchmarks/
 from bench_e2e import RANK, TARGETS, assign, build_base, fill_random_adapters  # noqa: E402
 from common import environment, timed  # noqa: E402
 

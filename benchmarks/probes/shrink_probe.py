@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]  # probes, then benchmarks/
 from common import time_graph  # noqa: E402
 from expand_probe import M, SLOTS, probe_setup, write_probe  # noqa: E402
 from lorazor_kernels import lora_shrink  # noqa: E402

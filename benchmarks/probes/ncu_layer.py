@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]  # probes, then benchmarks/
 from bench_kernels import _merged_lora, base_weights, layer_pool, merged_pool, slot_map  # noqa: E402
 from common import SHAPES  # noqa: E402
 from lorazor_kernels import build_batch_meta, get_kernel_config, slot_bound_class  # noqa: E402
