@@ -1,18 +1,22 @@
 """Choose StepTrim release settings on validation data, then serve with them.
 
-    python examples/calibrate_release.py
+    python examples/calibrate_release.py [--examples 60]
 
 Uses the shipped testbed's multiple-choice adapter: a profiled release length k and a learned
 risk head, each picked to skip at least half of the decode LoRA calls, compared on the same
 validation prompts.
 """
 
+import argparse
 import tempfile
 
 from lorazor import LoRazorConfig, LoRazorModel
 from lorazor.calibration import ValidationSet, calibrate_learned, calibrate_profiled
 from lorazor.testbed import load
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--examples", type=int, default=60, help="training and validation prompts (fewer: faster)")
+n = parser.parse_args().examples
 peft_model, tokenizer, tasks = load()
 model = LoRazorModel.from_peft(peft_model, LoRazorConfig())
 task = tasks["mcq"]
@@ -26,9 +30,9 @@ def task_set(split, n):
     return ValidationSet([ex["prompt"] for ex in examples], lambda answer, i: task.score(answer, examples[i]), generation)
 
 
-validation = {"mcq": task_set("validation", 60)}
+validation = {"mcq": task_set("validation", n)}
 profiled, profiled_curves = calibrate_profiled(model, tokenizer, validation, min_skip=0.5, lengths=(0, 1, 2, 4))
-learned, learned_curves = calibrate_learned(model, tokenizer, {"mcq": task_set("train", 60)}, validation, min_skip=0.5)
+learned, learned_curves = calibrate_learned(model, tokenizer, {"mcq": task_set("train", n)}, validation, min_skip=0.5)
 
 full = profiled_curves["mcq"][0]
 k = profiled.lengths["mcq"]

@@ -1,0 +1,93 @@
+"""Every python code block of the docs and the README runs, on the CPU, against the shipped testbed.
+
+Blocks of one page run in order in one namespace (later blocks use what earlier ones made). The
+page starts with the names its text assumes a reader has (`READER_HAS`): a PeftModel and its
+tokenizer, prompts and a left-padded batch, an `adapters/` folder of PEFT adapter folders and a
+saved base model under `models/base`. A block that builds a model from `peft_model` gets a fresh
+one (a PeftModel can be patched by one LoRazorModel at a time). docs/serving.md's blocks need a
+server and run in test_serving_tutorial.py.
+"""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parent.parent
+PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
+                               if p.name != "serving.md")
+READER_HAS = ["peft_model", "tokenizer", "prompts", "batch", "input_ids", "mask", "ids", "ids_a", "ids_b", "ids_c",
+              "model", "x", "lora_a", "lora_b", "scaling", "row_slot", "run_matches", "sql_prompts", "sql_refs", "mcq_prompts",
+              "mcq_refs", "tasks"]
+
+
+def python_blocks(page: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A folder with `adapters/<name>` PEFT folders (the testbed's, plus `legal` and `tax` copies)
+    and `models/base` (the testbed backbone)."""
+    from lorazor.testbed import ASSETS
+
+    root = tmp_path_factory.mktemp("reader")
+    for name in ("math", "sql", "mcq", "explain"):
+        shutil.copytree(ASSETS / "adapters" / name, root / "adapters" / name)
+    shutil.copytree(ASSETS / "adapters" / "sql", root / "adapters" / "legal")
+    shutil.copytree(ASSETS / "adapters" / "mcq", root / "adapters" / "tax")
+    shutil.copytree(ASSETS / "backbone", root / "models" / "base")
+    for name in ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json"):
+        if (ASSETS / "tokenizer" / name).exists():
+            shutil.copy(ASSETS / "tokenizer" / name, root / "models" / "base" / name)
+    return root
+
+
+def reader_namespace() -> dict:
+    from lorazor import LoRazorModel, ProfiledRelease, save_release_policy
+    from lorazor.testbed import load
+    from lorazor.testbed.sql import build_database, same_result
+
+    peft_model, tokenizer, tasks = load()
+    prompts = [tasks[n].split("test")[0]["prompt"] for n in ("math", "sql", "mcq", "math")]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    db = build_database()
+    sql = tasks["sql"].split("validation")[:3]
+    mcq = tasks["mcq"].split("validation")[:3]
+    g = torch.Generator().manual_seed(0)
+    save_release_policy(ProfiledRelease({"math": 8, "sql": 2}), "adapters/")
+    ns = dict(
+        peft_model=peft_model, tokenizer=tokenizer, tasks=tasks, prompts=prompts, batch=batch,
+        input_ids=batch["input_ids"], mask=batch["attention_mask"], ids=batch["input_ids"],
+        ids_a=tokenizer(prompts[0])["input_ids"], ids_b=tokenizer(prompts[1])["input_ids"],
+        ids_c=tokenizer(prompts[2])["input_ids"],
+        x=torch.randn(6, 32, generator=g), lora_a=torch.randn(3, 16, 32, generator=g),
+        lora_b=torch.randn(3, 16, 48, generator=g).transpose(1, 2), scaling=torch.rand(3, generator=g),
+        row_slot=torch.tensor([0, 2, -1, 1, 0, 2], dtype=torch.int32),
+        sql_prompts=[ex["prompt"] for ex in sql], sql_refs=[ex["reference"] for ex in sql],
+        run_matches=lambda answer, ref: same_result(db, answer.strip().split("\n")[0], ref),
+        mcq_prompts=[ex["prompt"] for ex in mcq], mcq_refs=[ex["answer"] for ex in mcq],
+    )
+    ns["model"] = LoRazorModel.from_peft(load()[0])
+    return ns
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_code_blocks_run(page, workdir, monkeypatch):
+    from lorazor.testbed import load
+
+    blocks = python_blocks(page)
+    if not blocks:
+        pytest.skip(f"{page} has no python blocks")
+    monkeypatch.chdir(workdir)
+    ns = reader_namespace()
+    for i, block in enumerate(blocks):
+        if "from_peft(peft_model" in block:
+            ns["peft_model"] = load()[0]  # one LoRazorModel per PeftModel
+        try:
+            exec(compile(block, f"{page}[{i}]", "exec"), ns)
+        except Exception as err:
+            raise AssertionError(f"{page}, python block {i} failed: {err!r}\n{block}") from err
