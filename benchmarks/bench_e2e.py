@@ -85,21 +85,19 @@ def apply_kernel_patch(base, patch: dict, out: Path, name: str):
 
 
 def fill_random_adapters(model, first: int, count: int, seed: int = 0) -> list[str]:
-    """Benchmark only: write random rank-8 adapters into free bank slots [first, first + count)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    bank = model.bank
+    """Benchmark only: register `count` random rank-8 adapters (`rand<first>`, ...) in free slots."""
+    from lorazor.adapters import AdapterWeights
+
+    device = model.device
+    g = torch.Generator(device=device).manual_seed(seed)
     names = []
-    for slot in range(first, first + count):
-        name = f"rand{slot}"
-        for mod in bank.modules.values():
-            k, n = mod.lora_a.shape[2], mod.lora_b.shape[1]
-            mod.lora_a[slot, :RANK] = torch.randn(RANK, k, generator=g, device="cuda", dtype=mod.lora_a.dtype) / k**0.5
-            mod.lora_b[slot, :, :RANK] = torch.randn(n, RANK, generator=g, device="cuda", dtype=mod.lora_b.dtype) * 0.01
-            mod.scaling[slot] = 2.0
-            mod.set_rank(slot, RANK)
-        bank.names.append(name)
-        bank.slot_of[name] = slot
-        names.append(name)
+    for i in range(first, first + count):
+        weights = AdapterWeights({
+            module: (torch.randn(RANK, k, generator=g, device=device, dtype=model.bank.dtype) / k**0.5,
+                     torch.randn(n, RANK, generator=g, device=device, dtype=model.bank.dtype) * 0.01, 2.0)
+            for module, (k, n) in model.bank.module_sizes.items()})
+        model.registry.add_loaded(f"rand{i}", weights)
+        names.append(f"rand{i}")
     return names
 
 
@@ -174,7 +172,7 @@ def main() -> None:
     model = LoRazorModel.from_peft(peft_model, LoRazorConfig(max_loras=max(max_l, n_peft), max_batch_size=B,
                                                              max_cache_len=T + NEW,
                                                              merge_projections=not args.per_projection))
-    names = list(model.bank.names) + fill_random_adapters(model, n_peft, max(max_l, n_peft) - n_peft)
+    names = model.adapter_names + fill_random_adapters(model, n_peft, max(max_l, n_peft) - n_peft)
 
     def lorazor(adapter_ids):
         return lambda n: model.generate(ids, attention_mask=mask, adapter_ids=adapter_ids, max_new_tokens=n,

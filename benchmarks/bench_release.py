@@ -37,7 +37,7 @@ def build(args):
 
         pm = tiny_peft_model("llama")
         model = LoRazorModel.from_peft(pm, LoRazorConfig(max_loras=args.adapters, cuda_graphs=False))
-        names = list(model.bank.names)
+        names = model.adapter_names
         return model, names + [names[i % len(names)] for i in range(args.adapters - len(names))]
     from bench_e2e import RANK, TARGETS, build_base, fill_random_adapters
 
