@@ -12,6 +12,10 @@
 #   e2e-ab           bench_e2e.py --ab-patch "$AB_PATCH": the kernel config against patched versions in one run
 #   release          bench_release.py: StepTrim decision cost and throughput
 #   adapters         bench_adapters.py: registration, loads into slots, decode during loads, slot memory
+#   engine-quick     bench_engine.py on 512 requests, 4 and 128 adapters, two open-loop rates (a smoke run)
+#   engine-exact     bench_engine.py --part exact: LoRazor, exact without release, backbone, static, open loop
+#   engine-full      bench_engine.py --part full: full grid with and without release, open loop
+#   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels PYTHONUNBUFFERED=1
@@ -46,6 +50,13 @@ for step in "$@"; do
                  --ab-patch "${AB_PATCH:-{\}}" --tag _ab ;;
     release) timeout 300 python3 benchmarks/bench_release.py --out "$W" > "$W/release.log" 2>&1 ;;
     adapters) timeout 330 python3 benchmarks/bench_adapters.py --out "$W" > "$W/adapters.log" 2>&1 ;;
+    engine-quick) timeout 400 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --requests 512 \
+                 --adapters 4,128 --rates 50,150 --open-seconds 4 --skip static > "$W/engine_quick.log" 2>&1 ;;
+    engine-exact) timeout 560 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" \
+                 > "$W/engine_exact.log" 2>&1 ;;
+    engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" \
+                 > "$W/engine_full.log" 2>&1 ;;
+    serving) timeout 400 python3 benchmarks/bench_serving.py --out "$W/serving" > "$W/serving.log" 2>&1 ;;
     *) echo "unknown step $step (see the header of benchmarks/run_device.sh)" ;;
   esac
   echo "== $step rc=$? $(( $(date +%s) - start ))s"
@@ -53,4 +64,5 @@ for step in "$@"; do
 done
 for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f" | tail -12; done
 grep -h '^|' "$W"/kernels.log "$W"/release.log "$W"/adapters.log 2>/dev/null | tail -40
+for f in "$W"/engine_*.log "$W"/serving.log; do [ -f "$f" ] && grep -E '^\{|Error|error|done' "$f" | cut -c1-400 | tail -60; done
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done

@@ -125,6 +125,7 @@ def test_abort_frees_blocks_and_a_random_trace_never_leaks(pair):
     while eng.has_unfinished():
         finished.update({o.request_id: o for o in eng.step() if o.finished})
     assert eng.pool.num_free == eng.pool.num_blocks and not eng.scheduler.running and not eng.scheduler.waiting
+    assert len(eng.tables._free) == eng.scheduler.max_num_seqs  # every block-table row came back
     for rid, out in finished.items():
         if rid in kept:
             p, a, n = kept[rid]
@@ -218,3 +219,34 @@ def test_learned_release_equals_static_generate(pair):
         assert released > 0  # the heads really released some requests
     finally:
         model.release_policy, model.config = None, saved
+
+
+def test_triton_paged_attention_engine_equals_peft():
+    # The GPU path's kernels under the Triton interpreter: paged attention for decode tiles and
+    # prefill tiles (the 40-token prompt's first chunk spans two tiles of 32), LoRA kernels.
+    model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False, backend="triton", attention="triton"))
+    assert model._triton_attention and model.context.backend == "triton"
+    ps = [prompts(1, seed=22, base=40)[0]] + prompts(3, seed=21)
+    adapters = ["med", "math", None, "sql"]
+    eng = engine(model, max_num_batched_tokens=44, num_kv_blocks=40)
+    assert eng.cache.use_kernel
+    outs = eng.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=5, **GEN) for p, a in zip(ps, adapters)])
+    for p, a, o in zip(ps, adapters, outs):
+        assert o.token_ids == peft_tokens(oracle, p, a, 5), a
+
+
+def test_engine_refuses_compile_and_too_long_requests(pair):
+    model, _ = pair
+    saved = model.config
+    model.config = saved.__class__(**{**saved.to_dict(), "compile": True})
+    try:
+        with pytest.raises(ValueError, match="compile=False"):
+            LoRazorEngine(model, num_kv_blocks=8)
+    finally:
+        model.config = saved
+    with pytest.raises(ValueError, match="max_model_len=10000 exceeds the model's max_position_embeddings=512"):
+        LoRazorEngine(model, num_kv_blocks=8, max_model_len=10000)
+    eng = LoRazorEngine(model, num_kv_blocks=64, block_size=4, max_model_len=20)
+    with pytest.raises(ValueError, match="= 22 tokens exceeds max_model_len=20"):
+        eng.add_request(list(range(3, 15)), max_new_tokens=10, **GEN)
+    assert eng.generate([dict(prompt_ids=list(range(3, 13)), max_new_tokens=10, **GEN)])[0].finish_reason

@@ -12,11 +12,10 @@ import torch
 import torch.nn.functional as F
 from lorazor_kernels import decode_attention_op as decode_attention
 
-from .engine.paged import PAGED_KWARG, paged_attention_reference
+from .kv_cache import KV_RANGE_KWARG
+from .engine.paged import PAGED_KWARG, paged_attention_forward
 
 ATTENTION_NAME = "lorazor"
-# Keyword argument through which LoRazor hands the cache's per-row key ranges to decode attention.
-KV_RANGE_KWARG = "lorazor_kv_range"
 
 
 def lorazor_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -27,7 +26,7 @@ def lorazor_attention(module, query, key, value, attention_mask, scaling=None, d
     """
     paged = kwargs.get(PAGED_KWARG)
     if paged is not None:
-        return paged_attention_reference(module, query, paged, scaling), None
+        return paged_attention_forward(module, query, paged, scaling), None
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise RuntimeError("lorazor attention needs the bool mask built by LoRazor's KV cache")
     B, H, q_len, D = query.shape

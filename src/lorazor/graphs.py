@@ -57,6 +57,32 @@ class _Bucket:
     logits_out: torch.Tensor | None = None
 
 
+def capture_graph(step, pool):
+    """Capture `step()` (no arguments) as a CUDA graph in memory pool `pool`, after two warm-up runs
+    on a side stream (Triton compiles, cuBLAS picks algorithms). The step must be idempotent for its
+    inputs: the warm-ups run it for real. Returns (graph, what the captured call returned, seconds,
+    bytes the capture reserved)."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    # Release what the warm-up cached, so the reserved-memory delta is the graph's own pool.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        result = step()
+    end.record()
+    end.synchronize()
+    return graph, result, start.elapsed_time(end) / 1e3, torch.cuda.memory_reserved() - reserved
+
+
 class DecodeGraphs:
     """Lazily captured decode-step graphs of one `LoRazorModel`.
 
@@ -142,30 +168,12 @@ class DecodeGraphs:
         if decide and policy is not None:
             saved, policy.bound = policy.bound, bucket.policy_tensors[type(policy)]
         try:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            # Warm up on a side stream (Triton compiles, cuBLAS picks algorithms) before capturing.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            # Release what the warm-up cached, so the reserved-memory delta is the graph's own pool.
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            reserved = torch.cuda.memory_reserved()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                row_slot = step()
-            end.record()
-            end.synchronize()
+            graph, row_slot, seconds, nbytes = capture_graph(step, self.pool)
         finally:
             if saved is not None:
                 policy.bound = saved
-        self.capture_seconds += start.elapsed_time(end) / 1e3
-        self.capture_bytes += torch.cuda.memory_reserved() - reserved
+        self.capture_seconds += seconds
+        self.capture_bytes += nbytes
         return graph, row_slot, static_meta
 
     def step(self, tokens, positions, write_pos, cache: KVCache, state: ReleaseState,

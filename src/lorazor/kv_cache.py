@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+# Keyword argument through which the cache hands decode attention its per-row key ranges.
+KV_RANGE_KWARG = "lorazor_kv_range"
+
 
 class KVCache:
     """Keys and values `[B, H_kv, S, D]` per layer, plus `key_valid [B, S]`.
@@ -67,6 +70,11 @@ class KVCache:
         # A tensor value (not a Python True) keeps this a pure device op inside a CUDA graph.
         self.key_valid.index_put_((self._rows, self.write_pos), self._true)
         return self.key_valid[:, None, None, :]
+
+    def attention_kwargs(self, triton_attention: bool) -> dict:
+        """Extra arguments of LoRazor's attention function for a decode step: with the Triton kernel,
+        each row's valid key range (it then reads only those keys)."""
+        return {KV_RANGE_KWARG: (self.key_start, self.key_end)} if triton_attention else {}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Called by HF attention modules: store this step's keys/values, return what to attend over."""

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .adapters import AdapterBank, AdapterRegistry, AdapterStatus
-from .attention import ATTENTION_NAME, KV_RANGE_KWARG, register_attention
+from .attention import ATTENTION_NAME, register_attention
 from .config import LoRazorConfig
 from .generate import LoRazorOutput, decode_loop
 from .hf_generation import GenerationPlan, plan_generation, resolve_config
@@ -310,7 +310,7 @@ class LoRazorModel(nn.Module):
         # Straight-line code (no context managers) so torch.compile traces it whole.
         mask4d = cache.begin_decode(write_pos)
         self.context.begin(row_slot, 1, meta)
-        extra = {KV_RANGE_KWARG: (cache.key_start, cache.key_end)} if self._triton_attention else {}
+        extra = cache.attention_kwargs(self._triton_attention)
         out = self._decoder(
             input_ids=tokens[:, None], attention_mask=mask4d, position_ids=positions[:, None], use_cache=True,
             **{self._cache_kwarg: cache}, **extra,

@@ -38,7 +38,10 @@ class StepContext:
         """Per call (one host sync, never per step): whether any row has an adapter, and the class
         of the number of distinct adapters, which bounds the `exact` tile table. A bank of 128 slots
         serving a batch of 3 adapters then launches the grid of 16, not 128 (release only lowers it)."""
-        distinct = torch.unique(row_slot[row_slot >= 0]).numel()
+        self.set_distinct(torch.unique(row_slot[row_slot >= 0]).numel())
+
+    def set_distinct(self, distinct: int) -> None:
+        """`begin_batch` for a caller that knows how many distinct adapters its rows use (no sync)."""
         self.enabled = distinct > 0
         self.slot_bound = slot_bound_class(distinct, self.num_slots) if self.grid == "exact" else None
 

@@ -10,8 +10,8 @@
 Requests join and leave at every step: a step packs the running requests' decode tokens and the
 next prefill chunks of new ones into one forward (`scheduler.py`, `runner.py`). Each request keeps
 its own sampling settings (HF's semantics, as in `LoRazorModel.generate`) and its own StepTrim
-state. This is the reference path: the attention over the paged cache is pure torch and steps run
-eagerly; CUDA graphs for decode-only steps are not wired in yet.
+state. On the GPU the attention reads the paged pool with a Triton kernel and decode-only steps
+replay CUDA graphs (`graphs.py`); on the CPU everything runs the pure-torch reference.
 """
 
 from __future__ import annotations
@@ -21,18 +21,24 @@ import itertools
 import time
 import torch
 
-from ..generate import next_tokens
+from ..generate import _float_scores, next_tokens
 from ..hf_generation import plan_generation, resolve_config
 from ..policies import NEVER, LearnedRelease, ProfiledRelease
 from ..policies.base import check_policy
 from .blocks import BlockPool
+from .graphs import PagedDecodeGraphs
+from .heads import HeadTable
 from .paged import PagedKVCache
 from .request import Request, RequestOutput, Status
-from .runner import run_step
+from .runner import BlockTables, run_step
 from .scheduler import Scheduler
 
 # KV blocks on the CPU when `num_kv_blocks` is not given (on the GPU: `gpu_memory_utilization`).
 DEFAULT_CPU_BLOCKS = 256
+# Default `max_model_len` cap (the block-table width follows it).
+DEFAULT_MAX_MODEL_LEN = 4096
+# GPU memory left outside the KV pool when it is sized automatically: activations, graphs, logits.
+GPU_HEADROOM_BYTES = 3 << 30
 
 
 class LoRazorEngine:
@@ -45,17 +51,24 @@ class LoRazorEngine:
         num_kv_blocks: KV blocks in the pool; None: `gpu_memory_utilization` of the free GPU memory
             (`DEFAULT_CPU_BLOCKS` on the CPU).
         block_size: token positions per block.
-        gpu_memory_utilization: share of the free GPU memory the pool takes when sized automatically.
+        gpu_memory_utilization: share of the free GPU memory the pool takes when sized automatically
+            (less `GPU_HEADROOM_BYTES` for activations and graphs).
+        max_model_len: the longest prompt + output a request may have; None: the model's
+            `max_position_embeddings`, at most `DEFAULT_MAX_MODEL_LEN`.
     """
 
     def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 num_kv_blocks: int | None = None, block_size: int = 16, gpu_memory_utilization: float = 0.9):
+                 num_kv_blocks: int | None = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 max_model_len: int | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("block_size", block_size)):
+                            ("block_size", block_size), ("max_model_len", max_model_len or 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if model.config.compile:
+            raise ValueError("LoRazorEngine runs the decode step from CUDA graphs, not torch.compile: build the "
+                             "model with LoRazorConfig(compile=False)")
         self.model = model
         cfg = model.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -63,12 +76,23 @@ class LoRazorEngine:
         if num_kv_blocks is None:
             per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * dtype.itemsize
             if model.device.type == "cuda":
-                num_kv_blocks = int(torch.cuda.mem_get_info(model.device)[0] * gpu_memory_utilization // per_block)
+                free = torch.cuda.mem_get_info(model.device)[0] * gpu_memory_utilization - GPU_HEADROOM_BYTES
+                num_kv_blocks = max(int(free // per_block), 1)
             else:
                 num_kv_blocks = DEFAULT_CPU_BLOCKS
+        max_pos = getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+        if max_model_len is None:
+            max_model_len = min(max_pos, DEFAULT_MAX_MODEL_LEN)
+        elif max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+        self.max_model_len = max_model_len
         self.pool = BlockPool(num_kv_blocks, block_size)
         self.cache = PagedKVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads, head_dim,
-                                  dtype, model.device)
+                                  cfg.num_attention_heads, dtype, model.device, use_kernel=model._triton_attention)
+        self.tables = BlockTables(max_num_seqs, -(-max_model_len // block_size), num_kv_blocks, model.device)
+        self.graphs = (PagedDecodeGraphs(model, self.cache, max_num_seqs)
+                       if model.uses_graphs and model.context.meta_on_device else None)
+        self.heads = HeadTable(cfg.hidden_size, model.device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, model.bank.num_slots)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -76,9 +100,19 @@ class LoRazorEngine:
         self._step_lock: asyncio.Lock | None = None
         self._pending_aborts: set[str] = set()
 
+    def warm_up(self, batch_sizes=None) -> int:
+        """Capture the decode-step CUDA graphs now (every batch bucket up to `max_num_seqs`, or those
+        of `batch_sizes`), so no step captures later; returns how many were captured (0 without
+        graphs: on the CPU, or with the `active_rows` / `two_class` grids, steps run eagerly)."""
+        if self.graphs is None:
+            return 0
+        with self.model.guard.hold("capture the engine's graphs"):
+            return self.graphs.capture_all(self.tables.upload(), batch_sizes)
+
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids, adapter: str | None = None, generation_config=None, release=None,
-                    request_id: str | None = None, generator: torch.Generator | None = None, **kwargs) -> str:
+                    request_id: str | None = None, generator: torch.Generator | None = None,
+                    arrival_time: float | None = None, **kwargs) -> str:
         """Queue a request; returns its id. Everything is checked here, so a bad request is refused
         before it touches the running ones.
 
@@ -91,9 +125,13 @@ class LoRazorEngine:
             release: None (the model's default policy), "never", or a release length k >= 0.
             request_id: a unique id; None: a fresh one.
             generator: a seeded `torch.Generator` for this request's sampling.
+            arrival_time: when the request arrived (`time.monotonic()`), if before this call; TTFT
+                counts from it.
         """
         request = self.prepare_request(prompt_ids, adapter, generation_config, release, request_id, generator,
                                        **kwargs)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         self.requests[request.request_id] = request
         if adapter is not None:
             self.model.registry.in_use[adapter] += 1
@@ -122,15 +160,16 @@ class LoRazorEngine:
             raise ValueError(f"max_new_tokens must be >= 1 for an engine request, got {plan.max_new_tokens}")
         total = len(prompt) + plan.max_new_tokens
         capacity = self.pool.num_blocks * self.pool.block_size
-        max_pos = getattr(self.model.model.config, "max_position_embeddings", None)
         if total > capacity:
             raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {plan.max_new_tokens} = {total} tokens "
                              f"exceeds the KV pool ({self.pool.num_blocks} blocks x {self.pool.block_size})")
-        if max_pos is not None and total > max_pos:
-            raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {plan.max_new_tokens} exceeds "
-                             f"max_position_embeddings={max_pos}")
+        if total > self.max_model_len:
+            raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {plan.max_new_tokens} = {total} tokens "
+                             f"exceeds max_model_len={self.max_model_len}")
         release_k, head = self._release_of(adapter, release)
-        return Request(request_id, prompt, adapter, plan, release_k, head, generator)
+        request = Request(request_id, prompt, adapter, plan, release_k, head, generator)
+        request.plain_greedy = (not plan.config.do_sample and len(plan.processors) == 0 and plan.stopping is None)
+        return request
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):
@@ -168,8 +207,7 @@ class LoRazorEngine:
         if isinstance(policy, LearnedRelease):
             if adapter not in policy.heads:
                 return None, None
-            w, b, tau = policy.heads[adapter]
-            return None, (w.float().to(self.model.device), float(b), float(tau))
+            return None, self.heads.row_of(adapter, policy.heads[adapter])
         raise NotImplementedError(f"the engine runs ProfiledRelease and LearnedRelease; {type(policy).__name__} is "
                                   "not supported (pass release=k or 'never' per request)")
 
@@ -194,17 +232,21 @@ class LoRazorEngine:
                 if self.requests:
                     raise RuntimeError(f"{len(self.requests)} requests wait but none can be scheduled")
                 return []
-            logits, hidden = run_step(self.model, self.cache, chunks)
+            if self.graphs is not None and self.graphs.grid != self.model.context.grid:
+                # `model.reconfigure(grid=...)` since the capture: the old graphs run the old kernels.
+                self.graphs = PagedDecodeGraphs(self.model, self.cache, self.scheduler.max_num_seqs)
+            logits, hidden = run_step(self.model, self.cache, self.tables, chunks, self.graphs)
+            for chunk in chunks:
+                chunk.request.num_computed += chunk.num_tokens
+            # A prefill chunk short of the prompt's end produces no token.
+            rows = [i for i, c in enumerate(chunks) if c.request.status is Status.RUNNING
+                    and c.request.num_computed >= len(c.request.tokens)]
+            tokens = self._read_step(chunks, rows, logits, hidden)
         outputs = []
         now = time.monotonic()
-        for chunk, row, last_hidden in zip(chunks, logits, hidden):
-            request = chunk.request
-            request.num_computed += chunk.num_tokens
-            if request.status is not Status.RUNNING or request.num_computed < len(request.tokens):
-                continue  # a prefill chunk short of the prompt's end produces no token
-            request.last_hidden = last_hidden
-            token = self._sample(request, row)
-            request.output.append(token)
+        for i, token in zip(rows, tokens):
+            request = chunks[i].request
+            request.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             reason = self._stop_reason(request, token)
@@ -215,6 +257,32 @@ class LoRazorEngine:
         self._run_pending_aborts()
         return outputs
 
+    def _read_step(self, chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
+        """The next token of each row in `rows`, and the learned heads' decisions for the next decode
+        forward. Plain greedy rows and every head run as batched device ops read back in one copy
+        (the step's one host sync); rows with logits processors or stopping criteria then run
+        HF's processors one request at a time."""
+        requests = [chunks[i].request for i in rows]
+        plain = [j for j, r in enumerate(requests) if r.plain_greedy]
+        heads = [j for j, r in enumerate(requests) if r.head is not None and r.release_step < 0]
+        parts = []
+        if plain:
+            index = torch.tensor([rows[j] for j in plain], device=logits.device)
+            parts.append(logits.index_select(0, index).argmax(-1))
+        if heads:
+            index = torch.tensor([rows[j] for j in heads], device=hidden.device)
+            parts.append(self.heads.keep(hidden.index_select(0, index), [requests[j].head for j in heads]).long())
+        values = torch.cat(parts).tolist() if parts else []
+        tokens: list[int | None] = [None] * len(rows)
+        for j, value in zip(plain, values):
+            tokens[j] = value
+        for j, value in zip(heads, values[len(plain):]):
+            requests[j].next_keep = bool(value)
+        for j, request in enumerate(requests):
+            if tokens[j] is None:
+                tokens[j] = self._sample(request, logits[rows[j]])
+        return tokens
+
     def _run_pending_aborts(self) -> None:
         while self._pending_aborts:
             request_id = self._pending_aborts.pop()
@@ -223,7 +291,7 @@ class LoRazorEngine:
 
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
         seq = torch.tensor([request.tokens], dtype=torch.long, device=logits.device)
-        scores = request.plan.processors(seq, logits[None])
+        scores = request.plan.processors(seq, _float_scores(logits[None]))
         request.last_scores = scores
         return int(next_tokens(scores, request.plan.config.do_sample, request.generator)[0])
 
@@ -244,6 +312,7 @@ class LoRazorEngine:
         request.finish_reason = reason
         request.finish_time = time.monotonic()
         del self.requests[request.request_id]
+        self.tables.release(request)
         if request.adapter is not None:
             self.model.registry.in_use[request.adapter] -= 1
 

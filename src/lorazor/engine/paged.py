@@ -1,10 +1,14 @@
 """The paged KV cache: keys and values of every layer in fixed-size blocks, read through block tables.
 
-A step packs every scheduled request's tokens into one sequence. `PagedKVCache.update` (called by
-the HF attention modules) writes each token's keys and values at its request's block position; the
-attention then reads, per request, the positions its block table holds up to the token's own
-position (`paged_attention_reference`, the pure-torch path: a loop over requests, for the CPU and
-the tests).
+A step packs every scheduled request's tokens into one sequence (or, for a decode-only step, one
+token per row of a batch). `PagedKVCache.update` (called by the HF attention modules) writes each
+token's keys and values at its flat pool position (`slot_mapping`); the attention then reads each
+request's keys through its block table (`paged_attention` from lorazor_kernels on the GPU, its
+pure-torch reference elsewhere). Everything a step needs is in a `PagedStep` of device tensors, so a
+decode-only step is data for a captured CUDA graph.
+
+The pool holds one extra *scratch* block that no request ever owns: padding rows of a graph bucket
+write there and read only there.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from lorazor_kernels import paged_attention, paged_attention_reference, tile_shape
 
 # Keyword argument through which a step's `PagedStep` reaches LoRazor's attention function.
 PAGED_KWARG = "lorazor_paged"
@@ -20,69 +24,115 @@ PAGED_KWARG = "lorazor_paged"
 
 @dataclass
 class PagedStep:
-    """One packed step.
+    """One step's attention metadata (all device tensors).
 
     Attributes:
-        cache: the `PagedKVCache`.
-        slot_mapping: `[N]` flat pool position of each packed token (block * block_size + offset).
-        segments: per request, (first packed token, tokens this step, context length after this
-            step, `[context]` flat pool positions of its tokens 0..context-1).
+        slot_mapping: `[N]` long flat pool position of each token (block * block_size + offset).
+        block_tables: `[R, max_blocks]` int32, one row per request of the step.
+        decode_tiles: (request row, token index, position, 1) `[T1]` int32 each: tokens attended one
+            per tile (decode tokens and one-token chunks).
+        prefill_tiles: the same for runs of up to `block_q` consecutive tokens of one request.
+        block_q: queries per prefill tile.
     """
 
-    cache: "PagedKVCache"
     slot_mapping: torch.Tensor
-    segments: list[tuple[int, int, int, torch.Tensor]]
+    block_tables: torch.Tensor
+    decode_tiles: tuple[torch.Tensor, ...]
+    prefill_tiles: tuple[torch.Tensor, ...]
+    block_q: int
+
+    @classmethod
+    def build(cls, cache: "PagedKVCache", chunks: list[tuple[int, int, int]], slot_mapping: torch.Tensor,
+              block_tables: torch.Tensor, device) -> "PagedStep":
+        """From per request (block-table row, first position computed this step, tokens this step),
+        packed in this order; `slot_mapping` and `block_tables` are already on the device."""
+        block_q = cache.block_q
+        tiles = ([], [], [], []), ([], [], [], [])
+        token = 0
+        for row, start, count in chunks:
+            target, size = (tiles[0], 1) if count == 1 else (tiles[1], block_q)
+            for i in range(0, count, size):
+                for column, value in zip(target, (row, token + i, start + i, min(size, count - i))):
+                    column.append(value)
+            token += count
+        packed = torch.tensor([v for part in tiles for column in part for v in column], dtype=torch.int32)
+        columns = packed.to(device).split([len(tiles[0][0])] * 4 + [len(tiles[1][0])] * 4)
+        return cls(slot_mapping, block_tables, tuple(columns[:4]), tuple(columns[4:]), block_q)
 
 
 class PagedKVCache:
-    """`[num_blocks * block_size, H_kv, D]` keys and values per layer.
+    """`[(num_blocks + 1) * block_size, H_kv, D]` keys and values per layer (the last block: scratch).
 
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: geometry.
+        num_heads: query heads (sets the prefill tile height).
         dtype, device: storage.
+        use_kernel: attend with the Triton kernel (else the pure-torch reference).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+                 num_heads: int, dtype: torch.dtype, device: torch.device, use_kernel: bool):
+        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
+        self.scratch_block = num_blocks
+        self.block_q = tile_shape(num_heads // num_kv_heads, single_query=False)[0]
+        self.use_kernel = use_kernel
         self.step: PagedStep | None = None
+        self._decode_mask: dict[int, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys + self.values)
 
-    def positions(self, block_table: list[int], length: int, device) -> torch.Tensor:
-        """Flat pool positions of a request's tokens 0..length-1."""
-        blocks = torch.tensor(block_table, dtype=torch.long, device=device)
-        offsets = torch.arange(self.block_size, device=device)
-        return (blocks[:, None] * self.block_size + offsets[None]).reshape(-1)[:length]
+    # ---- the interface LoRazorModel's decode step uses (shared with its own KVCache) ------------
+    def begin_decode(self, write_pos: torch.Tensor) -> torch.Tensor:
+        """A one-token-per-row step writing row b at flat pool position `write_pos[b]`. The step's
+        `PagedStep` must be set; returns the placeholder mask HF passes through untouched."""
+        self.step.slot_mapping = write_pos
+        batch = write_pos.shape[0]
+        if batch not in self._decode_mask:
+            self._decode_mask[batch] = torch.ones(batch, 1, 1, 1, dtype=torch.bool, device=write_pos.device)
+        return self._decode_mask[batch]
+
+    def packed_mask(self, num_tokens: int) -> torch.Tensor:
+        """The placeholder mask of a packed step (the attention reads the `PagedStep` instead)."""
+        return torch.ones(1, 1, num_tokens, 1, dtype=torch.bool, device=self.keys[0].device)
+
+    def attention_kwargs(self, triton_attention: bool) -> dict:
+        """What LoRazor's attention function needs: this cache (its `step` says where to read)."""
+        return {PAGED_KWARG: self}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Called by HF attention modules with this step's `[1, H_kv, N, D]` keys and values."""
+        """Called by HF attention modules with this step's keys and values, `[1, H_kv, N, D]` (packed)
+        or `[B, H_kv, 1, D]` (one token per row)."""
         slots = self.step.slot_mapping
-        self.keys[layer_idx].index_copy_(0, slots, key[0].transpose(0, 1).to(self.keys[layer_idx].dtype))
-        self.values[layer_idx].index_copy_(0, slots, value[0].transpose(0, 1).to(self.values[layer_idx].dtype))
+        for pool, new in ((self.keys[layer_idx], key), (self.values[layer_idx], value)):
+            pool.index_copy_(0, slots, new.transpose(1, 2).reshape(-1, *pool.shape[1:]).to(pool.dtype))
         return key, value
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
 
-def paged_attention_reference(module, query: torch.Tensor, step: PagedStep, scaling) -> torch.Tensor:
-    """query `[1, H, N, D]` -> `[1, N, H, D]`: each request's tokens attend to its cached positions up
-    to their own (causal), GQA without repeated KV heads."""
-    cache, layer = step.cache, module.layer_idx
-    H = query.shape[1]
-    out = query.new_empty(1, query.shape[2], H, query.shape[3])
-    for start, count, context, positions in step.segments:
-        k = cache.keys[layer][positions].transpose(0, 1).to(query.dtype)  # [H_kv, context, D]
-        v = cache.values[layer][positions].transpose(0, 1).to(query.dtype)
-        q = query[0, :, start:start + count]  # [H, count, D]
-        own = torch.arange(context - count, context, device=query.device)
-        mask = torch.arange(context, device=query.device)[None] <= own[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=H != k.shape[0])
-        out[0, start:start + count] = o.transpose(0, 1)
-    return out
+def paged_attention_forward(module, query: torch.Tensor, cache: PagedKVCache, scaling):
+    """query `[B, H, q, D]` (B = 1 packed, or q = 1 per row) -> `[B, q, H, D]` over the paged pool."""
+    B, H, q_len, D = query.shape
+    flat = query.transpose(1, 2).reshape(B * q_len, H, D)
+    layer, step = module.layer_idx, cache.step
+    keys, values = cache.keys[layer], cache.values[layer]
+    scale = scaling if scaling is not None else D**-0.5
+    if cache.use_kernel:
+        out = torch.empty_like(flat)
+        for tiles, block_q in ((step.decode_tiles, 1), (step.prefill_tiles, step.block_q)):
+            if tiles[0].shape[0]:
+                paged_attention(flat, keys, values, step.block_tables, *tiles, scale, cache.block_size, block_q,
+                                out=out)
+    else:
+        out = flat.new_zeros(flat.shape)
+        for tiles in (step.decode_tiles, step.prefill_tiles):
+            if tiles[0].shape[0]:
+                out += paged_attention_reference(flat, keys, values, step.block_tables, *tiles, scale,
+                                                 cache.block_size)
+    return out.reshape(B, q_len, H, D)

@@ -56,7 +56,7 @@ class RequestOutput:
         return (self.finish_time - self.first_token_time) / (len(self.token_ids) - 1)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """Engine-side state of one request (see `LoRazorEngine.add_request`)."""
 
@@ -65,7 +65,7 @@ class Request:
     adapter: str | None
     plan: GenerationPlan
     release_k: int | None  # decode forwards that keep the adapter; None: no fixed length
-    head: tuple[torch.Tensor, float, float] | None = None  # learned release (w, b, tau) when no release_k
+    head: int | None = None  # learned release: its row in the engine's head table, when no release_k
     generator: torch.Generator | None = None
     status: Status = Status.WAITING
     output: list[int] = field(default_factory=list)
@@ -73,17 +73,24 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     release_step: int = -1
     decided: int = 0  # decode forwards whose release decision is taken (a recompute replays them)
-    last_hidden: torch.Tensor | None = None  # final hidden state of the last token computed
+    next_keep: bool = True  # the learned head's decision for the next decode forward (host copy)
+    table_row: int | None = None  # row of the engine's device block table while running
+    table_synced: int = 0  # blocks of `block_table` already written to that row
     finish_reason: str | None = None
     last_scores: torch.Tensor | None = None  # the processed scores of the last sampled token
+    # Greedy with no logits processor and no stopping criterion but EOS and length: sampled with the
+    # whole step's other such rows in one argmax.
+    plain_greedy: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
 
-    @property
-    def tokens(self) -> list[int]:
-        """Prompt and generated tokens: what the cache must hold before the next token."""
-        return self.prompt + self.output
+    def __post_init__(self):
+        self.tokens: list[int] = list(self.prompt)  # prompt and generated tokens (kept in step)
+
+    def append(self, token: int) -> None:
+        self.output.append(token)
+        self.tokens.append(token)
 
     def uses_adapter_at(self, position: int) -> bool:
         """Whether the forward at `position` runs with the adapter: prefill always does; decode

@@ -1,14 +1,23 @@
-"""One engine step as tensors: the scheduled chunks packed into one sequence, one forward, the logits
-of every request whose known tokens are all computed.
+"""One engine step as tensors, run through the model's shared step machinery.
 
-Per packed token: its id, its position in its request, its LoRA slot (the request's adapter while
+Per scheduled token: its id, its position in its request, its LoRA slot (the request's adapter while
 the request holds it: prefill always, decode forward d while d is before the release step, -1
 after), and its flat position in the paged KV pool. The StepTrim decision for a decode forward is
 taken here, once per request and step, before the forward that it concerns.
+
+Three ways to run a step, one forward implementation:
+- decode-only (every request computes one token): `LoRazorModel.decode_step`, the step `generate()`
+  decodes with, replayed from a CUDA graph per batch bucket on the GPU (`graphs.py`);
+- with prefill chunks: the packed forward `generate()` prefills with (`_decoder_forward`), eager.
+Block tables live in one persistent device table, one row per running request, rewritten only
+where a request gained blocks, so a step uploads a few small arrays.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from .paged import PAGED_KWARG, PagedKVCache, PagedStep
@@ -18,7 +27,8 @@ from .scheduler import Chunk
 def decide_release(chunk: Chunk) -> None:
     """StepTrim for the decode forwards in this chunk, each decided once, before it runs (a recomputed
     request replays its decisions): a fixed length k keeps the adapter while d < k; a learned head
-    keeps it while w . h + b >= tau on the final hidden state of the forward before."""
+    keeps it while w . h + b >= tau on the final hidden state of the forward before (evaluated on
+    the device in that step, `LoRazorEngine._read_step`)."""
     request = chunk.request
     if request.adapter is None or request.release_step >= 0:
         return
@@ -31,8 +41,7 @@ def decide_release(chunk: Chunk) -> None:
         if request.release_k is not None:
             release = d >= request.release_k
         elif request.head is not None:
-            w, b, tau = request.head
-            release = float(request.last_hidden.float() @ w + b) < tau
+            release = not request.next_keep
         else:
             release = False
         if release:
@@ -40,39 +49,111 @@ def decide_release(chunk: Chunk) -> None:
             return
 
 
-def run_step(model, cache: PagedKVCache, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward the packed chunks; returns `[len(chunks), V]` float32 logits and `[len(chunks), H]`
-    final hidden states at each chunk's last token."""
-    device = model.device
-    ids, positions, adapters, slots, segments, last = [], [], [], [], [], []
+class BlockTables:
+    """Block tables of the running requests: a host copy and a device copy `[rows + 1, width]`
+    (the last row: the scratch block only, for graph padding rows)."""
+
+    def __init__(self, max_rows: int, width: int, scratch_block: int, device):
+        self.host = np.full((max_rows + 1, width), scratch_block, dtype=np.int32)
+        self.device = torch.from_numpy(self.host).to(device)
+        self.scratch_row = max_rows
+        self.width = width
+        self._free = list(range(max_rows - 1, -1, -1))
+        self._dirty = False
+
+    def row_of(self, request) -> int:
+        """The request's row, brought up to date with its block table (assigned on first use)."""
+        if request.table_row is None:
+            request.table_row = self._free.pop()
+            request.table_synced = 0
+        table = request.block_table
+        if request.table_synced != len(table):
+            self.host[request.table_row, request.table_synced:len(table)] = table[request.table_synced:]
+            request.table_synced = len(table)
+            self._dirty = True
+        return request.table_row
+
+    def release(self, request) -> None:
+        if request.table_row is not None:
+            self.host[request.table_row] = self.host[self.scratch_row, 0]
+            self._free.append(request.table_row)
+            request.table_row = None
+            self._dirty = True
+
+    def upload(self) -> torch.Tensor:
+        if self._dirty:
+            self.device.copy_(torch.from_numpy(self.host))
+            self._dirty = False
+        return self.device
+
+
+@dataclass
+class StepInputs:
+    """Host view of one step: per token id, position, slot, flat pool position; per chunk its table
+    row, first position, token count and packed index of its last token; distinct adapters."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    slot_mapping: np.ndarray
+    chunks: list[tuple[int, int, int]]
+    last: list[int]
+    num_adapters: int
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.ids) == len(self.chunks)
+
+
+def prepare(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk]) -> StepInputs:
+    ids, positions, names, pool_positions, rows, last = [], [], [], [], [], []
+    page = cache.block_size
     for chunk in chunks:
         request = chunk.request
         decide_release(chunk)
-        span = range(chunk.start, chunk.start + chunk.num_tokens)
-        first = len(ids)  # this chunk's first token in the packed sequence
-        tokens = request.tokens
-        ids.extend(tokens[p] for p in span)
-        positions.extend(span)
-        adapters.extend(request.adapter if request.uses_adapter_at(p) else None for p in span)
-        context = chunk.start + chunk.num_tokens
-        flat = cache.positions(request.block_table, context, device)
-        segments.append((first, chunk.num_tokens, context, flat))
-        slots.append(flat[chunk.start:])
+        row = tables.row_of(request)
+        span = np.arange(chunk.start, chunk.start + chunk.num_tokens)
+        pool_positions.append(tables.host[row, span // page].astype(np.int64) * page + span % page)
+        ids.extend(request.tokens[chunk.start:chunk.start + chunk.num_tokens])
+        positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
+        names.extend(request.adapter if request.uses_adapter_at(p) else None for p in span.tolist())
+        rows.append((row, chunk.start, chunk.num_tokens))
         last.append(len(ids) - 1)
     # Loads the step's adapters that are not in GPU slots (before the forward that reads them).
-    token_slot = model.registry.slots_for(adapters, device=device)
-    step = PagedStep(cache, torch.cat(slots), segments)
+    distinct = [n for n in dict.fromkeys(names) if n is not None]
+    model.registry.make_resident(distinct)
+    slot_of = model.bank.slot_of
+    slots = [-1 if n is None else slot_of[n] for n in names]
+    return StepInputs(ids, positions, slots, np.concatenate(pool_positions), rows, last, len(distinct))
+
+
+def run_step(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk], graphs=None):
+    """Forward the scheduled chunks; returns `[len(chunks), V]` logits and `[len(chunks), H]` final
+    hidden states at each chunk's last token (views of static buffers after a graph replay: read
+    them before the next step)."""
+    device = model.device
+    inputs = prepare(model, cache, tables, chunks)
+    # The host knows how many distinct adapters the step uses: no sync to bound the exact grid.
+    model.context.set_distinct(inputs.num_adapters)
+    block_tables = tables.upload()
+    if inputs.decode_only and graphs is not None and graphs.serves(len(chunks)):
+        return graphs.run(inputs, block_tables)
+    step = PagedStep.build(cache, inputs.chunks, torch.from_numpy(inputs.slot_mapping).to(device), block_tables,
+                           device)
     cache.step = step
-    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-    position_ids = torch.tensor([positions], dtype=torch.long, device=device)
-    # The packed attention is driven by `step`; HF still wants a bool 4-D mask to pass through.
-    mask = torch.ones(1, 1, len(ids), 1, dtype=torch.bool, device=device)
-    model.context.begin_batch(token_slot)
+    ids = torch.tensor(inputs.ids, dtype=torch.long, device=device)
+    positions = torch.tensor(inputs.positions, dtype=torch.long, device=device)
+    token_slot = torch.tensor(inputs.slots, dtype=torch.int32, device=device)
     try:
-        hidden = model._decoder_forward(input_ids, position_ids, mask, cache, token_slot, 1, **{PAGED_KWARG: step})
+        if inputs.decode_only:
+            # The decode step `generate()` runs: one token per row.
+            hidden, logits = model.decode_step(ids, positions, step.slot_mapping, cache, token_slot)
+            return logits, hidden
+        # The packed forward `generate()` prefills with, over the paged pool.
+        hidden = model._decoder_forward(ids[None], positions[None], cache.packed_mask(len(ids)), cache, token_slot,
+                                        1, **{PAGED_KWARG: cache})
         with torch.inference_mode():
-            hidden = hidden[0, last]
-            logits = model._lm_head(hidden)
+            hidden = hidden[0, inputs.last]
+            return model._lm_head(hidden), hidden
     finally:
         cache.step = None
-    return logits.float(), hidden

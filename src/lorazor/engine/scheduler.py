@@ -56,6 +56,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.pool.free(request.block_table)
+        request.table_synced = 0  # its device block-table row is rewritten when it runs again
         request.num_computed = 0
         request.status = Status.WAITING
         self.waiting.appendleft(request)

@@ -1,0 +1,254 @@
+"""The serving engine on the GPU, measured as the paper does (Figs 4, 5, 6, 8, 10).
+
+    python benchmarks/bench_engine.py --part exact --out benchmarks/results/engine
+    python benchmarks/bench_engine.py --part full --out benchmarks/results/engine
+    python benchmarks/bench_engine.py --render benchmarks/results/engine      # tables + plots
+
+Llama-3.2-3B shape with random bf16 weights, 128 random rank-8 adapters on all 7 projections, the
+workload of `engine_workload.py` (4096 requests in four task-like groups, EOS ignored). Engine:
+256 sequences and 2048 tokens per step, chunked prefill, 32 GB of KV blocks, graphs captured
+before timing. Systems:
+- lorazor: exact grid + StepTrim (profiled k per group, ~50% decode-LoRA skipping);
+- exact: exact grid, no release (GridTrim only); full_release: full grid + release (StepTrim only);
+- full: full grid, no release (the vLLM-style kernel grid); backbone: no adapters (the ceiling);
+- static: `LoRazorModel.generate` in batches of 256 over the same requests (exact + release).
+Offline throughput at 4..128 adapters (uniform), skewed traffic at 128, Poisson open loop.
+A part runs in one process (one grid's engine); rows go to `<out>/rows_<part>.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import engine_workload as wl  # noqa: E402
+from common import environment  # noqa: E402
+
+SEQS, TOKENS, BLOCK = 256, 2048, 16
+MAX_MODEL_LEN = 1024
+
+
+def offline_requests(workload, identities, names, ks, release: bool, backbone: bool = False):
+    return [dict(prompt_ids=r.prompt, max_new_tokens=r.max_new_tokens, pad_token_id=0,
+                 adapter=None if backbone else names[i], release=(ks[r.group] if release else "never"))
+            for r, i in zip(workload, identities)]
+
+
+def run_offline(engine, requests) -> dict:
+    start = time.perf_counter()
+    outs = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    decode = sum(o.decode_steps for o in outs)
+    lora = sum(o.lora_decode_steps for o in outs)
+    return dict(requests=len(outs), seconds=elapsed, req_s=len(outs) / elapsed, out_tok_s=tokens / elapsed,
+                skip=1 - lora / decode if decode else 0.0, preemptions=engine.scheduler.num_preemptions)
+
+
+def run_static(model, workload, identities, names, ks, batch: int = 256) -> dict:
+    """`generate()` batches of 256 in workload order: each batch runs to its longest request."""
+    start = time.perf_counter()
+    useful = 0
+    for b in range(0, len(workload), batch):
+        part = workload[b:b + batch]
+        T = max(len(r.prompt) for r in part)
+        ids = torch.zeros(len(part), T, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(part):
+            ids[i, T - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, T - len(r.prompt):] = 1
+        model.generate(ids.to(model.device), attention_mask=mask.to(model.device), adapter_ids=[names[i] for i in identities[b:b + batch]],
+                       release=[ks[r.group] for r in part], max_new_tokens=max(r.max_new_tokens for r in part),
+                       do_sample=False, pad_token_id=0)
+        useful += sum(r.max_new_tokens for r in part)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return dict(requests=len(workload), seconds=elapsed, req_s=len(workload) / elapsed, out_tok_s=useful / elapsed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=["exact", "full"], help="which grid's engine this process measures")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine"))
+    ap.add_argument("--render", type=Path, help="write tables and plots from the rows in this folder")
+    ap.add_argument("--requests", type=int, default=4096)
+    ap.add_argument("--adapters", default="4,8,16,32,64,128")
+    ap.add_argument("--rates", default="25,50,100,150,200")
+    ap.add_argument("--open-seconds", type=float, default=10.0, help="arrival window per open-loop rate")
+    ap.add_argument("--kv-gb", type=float, default=32.0)
+    ap.add_argument("--skip", default="", help="comma-separated stages to skip: offline,skewed,open,static,backbone")
+    args = ap.parse_args()
+    if args.render:
+        return render(args.render)
+    from bench_e2e import TARGETS, build_base, fill_random_adapters
+
+    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
+
+    skip = set(args.skip.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows_path = args.out / f"rows_{args.part}.jsonl"
+    rows_path.write_text("")
+    t0 = time.perf_counter()
+    base = build_base("llama-3.2-3b")
+    base.generation_config.eos_token_id = None  # EOS ignored: each request runs its drawn length
+    base.config.eos_token_id = None
+    model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(
+        grid=args.part, max_loras=128, max_lora_rank=8, lora_target_modules=TARGETS, max_batch_size=SEQS,
+        max_cache_len=MAX_MODEL_LEN))
+    names = fill_random_adapters(model, 0, 128)
+    cfg = base.config
+    per_block = 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * cfg.head_dim * 2
+    engine = LoRazorEngine(model, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS, block_size=BLOCK,
+                           num_kv_blocks=int(args.kv_gb * 2**30 // per_block), max_model_len=MAX_MODEL_LEN)
+    captured = engine.warm_up()
+    workload = wl.build(args.requests, cfg.vocab_size)
+    ks = wl.release_lengths(workload)
+    meta = dict(environment(), part=args.part, requests=len(workload), release_k=ks,
+                planned_skip=wl.skip_fraction(workload, ks), graphs_captured=captured,
+                capture_s=engine.graphs.capture_seconds, setup_s=time.perf_counter() - t0,
+                kv_blocks=engine.pool.num_blocks, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS)
+    print(json.dumps(meta), flush=True)
+    (args.out / f"meta_{args.part}.json").write_text(json.dumps(meta, indent=2))
+    # Warm the eager prefill path (Triton compiles for the prefill tiles) outside the timings.
+    engine.generate(offline_requests(workload[:64], wl.assign(workload[:64], 4), names, ks, True))
+
+    def record(**row):
+        row = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}
+        print(json.dumps(row), flush=True)
+        with rows_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    systems = [("lorazor", True), ("exact", False)] if args.part == "exact" else [("full_release", True),
+                                                                                 ("full", False)]
+    counts = [int(x) for x in args.adapters.split(",") if x]
+    if "offline" not in skip:
+        for L in counts:
+            identities = wl.assign(workload, L)
+            for system, release in systems:
+                record(stage="offline", system=system, L=L,
+                       **run_offline(engine, offline_requests(workload, identities, names, ks, release)))
+    if "backbone" not in skip and args.part == "exact":
+        record(stage="offline", system="backbone", L=0,
+               **run_offline(engine, offline_requests(workload, [0] * len(workload), names, ks, False, True)))
+    if "skewed" not in skip:
+        identities = wl.assign(workload, 128, skewed=True)
+        for system, release in systems:
+            record(stage="skewed", system=system, L=128,
+                   **run_offline(engine, offline_requests(workload, identities, names, ks, release)))
+    if "open" not in skip:
+        identities = wl.assign(workload, 128)
+        for system, release in systems if args.part == "exact" else systems[1:]:
+            requests = offline_requests(workload, identities, names, ks, release)
+            for rate in [float(x) for x in args.rates.split(",")]:
+                offsets = wl.poisson_arrivals(rate, args.open_seconds, seed=int(rate))
+                record(stage="open", system=system, L=128, rate=rate,
+                       **wl.run_open_loop(engine, requests[:len(offsets)], offsets))
+    if "static" not in skip and args.part == "exact":
+        del engine
+        torch.cuda.empty_cache()
+        record(stage="offline", system="static", L=128,
+               **run_static(model, workload, wl.assign(workload, 128), names, ks))
+    print(f"part {args.part} done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+SYSTEMS = ["lorazor", "exact", "full_release", "full", "backbone", "static"]
+
+
+def render(folder: Path) -> None:
+    """Tables (markdown) and plots from every `rows_*.jsonl` in `folder`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for path in sorted(folder.glob("rows_*.jsonl")) for line in path.read_text().splitlines()
+            if line.strip()]
+    metas = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("meta_*.json"))}
+    offline = [r for r in rows if r["stage"] == "offline"]
+    counts = sorted({r["L"] for r in offline if r["L"] > 0})
+    get = lambda stage, system, L: next((r for r in rows if r["stage"] == stage and r["system"] == system  # noqa: E731
+                                         and r["L"] == L), None)
+    lines = ["# Engine benchmark (Llama-3.2-3B shape, random weights, 128 rank-8 adapters, H200)", ""]
+    for name, meta in metas.items():
+        keep = ("commit", "gpu", "torch", "triton", "transformers", "requests", "release_k", "planned_skip",
+                "graphs_captured", "capture_s", "kv_blocks")
+        lines.append(f"- {name}: " + ", ".join(f"{k}={meta.get(k)}" for k in keep))
+    lines += ["", "## Offline throughput, uniform traffic (requests/s; output tok/s in brackets)", "",
+              "| adapters | " + " | ".join(SYSTEMS[:4]) + " | lorazor / full |", "|---" * 6 + "|"]
+    for L in counts:
+        cells = []
+        for system in SYSTEMS[:4]:
+            r = get("offline", system, L)
+            cells.append("-" if r is None else f"{r['req_s']:.2f} ({r['out_tok_s']:.0f}; skip {r['skip']:.2f})")
+        lo, full = get("offline", "lorazor", L), get("offline", "full", L)
+        ratio = f"{lo['req_s'] / full['req_s']:.2f}x" if lo and full else "-"
+        lines.append(f"| {L} | " + " | ".join(cells) + f" | {ratio} |")
+    for system in ("backbone", "static"):
+        r = next((r for r in offline if r["system"] == system), None)
+        if r:
+            lines.append(f"\n{system}: {r['req_s']:.2f} req/s, {r['out_tok_s']:.0f} output tok/s "
+                         f"({r['seconds']:.1f} s for {r['requests']} requests)")
+    lines += ["", "## Skewed traffic at 128 adapters (24 identities take ~80% of requests)", "",
+              "| system | req/s | output tok/s | skip |", "|---|---|---|---|"]
+    for system in SYSTEMS[:4]:
+        r = get("skewed", system, 128)
+        if r:
+            lines.append(f"| {system} | {r['req_s']:.2f} | {r['out_tok_s']:.0f} | {r['skip']:.2f} |")
+    open_rows = [r for r in rows if r["stage"] == "open"]
+    lines += ["", "## Open loop, Poisson arrivals, 128 adapters (seconds)", "",
+              "| system | offered req/s | achieved req/s | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 |",
+              "|---|---|---|---|---|---|---|"]
+    for r in open_rows:
+        lines.append(f"| {r['system']} | {r['rate']:.0f} | {r['achieved_req_s']:.1f} | {r['ttft_p50']:.3f} | "
+                     f"{r['ttft_p90']:.3f} | {r['tpot_p50']:.4f} | {r['tpot_p90']:.4f} |")
+    (folder / "engine.md").write_text("\n".join(lines) + "\n")
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for system in SYSTEMS[:4]:
+        pts = [(L, get("offline", system, L)["req_s"]) for L in counts if get("offline", system, L)]
+        if pts:
+            axes[0].plot(*zip(*pts), marker="o", label=system)
+    for system, style in (("backbone", "--"), ("static", ":")):
+        r = next((r for r in offline if r["system"] == system), None)
+        if r:
+            axes[0].axhline(r["req_s"], linestyle=style, color="gray", label=system)
+    axes[0].set(xscale="log", xlabel="adapters", ylabel="requests/s", title="offline, uniform")
+    axes[0].set_xticks(counts, [str(c) for c in counts])
+    axes[0].legend(fontsize=8)
+    for system in sorted({r["system"] for r in open_rows}):
+        pts = sorted((r["rate"], r["ttft_p90"], r["tpot_p90"]) for r in open_rows if r["system"] == system)
+        axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+        axes[2].plot([p[0] for p in pts], [p[2] * 1e3 for p in pts], marker="o", label=system)
+    axes[1].set(xlabel="offered req/s", ylabel="P90 TTFT (s)", yscale="log", title="open loop")
+    axes[2].set(xlabel="offered req/s", ylabel="P90 TPOT (ms)", title="open loop")
+    for ax in axes[1:]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "engine.png", dpi=120)
+    plot_workload(folder / "workload.png", next(iter(metas.values()))["requests"] if metas else 4096)
+
+
+def plot_workload(path: Path, num_requests: int) -> None:
+    """Prompt and output length histograms per group (the workload is rebuilt from its seed)."""
+    import matplotlib.pyplot as plt
+
+    workload = wl.build(num_requests, 128256)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for group in wl.GROUPS:
+        axes[0].hist([len(r.prompt) for r in workload if r.group == group], bins=40, histtype="step", label=group)
+        axes[1].hist([r.max_new_tokens for r in workload if r.group == group], bins=40, histtype="step", label=group)
+    axes[0].set(xlabel="prompt tokens", ylabel="requests")
+    axes[1].set(xlabel="output tokens", ylabel="requests")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""CUDA graphs for the engine's decode-only steps.
+
+A decode-only step (every scheduled request computes one token) is `LoRazorModel.decode_step`, the
+step `generate()` replays, over the paged cache. It is captured once per (batch bucket, whether any
+row has LoRA, class of the number of distinct adapters) and replayed for any requests: tokens,
+positions, pool positions, adapter slots and block-table rows are copied into the bucket's static
+buffers, block tables are one persistent device table, and the attention loops to each row's length
+read on the device. Requests joining and leaving never trigger a recapture; padding rows of a bucket
+write and read only the pool's scratch block.
+
+Steps with prefill chunks run eagerly (their shapes vary with the chunk lengths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..graphs import batch_bucket, capture_graph
+from .paged import PagedKVCache, PagedStep
+
+
+@dataclass
+class _Bucket:
+    inputs: torch.Tensor  # [5, B] int64 staging: tokens, positions, pool positions, slots, table rows
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    row_slot: torch.Tensor
+    step: PagedStep
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    graphs: dict = field(default_factory=dict)
+
+
+class PagedDecodeGraphs:
+    """Lazily captured decode-step graphs of one engine.
+
+    Args:
+        model: the `LoRazorModel`.
+        cache: the engine's `PagedKVCache`.
+        max_batch: the most requests a step can hold (`max_num_seqs`).
+    """
+
+    def __init__(self, model, cache: PagedKVCache, max_batch: int):
+        self.model = model
+        self.cache = cache
+        self.grid = model.context.grid  # graphs hold this grid's kernels: a new grid needs new graphs
+        self.max_bucket = batch_bucket(max_batch)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.buckets: dict[int, _Bucket] = {}
+        self.num_captures = 0
+        self.capture_seconds = 0.0
+
+    def serves(self, batch: int) -> bool:
+        return batch_bucket(batch) <= self.max_bucket
+
+    def _bucket(self, size: int, block_tables: torch.Tensor) -> _Bucket:
+        if size not in self.buckets:
+            device = self.model.device
+            inputs = torch.zeros(5, size, dtype=torch.long, device=device)
+            ints = lambda: torch.zeros(size, dtype=torch.int32, device=device)  # noqa: E731
+            rows, q_index, pos, ones = ints(), torch.arange(size, dtype=torch.int32, device=device), ints(), ints() + 1
+            empty = tuple(torch.zeros(0, dtype=torch.int32, device=device) for _ in range(4))
+            slot_mapping = torch.zeros(size, dtype=torch.long, device=device)
+            step = PagedStep(slot_mapping, block_tables, (rows, q_index, pos, ones), empty, self.cache.block_q)
+            hidden, logits = self.model.new_step_outputs(size)
+            self.buckets[size] = _Bucket(inputs, torch.zeros(size, dtype=torch.long, device=device),
+                                         torch.zeros(size, dtype=torch.long, device=device), slot_mapping, ints(),
+                                         step, hidden, logits)
+        return self.buckets[size]
+
+    def run(self, inputs, block_tables: torch.Tensor):
+        """Replay the step for `inputs` (a decode-only `runner.StepInputs`); returns (logits `[n, V]`,
+        hidden `[n, H]`), views of the bucket's static outputs."""
+        n = len(inputs.ids)
+        bucket = self._bucket(batch_bucket(n), block_tables)
+        self._fill(bucket, inputs)
+        context = self.model.context
+        key = (context.enabled, context.slot_bound)
+        if key not in bucket.graphs:
+            bucket.graphs[key] = self._capture(bucket)
+        self.cache.step = bucket.step
+        try:
+            bucket.graphs[key].replay()
+        finally:
+            self.cache.step = None
+        return bucket.logits[:n], bucket.hidden[:n]
+
+    def _fill(self, bucket: _Bucket, inputs) -> None:
+        """Copy a step's inputs into the bucket's static buffers (one upload); rows past the step's
+        requests are padding: token 0 at position 0, writing and reading the scratch block."""
+        size = bucket.tokens.shape[0]
+        n = 0 if inputs is None else len(inputs.ids)
+        host = np.empty((5, size), dtype=np.int64)
+        host[:, n:] = np.array([[0], [0], [self.cache.scratch_block * self.cache.block_size], [-1],
+                                [bucket.step.block_tables.shape[0] - 1]])
+        if inputs is not None:
+            host[0, :n] = inputs.ids
+            host[1, :n] = inputs.positions
+            host[2, :n] = inputs.slot_mapping
+            host[3, :n] = inputs.slots
+            host[4, :n] = [row for row, _, _ in inputs.chunks]
+        bucket.inputs.copy_(torch.from_numpy(host))
+        rows, _, pos, _ = bucket.step.decode_tiles
+        for target, source in ((bucket.tokens, 0), (bucket.positions, 1), (bucket.slot_mapping, 2),
+                               (bucket.row_slot, 3), (rows, 4), (pos, 1)):
+            target.copy_(bucket.inputs[source])
+
+    def capture_all(self, block_tables: torch.Tensor, batch_sizes=None) -> int:
+        """Capture every graph a step can need up front (each bucket up to `max_num_seqs`, or those of
+        `batch_sizes`; each class of distinct adapters, and the backbone-only step), so serving never
+        captures. Returns how many graphs were captured."""
+        context = self.model.context
+        saved = context.enabled, context.slot_bound
+        sizes = sorted({batch_bucket(b) for b in (batch_sizes or range(1, self.max_bucket + 1))})
+        before = self.num_captures
+        try:
+            for size in sizes:
+                bucket = self._bucket(size, block_tables)
+                self._fill(bucket, None)
+                for key in [(True, bound) for bound in context.slot_bound_classes()] + [(False, None)]:
+                    if key not in bucket.graphs:
+                        context.enabled, context.slot_bound = key
+                        bucket.graphs[key] = self._capture(bucket)
+        finally:
+            context.enabled, context.slot_bound = saved
+        return self.num_captures - before
+
+    def _capture(self, bucket: _Bucket) -> torch.cuda.CUDAGraph:
+        def step():
+            # Writes the same pool positions on every run: the warm-ups leave what one replay would.
+            self.cache.step = bucket.step
+            hidden, _ = self.model.decode_step(bucket.tokens, bucket.positions, bucket.slot_mapping, self.cache,
+                                               bucket.row_slot, logits_out=bucket.logits)
+            bucket.hidden.copy_(hidden)
+
+        graph, _, seconds, _ = capture_graph(step, self.pool)
+        self.num_captures += 1
+        self.capture_seconds += seconds
+        return graph
+
+    def num_graphs(self) -> int:
+        return sum(len(b.graphs) for b in self.buckets.values())
