@@ -12,7 +12,9 @@ before timing. Systems:
 - exact: exact grid, no release (GridTrim only); full_release: full grid + release (StepTrim only);
 - full: full grid, no release (the vLLM-style kernel grid); backbone: no adapters (the ceiling);
 - static: `LoRazorModel.generate` in batches of 256 over the same requests (exact + release).
-Offline throughput at 4..128 adapters (uniform), skewed traffic at 128, Poisson open loop.
+Offline throughput at 4..128 adapters (uniform), skewed traffic at 128, Poisson open loop. Part
+`exact`: lorazor and exact at every adapter count, backbone, skewed, open loop for both. Part `full`:
+full at every count, full_release at the smallest and largest, skewed, open loop, then static.
 A part runs in one process (one grid's engine); rows go to `<out>/rows_<part>.jsonl`.
 """
 
@@ -79,10 +81,11 @@ def main() -> None:
     ap.add_argument("--render", type=Path, help="write tables and plots from the rows in this folder")
     ap.add_argument("--requests", type=int, default=4096)
     ap.add_argument("--adapters", default="4,8,16,32,64,128")
-    ap.add_argument("--rates", default="25,50,100,150,200")
-    ap.add_argument("--open-seconds", type=float, default=10.0, help="arrival window per open-loop rate")
+    ap.add_argument("--rates", default="25,50,100,150")
+    ap.add_argument("--open-seconds", type=float, default=8.0, help="arrival window per open-loop rate")
     ap.add_argument("--kv-gb", type=float, default=32.0)
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: offline,skewed,open,static,backbone")
+    ap.add_argument("--deadline", type=float, default=1e9, help="skip stages that would end later (s from start)")
     args = ap.parse_args()
     if args.render:
         return render(args.render)
@@ -124,34 +127,55 @@ def main() -> None:
         with rows_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
-    systems = [("lorazor", True), ("exact", False)] if args.part == "exact" else [("full_release", True),
-                                                                                 ("full", False)]
+    # Stages in order of importance; one that would end past --deadline is skipped and says so.
+    last = [60.0]  # seconds of the latest offline run: the estimate of the next
+
+    def fits(stage: str, cost: float) -> bool:
+        if stage in skip:
+            return False
+        if time.perf_counter() - t0 + cost > args.deadline:
+            record(stage="skipped", system=stage, L=0, reason=f"past the {args.deadline:.0f} s deadline")
+            return False
+        return True
+
+    def offline(stage, system, L, identities, release=None, backbone=False):
+        if fits(stage, last[0]):
+            row = run_offline(engine, offline_requests(workload, identities, names, ks, release, backbone))
+            last[0] = row["seconds"]
+            record(stage=stage, system=system, L=L, **row)
+
     counts = [int(x) for x in args.adapters.split(",") if x]
-    if "offline" not in skip:
+    if args.part == "exact":
         for L in counts:
             identities = wl.assign(workload, L)
-            for system, release in systems:
-                record(stage="offline", system=system, L=L,
-                       **run_offline(engine, offline_requests(workload, identities, names, ks, release)))
-    if "backbone" not in skip and args.part == "exact":
-        record(stage="offline", system="backbone", L=0,
-               **run_offline(engine, offline_requests(workload, [0] * len(workload), names, ks, False, True)))
-    if "skewed" not in skip:
-        identities = wl.assign(workload, 128, skewed=True)
-        for system, release in systems:
-            record(stage="skewed", system=system, L=128,
-                   **run_offline(engine, offline_requests(workload, identities, names, ks, release)))
-    if "open" not in skip:
-        identities = wl.assign(workload, 128)
-        for system, release in systems if args.part == "exact" else systems[1:]:
-            requests = offline_requests(workload, identities, names, ks, release)
-            for rate in [float(x) for x in args.rates.split(",")]:
+            offline("offline", "lorazor", L, identities, release=True)
+            offline("offline", "exact", L, identities, release=False)
+        offline("backbone", "backbone", 0, [0] * len(workload), backbone=True)
+        skewed = wl.assign(workload, 128, skewed=True)
+        offline("skewed", "lorazor", 128, skewed, release=True)
+        offline("skewed", "exact", 128, skewed, release=False)
+        open_systems = [("lorazor", True), ("exact", False)]
+    else:
+        for L in counts:
+            offline("offline", "full", L, wl.assign(workload, L), release=False)
+        for L in (counts[0], counts[-1]):
+            offline("offline", "full_release", L, wl.assign(workload, L), release=True)
+        skewed = wl.assign(workload, 128, skewed=True)
+        offline("skewed", "full", 128, skewed, release=False)
+        offline("skewed", "full_release", 128, skewed, release=True)
+        open_systems = [("full", False)]
+    rates = [float(x) for x in args.rates.split(",")]
+    for system, release in open_systems:
+        requests = offline_requests(workload, wl.assign(workload, 128), names, ks, release)
+        for rate in rates:
+            if fits("open", args.open_seconds + 5):
                 offsets = wl.poisson_arrivals(rate, args.open_seconds, seed=int(rate))
                 record(stage="open", system=system, L=128, rate=rate,
                        **wl.run_open_loop(engine, requests[:len(offsets)], offsets))
-    if "static" not in skip and args.part == "exact":
+    if args.part == "full" and fits("static", 4 * last[0]):
         del engine
         torch.cuda.empty_cache()
+        model.reconfigure(grid="exact")
         record(stage="offline", system="static", L=128,
                **run_static(model, workload, wl.assign(workload, 128), names, ks))
     print(f"part {args.part} done in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -170,7 +194,7 @@ def render(folder: Path) -> None:
     rows = [json.loads(line) for path in sorted(folder.glob("rows_*.jsonl")) for line in path.read_text().splitlines()
             if line.strip()]
     metas = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("meta_*.json"))}
-    offline = [r for r in rows if r["stage"] == "offline"]
+    offline = [r for r in rows if r["stage"] in ("offline", "backbone")]
     counts = sorted({r["L"] for r in offline if r["L"] > 0})
     get = lambda stage, system, L: next((r for r in rows if r["stage"] == stage and r["system"] == system  # noqa: E731
                                          and r["L"] == L), None)
@@ -207,6 +231,9 @@ def render(folder: Path) -> None:
     for r in open_rows:
         lines.append(f"| {r['system']} | {r['rate']:.0f} | {r['achieved_req_s']:.1f} | {r['ttft_p50']:.3f} | "
                      f"{r['ttft_p90']:.3f} | {r['tpot_p50']:.4f} | {r['tpot_p90']:.4f} |")
+    skipped = [r for r in rows if r["stage"] == "skipped"]
+    if skipped:
+        lines += ["", "Not run: " + "; ".join(f"{r['system']} ({r['reason']})" for r in skipped)]
     (folder / "engine.md").write_text("\n".join(lines) + "\n")
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))

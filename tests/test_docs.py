@@ -58,15 +58,17 @@ def reader_namespace() -> dict:
     sql = tasks["sql"].split("validation")[:3]
     mcq = tasks["mcq"].split("validation")[:3]
     g = torch.Generator().manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     save_release_policy(ProfiledRelease({"math": 8, "sql": 2}), "adapters/")
     ns = dict(
         peft_model=peft_model, tokenizer=tokenizer, tasks=tasks, prompts=prompts, batch=batch,
         input_ids=batch["input_ids"], mask=batch["attention_mask"], ids=batch["input_ids"],
         ids_a=tokenizer(prompts[0])["input_ids"], ids_b=tokenizer(prompts[1])["input_ids"],
         ids_c=tokenizer(prompts[2])["input_ids"],
-        x=torch.randn(6, 32, generator=g), lora_a=torch.randn(3, 16, 32, generator=g),
-        lora_b=torch.randn(3, 16, 48, generator=g).transpose(1, 2), scaling=torch.rand(3, generator=g),
-        row_slot=torch.tensor([0, 2, -1, 1, 0, 2], dtype=torch.int32),
+        # The kernel examples' tensors, on the GPU when there is one (as a reader's would be).
+        x=torch.randn(6, 32, generator=g).to(dev), lora_a=torch.randn(3, 16, 32, generator=g).to(dev),
+        lora_b=torch.randn(3, 16, 48, generator=g).to(dev).transpose(1, 2), scaling=torch.rand(3, generator=g).to(dev),
+        row_slot=torch.tensor([0, 2, -1, 1, 0, 2], dtype=torch.int32, device=dev),
         sql_prompts=[ex["prompt"] for ex in sql], sql_refs=[ex["reference"] for ex in sql],
         run_matches=lambda answer, ref: same_result(db, answer.strip().split("\n")[0], ref),
         mcq_prompts=[ex["prompt"] for ex in mcq], mcq_refs=[ex["answer"] for ex in mcq],

@@ -43,7 +43,8 @@ class StepContext:
     def set_distinct(self, distinct: int) -> None:
         """`begin_batch` for a caller that knows how many distinct adapters its rows use (no sync)."""
         self.enabled = distinct > 0
-        self.slot_bound = slot_bound_class(distinct, self.num_slots) if self.grid == "exact" else None
+        # None when no row has an adapter: the backbone-only step has no tile table to bound.
+        self.slot_bound = slot_bound_class(distinct, self.num_slots) if self.grid == "exact" and distinct else None
 
     @property
     def meta_on_device(self) -> bool:

@@ -95,7 +95,7 @@ class StepInputs:
     ids: list[int]
     positions: list[int]
     slots: list[int]
-    slot_mapping: np.ndarray
+    slot_mapping: list[int]
     chunks: list[tuple[int, int, int]]
     last: list[int]
     num_adapters: int
@@ -112,11 +112,13 @@ def prepare(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk]
         request = chunk.request
         decide_release(chunk)
         row = tables.row_of(request)
-        span = np.arange(chunk.start, chunk.start + chunk.num_tokens)
-        pool_positions.append(tables.host[row, span // page].astype(np.int64) * page + span % page)
+        table, span = request.block_table, range(chunk.start, chunk.start + chunk.num_tokens)
+        # Plain Python on purpose: a step has up to max_num_batched_tokens tokens, and per-chunk
+        # tensor or numpy calls cost more than these loops.
+        pool_positions.extend(table[p // page] * page + p % page for p in span)
         ids.extend(request.tokens[chunk.start:chunk.start + chunk.num_tokens])
-        positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
-        names.extend(request.adapter if request.uses_adapter_at(p) else None for p in span.tolist())
+        positions.extend(span)
+        names.extend(request.adapter if request.uses_adapter_at(p) else None for p in span)
         rows.append((row, chunk.start, chunk.num_tokens))
         last.append(len(ids) - 1)
     # Loads the step's adapters that are not in GPU slots (before the forward that reads them).
@@ -124,7 +126,7 @@ def prepare(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk]
     model.registry.make_resident(distinct)
     slot_of = model.bank.slot_of
     slots = [-1 if n is None else slot_of[n] for n in names]
-    return StepInputs(ids, positions, slots, np.concatenate(pool_positions), rows, last, len(distinct))
+    return StepInputs(ids, positions, slots, pool_positions, rows, last, len(distinct))
 
 
 def run_step(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk], graphs=None):
@@ -138,8 +140,8 @@ def run_step(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk
     block_tables = tables.upload()
     if inputs.decode_only and graphs is not None and graphs.serves(len(chunks)):
         return graphs.run(inputs, block_tables)
-    step = PagedStep.build(cache, inputs.chunks, torch.from_numpy(inputs.slot_mapping).to(device), block_tables,
-                           device)
+    slot_mapping = torch.tensor(inputs.slot_mapping, dtype=torch.long, device=device)
+    step = PagedStep.build(cache, inputs.chunks, slot_mapping, block_tables, device)
     cache.step = step
     ids = torch.tensor(inputs.ids, dtype=torch.long, device=device)
     positions = torch.tensor(inputs.positions, dtype=torch.long, device=device)

@@ -65,18 +65,20 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         budget = self.max_num_batched_tokens
         chunks: list[Chunk] = []
+        preempted = set()
         for request in list(self.running):
             if budget == 0:
                 break
-            if request not in self.running:
+            if request in preempted:
                 continue  # preempted below for an older request
             n = min(len(request.tokens) - request.num_computed, budget)
             while not self.pool.grow(request.block_table, request.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.add(victim)
                 if victim is request:
                     break
-            if request in self.running:
+            if request not in preempted:
                 chunks.append(Chunk(request, request.num_computed, n))
                 budget -= n
         adapters = {r.adapter for r in self.running if r.adapter is not None}
