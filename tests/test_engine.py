@@ -250,3 +250,30 @@ def test_engine_refuses_compile_and_too_long_requests(pair):
     with pytest.raises(ValueError, match="= 22 tokens exceeds max_model_len=20"):
         eng.add_request(list(range(3, 15)), max_new_tokens=10, **GEN)
     assert eng.generate([dict(prompt_ids=list(range(3, 13)), max_new_tokens=10, **GEN)])[0].finish_reason
+
+
+def test_padded_packed_steps_equal_static_generate():
+    # The GPU's graphed steps with prefill chunks, run eagerly under the Triton interpreter: tokens
+    # padded to a bucket of 256, attention tiles padded with empty tiles, last-token indices.
+    from lorazor.engine.mixed_graphs import MixedStepGraphs
+
+    model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False, backend="triton", attention="triton"))
+    eng = engine(model, max_num_batched_tokens=44, num_kv_blocks=40)
+
+    class PaddedOnly:  # decode-only steps eager, packed ones through the padded bucket
+        mixed = MixedStepGraphs(model, eng.cache, 44, 8, pool=None, capture=False)
+
+        def serves(self, batch):
+            return False
+
+    eng.graphs = PaddedOnly()
+    eng.graphs.grid = model.context.grid
+    ps = [prompts(1, seed=22, base=40)[0]] + prompts(4, seed=23)
+    adapters = ["med", "math", None, "sql", "math"]
+    outs = eng.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=5, release=[None, 1][i % 2], **GEN)
+                         for i, (p, a) in enumerate(zip(ps, adapters))])
+    assert PaddedOnly.mixed.buckets, "no packed step went through the padded path"
+    for i, (p, a, o) in enumerate(zip(ps, adapters, outs)):
+        ref = model.generate(torch.tensor([p], device=model.device), adapter_ids=[a], release=[[None, 1][i % 2]],
+                             max_new_tokens=5, do_sample=False, **GEN)
+        assert o.token_ids == ref.sequences[0, len(p):].tolist(), a

@@ -62,8 +62,9 @@ def test_graph_replay_equals_eager_as_requests_join_and_leave(grid):
 def test_no_recapture_after_warm_up():
     eager, graph, _ = engines(torch.bfloat16)
     captured = graph.warm_up()
-    # Buckets 1, 2, 4, 8, 16, each with LoRA (one adapter class for 3 slots) and backbone only.
-    assert captured == graph.graphs.num_graphs() == 5 * (len(graph.model.context.slot_bound_classes()) + 1)
+    # Decode buckets 1, 2, 4, 8, 16 and one token bucket of packed steps, each with LoRA (one
+    # adapter class for 3 slots) and backbone only.
+    assert captured == graph.graphs.num_graphs() == 6 * (len(graph.model.context.slot_bound_classes()) + 1)
     for seed in (2, 3):
         requests = trace(seed=seed, n=16)
         assert [o.token_ids for o in run_staggered(graph, requests)] == \

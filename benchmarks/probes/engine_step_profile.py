@@ -27,6 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
+    ap.add_argument("--no-warm-up", action="store_true", help="capture graphs lazily (read the medians)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
@@ -40,7 +41,8 @@ def main() -> None:
     names = fill_random_adapters(model, 0, 128)
     engine = LoRazorEngine(model, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=12000,
                            max_model_len=1024)
-    engine.warm_up()
+    if not args.no_warm_up:
+        engine.warm_up()
     workload = wl.build(args.requests, base.config.vocab_size)
     ids = wl.assign(workload, 128)
     for r, i in zip(workload, ids):
@@ -89,6 +91,7 @@ def main() -> None:
     summary = dict(total_s=total, requests=len(workload), prepare_s=phases["prepare"], step_s=sum(steps),
                    **{f"{k}_steps": len(v) for k, v in kinds.items()},
                    **{f"{k}_ms_mean": 1e3 * sum(d for d, _ in v) / len(v) for k, v in kinds.items() if v},
+                   **{f"{k}_ms_median": 1e3 * sorted(d for d, _ in v)[len(v) // 2] for k, v in kinds.items() if v},
                    **{f"{k}_tokens_mean": sum(n for _, n in v) / len(v) for k, v in kinds.items() if v},
                    **{f"{k}_s": sum(d for d, _ in v) for k, v in kinds.items()})
     print(json.dumps(summary, indent=1), flush=True)

@@ -71,7 +71,8 @@ def _paged_attention_kernel(
                     other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
+    # Empty tiles (count 0: padding of a captured step) saw no key: divide by 1, store nothing.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (q0 + qi)[:, None] * stride_on + heads[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 

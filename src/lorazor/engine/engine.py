@@ -10,8 +10,8 @@
 Requests join and leave at every step: a step packs the running requests' decode tokens and the
 next prefill chunks of new ones into one forward (`scheduler.py`, `runner.py`). Each request keeps
 its own sampling settings (HF's semantics, as in `LoRazorModel.generate`) and its own StepTrim
-state. On the GPU the attention reads the paged pool with a Triton kernel and decode-only steps
-replay CUDA graphs (`graphs.py`); on the CPU everything runs the pure-torch reference.
+state. On the GPU the attention reads the paged pool with a Triton kernel and every step replays a
+CUDA graph (`graphs.py`, `mixed_graphs.py`); on the CPU everything runs the pure-torch reference.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class LoRazorEngine:
         self.cache = PagedKVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads, head_dim,
                                   cfg.num_attention_heads, dtype, model.device, use_kernel=model._triton_attention)
         self.tables = BlockTables(max_num_seqs, -(-max_model_len // block_size), num_kv_blocks, model.device)
-        self.graphs = (PagedDecodeGraphs(model, self.cache, max_num_seqs)
+        self.graphs = (PagedDecodeGraphs(model, self.cache, max_num_seqs, max_num_batched_tokens)
                        if model.uses_graphs and model.context.meta_on_device else None)
         self.heads = HeadTable(cfg.hidden_size, model.device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, model.bank.num_slots)
@@ -101,8 +101,8 @@ class LoRazorEngine:
         self._pending_aborts: set[str] = set()
 
     def warm_up(self, batch_sizes=None) -> int:
-        """Capture the decode-step CUDA graphs now (every batch bucket up to `max_num_seqs`, or those
-        of `batch_sizes`), so no step captures later; returns how many were captured (0 without
+        """Capture the step CUDA graphs now (every batch bucket up to `max_num_seqs`, or those of
+        `batch_sizes`, and every token bucket of steps with prefill chunks), so no step captures later; returns how many were captured (0 without
         graphs: on the CPU, or with the `active_rows` / `two_class` grids, steps run eagerly)."""
         if self.graphs is None:
             return 0
@@ -234,7 +234,8 @@ class LoRazorEngine:
                 return []
             if self.graphs is not None and self.graphs.grid != self.model.context.grid:
                 # `model.reconfigure(grid=...)` since the capture: the old graphs run the old kernels.
-                self.graphs = PagedDecodeGraphs(self.model, self.cache, self.scheduler.max_num_seqs)
+                self.graphs = PagedDecodeGraphs(self.model, self.cache, self.scheduler.max_num_seqs,
+                                                self.scheduler.max_num_batched_tokens)
             logits, hidden = run_step(self.model, self.cache, self.tables, chunks, self.graphs)
             for chunk in chunks:
                 chunk.request.num_computed += chunk.num_tokens

@@ -8,7 +8,7 @@ buffers, block tables are one persistent device table, and the attention loops t
 read on the device. Requests joining and leaving never trigger a recapture; padding rows of a bucket
 write and read only the pool's scratch block.
 
-Steps with prefill chunks run eagerly (their shapes vary with the chunk lengths).
+Steps with prefill chunks replay graphs per token bucket (`mixed_graphs.py`), from the same pool.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..graphs import batch_bucket, capture_graph
+from .mixed_graphs import MixedStepGraphs
 from .paged import PagedKVCache, PagedStep
 
 
@@ -36,23 +37,33 @@ class _Bucket:
 
 
 class PagedDecodeGraphs:
-    """Lazily captured decode-step graphs of one engine.
+    """Lazily captured step graphs of one engine: decode-only steps here, packed steps in `mixed`.
 
     Args:
         model: the `LoRazorModel`.
         cache: the engine's `PagedKVCache`.
         max_batch: the most requests a step can hold (`max_num_seqs`).
+        max_tokens: the most tokens a step can hold (`max_num_batched_tokens`).
     """
 
-    def __init__(self, model, cache: PagedKVCache, max_batch: int):
+    def __init__(self, model, cache: PagedKVCache, max_batch: int, max_tokens: int):
         self.model = model
         self.cache = cache
         self.grid = model.context.grid  # graphs hold this grid's kernels: a new grid needs new graphs
         self.max_bucket = batch_bucket(max_batch)
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[int, _Bucket] = {}
-        self.num_captures = 0
-        self.capture_seconds = 0.0
+        self.decode_captures = 0
+        self.decode_capture_seconds = 0.0
+        self.mixed = MixedStepGraphs(model, cache, max_tokens, max_batch, self.pool)
+
+    @property
+    def num_captures(self) -> int:
+        return self.decode_captures + self.mixed.num_captures
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.decode_capture_seconds + self.mixed.capture_seconds
 
     def serves(self, batch: int) -> bool:
         return batch_bucket(batch) <= self.max_bucket
@@ -78,8 +89,7 @@ class PagedDecodeGraphs:
         n = len(inputs.ids)
         bucket = self._bucket(batch_bucket(n), block_tables)
         self._fill(bucket, inputs)
-        context = self.model.context
-        key = (context.enabled, context.slot_bound)
+        key = self.mixed._key()
         if key not in bucket.graphs:
             bucket.graphs[key] = self._capture(bucket)
         self.cache.step = bucket.step
@@ -110,21 +120,23 @@ class PagedDecodeGraphs:
             target.copy_(bucket.inputs[source])
 
     def capture_all(self, block_tables: torch.Tensor, batch_sizes=None) -> int:
-        """Capture every graph a step can need up front (each bucket up to `max_num_seqs`, or those of
-        `batch_sizes`; each class of distinct adapters, and the backbone-only step), so serving never
-        captures. Returns how many graphs were captured."""
+        """Capture every graph a step can need up front (each batch bucket up to `max_num_seqs`, or
+        those of `batch_sizes`, and each token bucket of packed steps; each class of distinct
+        adapters, and backbone only), so serving never captures. Returns how many were captured."""
         context = self.model.context
         saved = context.enabled, context.slot_bound
         sizes = sorted({batch_bucket(b) for b in (batch_sizes or range(1, self.max_bucket + 1))})
+        keys = [(True, bound) for bound in context.slot_bound_classes()] + [(False, None)]
         before = self.num_captures
         try:
             for size in sizes:
                 bucket = self._bucket(size, block_tables)
                 self._fill(bucket, None)
-                for key in [(True, bound) for bound in context.slot_bound_classes()] + [(False, None)]:
+                for key in keys:
                     if key not in bucket.graphs:
                         context.enabled, context.slot_bound = key
                         bucket.graphs[key] = self._capture(bucket)
+            self.mixed.capture_all(block_tables, keys)
         finally:
             context.enabled, context.slot_bound = saved
         return self.num_captures - before
@@ -138,9 +150,9 @@ class PagedDecodeGraphs:
             bucket.hidden.copy_(hidden)
 
         graph, _, seconds, _ = capture_graph(step, self.pool)
-        self.num_captures += 1
-        self.capture_seconds += seconds
+        self.decode_captures += 1
+        self.decode_capture_seconds += seconds
         return graph
 
     def num_graphs(self) -> int:
-        return sum(len(b.graphs) for b in self.buckets.values())
+        return sum(len(b.graphs) for b in list(self.buckets.values()) + list(self.mixed.buckets.values()))

@@ -41,23 +41,31 @@ class PagedStep:
     prefill_tiles: tuple[torch.Tensor, ...]
     block_q: int
 
+    zero_fill: bool = False  # tokens outside every tile (graph padding) get zeros, not garbage
+
     @classmethod
     def build(cls, cache: "PagedKVCache", chunks: list[tuple[int, int, int]], slot_mapping: torch.Tensor,
               block_tables: torch.Tensor, device) -> "PagedStep":
         """From per request (block-table row, first position computed this step, tokens this step),
         packed in this order; `slot_mapping` and `block_tables` are already on the device."""
-        block_q = cache.block_q
-        tiles = ([], [], [], []), ([], [], [], [])
-        token = 0
-        for row, start, count in chunks:
-            target, size = (tiles[0], 1) if count == 1 else (tiles[1], block_q)
-            for i in range(0, count, size):
-                for column, value in zip(target, (row, token + i, start + i, min(size, count - i))):
-                    column.append(value)
-            token += count
-        packed = torch.tensor([v for part in tiles for column in part for v in column], dtype=torch.int32)
-        columns = packed.to(device).split([len(tiles[0][0])] * 4 + [len(tiles[1][0])] * 4)
-        return cls(slot_mapping, block_tables, tuple(columns[:4]), tuple(columns[4:]), block_q)
+        decode, prefill = tile_columns(chunks, cache.block_q)
+        packed = torch.tensor([v for part in (decode, prefill) for column in part for v in column], dtype=torch.int32)
+        columns = packed.to(device).split([len(decode[0])] * 4 + [len(prefill[0])] * 4)
+        return cls(slot_mapping, block_tables, tuple(columns[:4]), tuple(columns[4:]), cache.block_q)
+
+
+def tile_columns(chunks: list[tuple[int, int, int]], block_q: int):
+    """(decode tiles, prefill tiles), each four lists (request row, first token, position, count):
+    one-token chunks are decode tiles; longer ones are cut into tiles of `block_q` tokens."""
+    tiles = ([], [], [], []), ([], [], [], [])
+    token = 0
+    for row, start, count in chunks:
+        target, size = (tiles[0], 1) if count == 1 else (tiles[1], block_q)
+        for i in range(0, count, size):
+            for column, value in zip(target, (row, token + i, start + i, min(size, count - i))):
+                column.append(value)
+        token += count
+    return tiles
 
 
 class PagedKVCache:
@@ -124,7 +132,7 @@ def paged_attention_forward(module, query: torch.Tensor, cache: PagedKVCache, sc
     keys, values = cache.keys[layer], cache.values[layer]
     scale = scaling if scaling is not None else D**-0.5
     if cache.use_kernel:
-        out = torch.empty_like(flat)
+        out = torch.zeros_like(flat) if step.zero_fill else torch.empty_like(flat)
         for tiles, block_q in ((step.decode_tiles, 1), (step.prefill_tiles, step.block_q)):
             if tiles[0].shape[0]:
                 paged_attention(flat, keys, values, step.block_tables, *tiles, scale, cache.block_size, block_q,

@@ -129,6 +129,16 @@ def prepare(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk]
     return StepInputs(ids, positions, slots, pool_positions, rows, last, len(distinct))
 
 
+def packed_forward(model, cache: PagedKVCache, ids, positions, token_slot, last, logits_out=None):
+    """The packed forward `generate()` prefills with (`_decoder_forward`), over the paged pool
+    (`cache.step` set): returns (logits, hidden) at the packed indices `last`."""
+    hidden = model._decoder_forward(ids[None], positions[None], cache.packed_mask(ids.shape[0]), cache, token_slot,
+                                    1, **{PAGED_KWARG: cache})
+    with torch.inference_mode():
+        hidden = hidden[0].index_select(0, last)
+        return model._head(hidden, logits_out), hidden
+
+
 def run_step(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk], graphs=None):
     """Forward the scheduled chunks; returns `[len(chunks), V]` logits and `[len(chunks), H]` final
     hidden states at each chunk's last token (views of static buffers after a graph replay: read
@@ -138,8 +148,11 @@ def run_step(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk
     # The host knows how many distinct adapters the step uses: no sync to bound the exact grid.
     model.context.set_distinct(inputs.num_adapters)
     block_tables = tables.upload()
-    if inputs.decode_only and graphs is not None and graphs.serves(len(chunks)):
-        return graphs.run(inputs, block_tables)
+    if graphs is not None:
+        if inputs.decode_only and graphs.serves(len(chunks)):
+            return graphs.run(inputs, block_tables)
+        if not inputs.decode_only and graphs.mixed is not None and graphs.mixed.serves(len(inputs.ids)):
+            return graphs.mixed.run(inputs, block_tables)
     slot_mapping = torch.tensor(inputs.slot_mapping, dtype=torch.long, device=device)
     step = PagedStep.build(cache, inputs.chunks, slot_mapping, block_tables, device)
     cache.step = step
@@ -151,11 +164,7 @@ def run_step(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk
             # The decode step `generate()` runs: one token per row.
             hidden, logits = model.decode_step(ids, positions, step.slot_mapping, cache, token_slot)
             return logits, hidden
-        # The packed forward `generate()` prefills with, over the paged pool.
-        hidden = model._decoder_forward(ids[None], positions[None], cache.packed_mask(len(ids)), cache, token_slot,
-                                        1, **{PAGED_KWARG: cache})
-        with torch.inference_mode():
-            hidden = hidden[0, inputs.last]
-            return model._lm_head(hidden), hidden
+        last = torch.tensor(inputs.last, dtype=torch.long, device=device)
+        return packed_forward(model, cache, ids, positions, token_slot, last)
     finally:
         cache.step = None
