@@ -130,16 +130,16 @@ def main() -> None:
     # Stages in order of importance; one that would end past --deadline is skipped and says so.
     last = [60.0]  # seconds of the latest offline run: the estimate of the next
 
-    def fits(stage: str, cost: float) -> bool:
+    def fits(stage: str, cost: float, what: str) -> bool:
         if stage in skip:
             return False
         if time.perf_counter() - t0 + cost > args.deadline:
-            record(stage="skipped", system=stage, L=0, reason=f"past the {args.deadline:.0f} s deadline")
+            record(stage="skipped", system=what, L=0, reason=f"past the {args.deadline:.0f} s deadline")
             return False
         return True
 
     def offline(stage, system, L, identities, release=None, backbone=False):
-        if fits(stage, last[0]):
+        if fits(stage, last[0], f"{stage} {system} L={L}"):
             row = run_offline(engine, offline_requests(workload, identities, names, ks, release, backbone))
             last[0] = row["seconds"]
             record(stage=stage, system=system, L=L, **row)
@@ -168,11 +168,11 @@ def main() -> None:
     for system, release in open_systems:
         requests = offline_requests(workload, wl.assign(workload, 128), names, ks, release)
         for rate in rates:
-            if fits("open", args.open_seconds + 5):
+            if fits("open", args.open_seconds + 5, f"open {system} {rate:.0f} req/s"):
                 offsets = wl.poisson_arrivals(rate, args.open_seconds, seed=int(rate))
                 record(stage="open", system=system, L=128, rate=rate,
                        **wl.run_open_loop(engine, requests[:len(offsets)], offsets))
-    if args.part == "full" and fits("static", 4 * last[0]):
+    if args.part == "full" and fits("static", 4 * last[0], "static generate"):
         del engine
         torch.cuda.empty_cache()
         model.reconfigure(grid="exact")
@@ -233,7 +233,11 @@ def render(folder: Path) -> None:
                      f"{r['ttft_p90']:.3f} | {r['tpot_p50']:.4f} | {r['tpot_p90']:.4f} |")
     skipped = [r for r in rows if r["stage"] == "skipped"]
     if skipped:
-        lines += ["", "Not run: " + "; ".join(f"{r['system']} ({r['reason']})" for r in skipped)]
+        from collections import Counter
+
+        counts_by = Counter(r["system"] for r in skipped)
+        lines += ["", "Not run (past the run's deadline): " + ", ".join(
+            f"{name} x{n}" if n > 1 else name for name, n in counts_by.items())]
     (folder / "engine.md").write_text("\n".join(lines) + "\n")
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
