@@ -94,6 +94,34 @@ def test_completions_equal_offline_generate(served):
         assert "".join(chunk.choices[0].text for chunk in stream) == text
 
 
+def test_token_id_prompts_equal_text_prompts(served):
+    c = client(served)
+    prompts, adapters = task_prompts(served, 2)
+    for prompt, adapter in zip(prompts, adapters):
+        ids = served["tokenizer"](prompt)["input_ids"]
+        by_text = c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=NEW, temperature=0)
+        by_ids = c.completions.create(model=adapter or "testbed", prompt=ids, max_tokens=NEW, temperature=0)
+        assert by_ids.choices[0].text == by_text.choices[0].text
+        assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_incremental_text_equals_the_full_decode():
+    from lorazor.serve.protocol import IncrementalText
+
+    class Bytes:  # a byte-level tokenizer: a character may span several tokens
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "héllo wörld ✓ done"
+    ids = list(text.encode())
+    inc = IncrementalText(Bytes())
+    seen = []
+    for n in range(1, len(ids) + 1):
+        seen.append(inc.update(ids[:n], finished=n == len(ids)))
+        assert "\ufffd" not in seen[-1] and text.startswith(seen[-1])
+    assert seen[-1] == text and seen[-2] == text[:-1]  # nothing held back once the characters are whole
+
+
 def test_chat_equals_offline_generate_on_the_template(served):
     tok = served["tokenizer"]
     messages = [{"role": "user", "content": served["tasks"]["math"].split("test")[0]["prompt"]}]

@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from ..adapters import AdapterError
 from .metrics import ServerMetrics
-from .protocol import (FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, LoadAdapterRequest, SamplingFields,
-                       UnloadAdapterRequest, generation_kwargs, stops_of, visible_text)
+from .protocol import (FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, IncrementalText, LoadAdapterRequest,
+                       SamplingFields, UnloadAdapterRequest, generation_kwargs, stops_of, visible_text)
 
 log = logging.getLogger("lorazor.serve")
 
@@ -73,10 +73,13 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
     async def deltas(args: dict, stops: list[str]):
         """(visible text delta, RequestOutput) per step of one request; the last has `finished`."""
         sent = ""
+        decoded = IncrementalText(tokenizer)
         stream = engine.stream(**args)
         try:
             async for out in stream:
-                text = visible_text(tokenizer.decode(out.token_ids, skip_special_tokens=True), stops, out.finished)
+                text = visible_text(decoded.update(out.token_ids, out.finished), stops, out.finished)
+                if not text.startswith(sent):  # the final full decode differs from the increments
+                    text = sent
                 if len(text) > len(sent) or out.finished:
                     yield text[len(sent):], out
                     sent = text
@@ -134,6 +137,8 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest):
         prompt = request.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return await respond(request, list(prompt), request.max_tokens, chat=False)  # token ids
         if isinstance(prompt, list):
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt holds {len(prompt)} strings: send one prompt per request", param="prompt")
