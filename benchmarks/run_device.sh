@@ -16,6 +16,7 @@
 #   engine-exact     bench_engine.py --part exact: LoRazor, exact without release, backbone, static, open loop
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
+#                    (needs fastapi, uvicorn and friends: carry their wheels, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels PYTHONUNBUFFERED=1

@@ -37,3 +37,22 @@ def test_benchmark_logic_runs_on_a_tiny_model(tmp_path):
              "m.generate(torch.randint(3, 90, (6, 4)), adapter_ids=assign(6, 6, names), max_new_tokens=2, pad_token_id=0)")
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_serving_benchmark_runs_on_the_testbed(tmp_path):
+    """bench_serving.py end to end on the CPU: the same arrivals in process and over HTTP (a server
+    on 127.0.0.1 that the benchmark starts and stops)."""
+    import json
+
+    root = EXAMPLES.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels"), str(root / "benchmarks")])}
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_serving.py"), "--testbed", "--rates", "3,6",
+                           "--seconds", "1.5", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "serving.json").read_text())["rows"]
+    assert sorted((r["rate"], r["path"]) for r in rows) == [(3.0, "http"), (3.0, "in_process"), (6.0, "http"),
+                                                            (6.0, "in_process")]
+    # Both paths served every request that arrived.
+    for rate in (3.0, 6.0):
+        assert len({r["completed"] for r in rows if r["rate"] == rate}) == 1

@@ -1,0 +1,215 @@
+"""HTTP serving against the in-process engine at the same Poisson rates (loopback only, bounded).
+
+    python benchmarks/bench_serving.py --out benchmarks/results/serving            # H200
+    python benchmarks/bench_serving.py --testbed --rates 2,4 --seconds 2 --out /tmp/s  # CPU smoke
+
+For each offered rate, the same arrivals and requests run twice on one engine:
+1. In process: requests join `engine.step()` at their arrival times (`engine_workload.run_open_loop`).
+2. Over HTTP: `lorazor.serve.build_app` under uvicorn on 127.0.0.1. Each request is a streaming
+   `POST /v1/completions` with the prompt as token ids, sent at its arrival time by an async httpx
+   client. TTFT runs from the send to the first streamed chunk; TPOT from there to the last chunk,
+   per token.
+It reports achieved req/s, P50/P90/P99 TTFT and TPOT per rate and path. The *knee* is the offered
+rate at which P90 TTFT crosses `--ttft-slo` (interpolated between the tested rates; past
+saturation TTFT grows with the queue). The target is an HTTP knee at least 0.9x the in-process
+knee.
+
+The GPU model is the Llama-3.2-3B shape with random bf16 weights and 128 random rank-8 adapters, on
+the bench workload (EOS ignored). It has no tokenizer: text is the space-separated token ids.
+`--testbed` serves the shipped testbed on the CPU with its own tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import engine_workload as wl  # noqa: E402
+from common import environment, write_results  # noqa: E402
+
+
+
+class TokenIdText:
+    """A stand-in tokenizer for a random-weight model: text is the token ids, space-separated."""
+
+    eos_token_id = None
+    pad_token_id = 0
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(str(i) for i in ids)
+
+    def __call__(self, text, **_) -> dict:
+        return {"input_ids": [int(t) for t in text.split()]}
+
+
+def build(testbed: bool):
+    """(engine, tokenizer, adapter names, vocab size)."""
+    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
+
+    if testbed:
+        from lorazor.testbed import load
+
+        peft_model, tokenizer, _ = load()
+        model = LoRazorModel.from_peft(peft_model)
+        engine = LoRazorEngine(model, max_num_seqs=32, max_num_batched_tokens=512, num_kv_blocks=1024)
+        return engine, tokenizer, model.adapter_names, tokenizer.vocab_size
+    from bench_e2e import TARGETS, build_base, fill_random_adapters
+
+    base = build_base("llama-3.2-3b")
+    base.generation_config.eos_token_id = None  # EOS ignored: every request runs its drawn length
+    base.config.eos_token_id = None
+    model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(max_loras=128, max_lora_rank=8,
+                                                                   lora_target_modules=TARGETS))
+    names = fill_random_adapters(model, 0, 128)
+    engine = LoRazorEngine(model, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=18000,
+                           max_model_len=1024)
+    engine.warm_up()
+    return engine, TokenIdText(), names, base.config.vocab_size
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(engine, tokenizer):
+    import httpx
+    import uvicorn
+
+    from lorazor.serve import build_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, tokenizer), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return server, thread, url
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise TimeoutError(f"the server at {url} did not come up")
+
+
+async def http_open_loop(url: str, requests: list[dict], offsets) -> dict:
+    """Send request i at `start + offsets[i]`, stream its answer; per request (first chunk, end, tokens)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        start = time.monotonic()
+
+        async def one(offset, request):
+            await asyncio.sleep(max(start + offset - time.monotonic(), 0))
+            sent = time.monotonic()
+            first = end = None
+            tokens = 0
+            body = dict(model=request["adapter"] or "base", prompt=request["prompt_ids"],
+                        max_tokens=request["max_new_tokens"], temperature=0, stream=True, release=request["release"])
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    now = time.monotonic()
+                    first = first or now
+                    end = now
+                    chunk = json.loads(line[6:])
+                    if "usage" in chunk:
+                        tokens = chunk["usage"]["completion_tokens"]
+            return sent, first, end, tokens
+
+        results = await asyncio.gather(*(one(o, r) for o, r in zip(offsets, requests)))
+    ttft = [f - s for s, f, _, _ in results]
+    tpot = [(e - f) / (n - 1) for _, f, e, n in results if n > 1]
+    end = max(e for _, _, e, _ in results)
+    return dict(completed=len(results), achieved_req_s=len(results) / (end - start),
+                **{f"ttft_{k}": v for k, v in wl.percentiles(ttft).items()},
+                **{f"tpot_{k}": v for k, v in wl.percentiles(tpot).items()})
+
+
+def knee(rows: list[dict], path: str, slo: float) -> tuple[float, bool]:
+    """(rate where P90 TTFT crosses `slo`, linearly interpolated; whether it crossed at all: if not,
+    the highest tested rate, a lower bound)."""
+    pts = sorted((r["rate"], r["ttft_p90"]) for r in rows if r["path"] == path)
+    if not pts or pts[0][1] > slo:
+        return 0.0, True
+    for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+        if t1 > slo:
+            return r0 + (r1 - r0) * (slo - t0) / (t1 - t0), True
+    return pts[-1][0], False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--testbed", action="store_true", help="the shipped testbed on the CPU")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving"))
+    ap.add_argument("--rates", default="25,50,100,150,200")
+    ap.add_argument("--seconds", type=float, default=8.0, help="arrival window per rate")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="cap on output lengths (0: the workload's)")
+    ap.add_argument("--ttft-slo", type=float, default=1.0, help="P90 TTFT (s) that defines the knee")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    engine, tokenizer, names, vocab = build(args.testbed)
+    rates = [float(x) for x in args.rates.split(",")]
+    workload = wl.build(4 * int(max(rates) * args.seconds * 1.5 / 4 + 4), vocab)
+    if args.testbed:  # the testbed's prompts are short and its model small: scale the lengths down
+        for r in workload:
+            r.prompt = r.prompt[:24]
+            r.max_new_tokens = min(r.max_new_tokens, 16)
+    if args.max_new_tokens:
+        for r in workload:
+            r.max_new_tokens = min(r.max_new_tokens, args.max_new_tokens)
+    ks = wl.release_lengths(workload)
+    identities = wl.assign(workload, len(names))
+    requests = [dict(prompt_ids=r.prompt, adapter=names[i], max_new_tokens=r.max_new_tokens, release=ks[r.group],
+                     pad_token_id=0) for r, i in zip(workload, identities)]
+    server, thread, url = start_server(engine, tokenizer)
+    rows = []
+    try:
+        for rate in rates:
+            offsets = wl.poisson_arrivals(rate, args.seconds, seed=int(rate))
+            batch = requests[:len(offsets)]
+            for path in ("in_process", "http"):
+                if path == "in_process":
+                    row = wl.run_open_loop(engine, batch, offsets)
+                else:
+                    row = asyncio.run(http_open_loop(url, [dict(r) for r in batch], offsets))
+                rows.append(dict(path=path, rate=rate, **row))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    knees = {p: knee(rows, p, args.ttft_slo) for p in ("in_process", "http")}
+    ratio = knees["http"][0] / knees["in_process"][0] if knees["in_process"][0] else float("nan")
+    meta = dict(environment(), testbed=args.testbed, seconds=args.seconds, ttft_slo=args.ttft_slo,
+                knees={p: k for p, (k, _) in knees.items()}, knees_crossed={p: c for p, (_, c) in knees.items()},
+                knee_ratio=ratio, total_s=time.perf_counter() - t0)
+    lines = [f"# HTTP vs in-process serving ({'testbed, CPU' if args.testbed else 'Llama-3.2-3B shape, 128 adapters'})",
+             "", f"commit {meta['commit']}, {meta.get('gpu', 'CPU')}, torch {meta['torch']}", "",
+             "| rate | path | achieved req/s | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['rate']:.0f} | {r['path']} | {r['achieved_req_s']:.1f} | " + " | ".join(
+            f"{r[k]:.3f}" for k in ("ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99")) + " |")
+    shown = {p: f"{k:.1f}" + ("" if crossed else "+") for p, (k, crossed) in knees.items()}
+    lines += ["", f"Knee (offered req/s where P90 TTFT crosses {args.ttft_slo:g} s; + = not crossed by the highest "
+                  f"rate): in process {shown['in_process']}, HTTP {shown['http']}, ratio {ratio:.2f} (target >= 0.90)."]
+    write_results(args.out, "serving", rows, meta, "\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
