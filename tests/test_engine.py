@@ -277,3 +277,16 @@ def test_padded_packed_steps_equal_static_generate():
         ref = model.generate(torch.tensor([p], device=model.device), adapter_ids=[a], release=[[None, 1][i % 2]],
                              max_new_tokens=5, do_sample=False, **GEN)
         assert o.token_ids == ref.sequences[0, len(p):].tolist(), a
+
+
+def test_sliding_window_models_are_refused_past_the_window(pair):
+    model, _ = pair
+    cfg = model.model.config
+    cfg.sliding_window = 64
+    try:
+        with pytest.raises(NotImplementedError, match="max_model_len=512 exceeds the model's sliding_window=64"):
+            LoRazorEngine(model, num_kv_blocks=8)
+        eng = LoRazorEngine(model, num_kv_blocks=16, block_size=4, max_model_len=64)  # within the window: served
+        assert eng.generate([dict(prompt_ids=prompts(1)[0], max_new_tokens=3, **GEN)])[0].finish_reason
+    finally:
+        cfg.sliding_window = None

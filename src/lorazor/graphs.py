@@ -57,11 +57,12 @@ class _Bucket:
     logits_out: torch.Tensor | None = None
 
 
-def capture_graph(step, pool):
+def capture_graph(step, pool, measure_memory: bool = True):
     """Capture `step()` (no arguments) as a CUDA graph in memory pool `pool`, after two warm-up runs
     on a side stream (Triton compiles, cuBLAS picks algorithms). The step must be idempotent for its
     inputs: the warm-ups run it for real. Returns (graph, what the captured call returned, seconds,
-    bytes the capture reserved)."""
+    bytes the capture reserved: measured only with `measure_memory`, which empties the allocator's
+    cache first and costs time per capture)."""
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     start.record()
@@ -71,16 +72,18 @@ def capture_graph(step, pool):
         for _ in range(2):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    # Release what the warm-up cached, so the reserved-memory delta is the graph's own pool.
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if measure_memory:
+        # Release what the warm-up cached, so the reserved-memory delta is the graph's own pool.
+        torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         result = step()
     end.record()
     end.synchronize()
-    return graph, result, start.elapsed_time(end) / 1e3, torch.cuda.memory_reserved() - reserved
+    nbytes = torch.cuda.memory_reserved() - reserved if measure_memory else 0
+    return graph, result, start.elapsed_time(end) / 1e3, nbytes
 
 
 class DecodeGraphs:

@@ -85,13 +85,19 @@ class LoRazorEngine:
             max_model_len = min(max_pos, DEFAULT_MAX_MODEL_LEN)
         elif max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and getattr(cfg, "use_sliding_window", True) and max_model_len > window:
+            raise NotImplementedError(f"the engine's attention has no sliding window: max_model_len={max_model_len} "
+                                      f"exceeds the model's sliding_window={window}; pass max_model_len<={window}")
         self.max_model_len = max_model_len
         self.pool = BlockPool(num_kv_blocks, block_size)
         self.cache = PagedKVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads, head_dim,
                                   cfg.num_attention_heads, dtype, model.device, use_kernel=model._triton_attention)
         self.tables = BlockTables(max_num_seqs, -(-max_model_len // block_size), num_kv_blocks, model.device)
+        # Graphs need device-built LoRA metadata and the Triton attention (the reference reads the
+        # tiles on the host).
         self.graphs = (PagedDecodeGraphs(model, self.cache, max_num_seqs, max_num_batched_tokens)
-                       if model.uses_graphs and model.context.meta_on_device else None)
+                       if model.uses_graphs and model.context.meta_on_device and self.cache.use_kernel else None)
         self.heads = HeadTable(cfg.hidden_size, model.device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, model.bank.num_slots)
         self.requests: dict[str, Request] = {}

@@ -149,7 +149,7 @@ class PagedDecodeGraphs:
                                                bucket.row_slot, logits_out=bucket.logits)
             bucket.hidden.copy_(hidden)
 
-        graph, _, seconds, _ = capture_graph(step, self.pool)
+        graph, _, seconds, _ = capture_graph(step, self.pool, measure_memory=False)
         self.decode_captures += 1
         self.decode_capture_seconds += seconds
         return graph

@@ -162,7 +162,7 @@ class MixedStepGraphs:
         return step
 
     def _capture(self, bucket: _Bucket) -> torch.cuda.CUDAGraph:
-        graph, _, seconds, _ = capture_graph(self._step_function(bucket), self.pool)
+        graph, _, seconds, _ = capture_graph(self._step_function(bucket), self.pool, measure_memory=False)
         self.num_captures += 1
         self.capture_seconds += seconds
         return graph
