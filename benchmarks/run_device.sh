@@ -16,7 +16,7 @@
 #   engine-exact     bench_engine.py --part exact: LoRazor, exact without release, backbone, static, open loop
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
-#                    (needs fastapi, uvicorn and friends: carry their wheels, see the device README)
+#                    (needs fastapi, uvicorn, pydantic: carry their wheels as .whl/, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels PYTHONUNBUFFERED=1
@@ -57,7 +57,11 @@ for step in "$@"; do
                  > "$W/engine_exact.log" 2>&1 ;;
     engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  > "$W/engine_full.log" 2>&1 ;;
-    serving) timeout 400 python3 benchmarks/bench_serving.py --out "$W/serving" > "$W/serving.log" 2>&1 ;;
+    serving) if [ -d .whl ]; then  # fastapi, uvicorn, pydantic wheels carried in (device README)
+               python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                 .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+             fi
+             timeout 400 python3 benchmarks/bench_serving.py --out "$W/serving" > "$W/serving.log" 2>&1 ;;
     *) echo "unknown step $step (see the header of benchmarks/run_device.sh)" ;;
   esac
   echo "== $step rc=$? $(( $(date +%s) - start ))s"
