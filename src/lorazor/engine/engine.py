@@ -31,6 +31,7 @@ from .heads import HeadTable
 from .paged import PagedKVCache
 from .request import Request, RequestOutput, Status
 from .runner import BlockTables, run_step
+from .sampler import batchable, sample
 from .scheduler import Scheduler
 
 # KV blocks on the CPU when `num_kv_blocks` is not given (on the GPU: `gpu_memory_utilization`).
@@ -175,6 +176,7 @@ class LoRazorEngine:
         release_k, head = self._release_of(adapter, release)
         request = Request(request_id, prompt, adapter, plan, release_k, head, generator)
         request.plain_greedy = (not plan.config.do_sample and len(plan.processors) == 0 and plan.stopping is None)
+        request.sampling = batchable(plan, generator)
         return request
 
     def _check_prompt(self, prompt_ids) -> list[int]:
@@ -266,24 +268,26 @@ class LoRazorEngine:
 
     def _read_step(self, chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
         """The next token of each row in `rows`, and the learned heads' decisions for the next decode
-        forward. Plain greedy rows and every head run as batched device ops read back in one copy
-        (the step's one host sync); rows with logits processors or stopping criteria then run
-        HF's processors one request at a time."""
+        forward. Plain greedy rows, rows with batchable sampling settings (`sampler.py`) and every
+        head run as batched device ops read back in one copy (the step's one host sync); other rows
+        then run HF's processors one request at a time."""
         requests = [chunks[i].request for i in rows]
         plain = [j for j, r in enumerate(requests) if r.plain_greedy]
+        sampled = [j for j, r in enumerate(requests) if r.sampling is not None]
         heads = [j for j, r in enumerate(requests) if r.head is not None and r.release_step < 0]
+        pick = lambda tensor, js: tensor.index_select(0, torch.tensor([rows[j] for j in js], device=tensor.device))  # noqa: E731
         parts = []
         if plain:
-            index = torch.tensor([rows[j] for j in plain], device=logits.device)
-            parts.append(logits.index_select(0, index).argmax(-1))
+            parts.append(pick(logits, plain).argmax(-1))
+        if sampled:
+            parts.append(sample(pick(logits, sampled), [requests[j].sampling for j in sampled]))
         if heads:
-            index = torch.tensor([rows[j] for j in heads], device=hidden.device)
-            parts.append(self.heads.keep(hidden.index_select(0, index), [requests[j].head for j in heads]).long())
+            parts.append(self.heads.keep(pick(hidden, heads), [requests[j].head for j in heads]).long())
         values = torch.cat(parts).tolist() if parts else []
         tokens: list[int | None] = [None] * len(rows)
-        for j, value in zip(plain, values):
+        for j, value in zip(plain + sampled, values):
             tokens[j] = value
-        for j, value in zip(heads, values[len(plain):]):
+        for j, value in zip(heads, values[len(plain) + len(sampled):]):
             requests[j].next_keep = bool(value)
         for j, request in enumerate(requests):
             if tokens[j] is None:

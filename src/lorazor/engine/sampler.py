@@ -1,0 +1,86 @@
+"""Batched sampling for the engine: the common HF sampling settings of many requests in one pass.
+
+HF applies a request's logits processors to its own scores, and the engine would then read each
+sampled token back on its own: one host sync per request and step. A request whose processors are
+only HF's temperature, top-k, top-p and min-p warpers (in HF's order, with HF's defaults for the
+filter value and tokens to keep), with no seeded generator and no stopping criteria besides EOS and
+length, is sampled here together with every other such request of the step. Each row keeps its own
+settings, and a row's processed scores equal what HF's warpers give for that row alone
+(tests/test_engine_sampler.py). Other requests are sampled one by one, as HF does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+ORDER = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's warper settings (neutral values where its plan has no such warper)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+
+
+def batchable(plan, generator) -> SamplingParams | None:
+    """The request's settings when it can be sampled in a batch, else None."""
+    if not plan.config.do_sample or generator is not None or plan.stopping is not None:
+        return None
+    kinds = [type(p) for p in plan.processors]
+    if any(k not in ORDER for k in kinds) or kinds != sorted(kinds, key=ORDER.index) or len(set(kinds)) != len(kinds):
+        return None
+    values = {}
+    for p in plan.processors:
+        if not isinstance(p, TemperatureLogitsWarper) and (p.filter_value != float("-inf") or p.min_tokens_to_keep != 1):
+            return None
+        if isinstance(p, TemperatureLogitsWarper):
+            values["temperature"] = float(p.temperature)
+        elif isinstance(p, TopKLogitsWarper):
+            values["top_k"] = int(p.top_k)
+        elif isinstance(p, TopPLogitsWarper):
+            values["top_p"] = float(p.top_p)
+        else:
+            values["min_p"] = float(p.min_p)
+    return SamplingParams(**values)
+
+
+def warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """HF's warpers, row by row settings, on `[n, V]` float scores (a new tensor)."""
+    device = scores.device
+    column = lambda name, dtype: torch.tensor([getattr(p, name) for p in params], dtype=dtype,  # noqa: E731
+                                              device=device)[:, None]
+    scores = scores / column("temperature", torch.float32)
+    if any(p.top_k for p in params):
+        k = column("top_k", torch.long).clamp(max=scores.shape[-1])
+        top = torch.topk(scores, int(k.max())).values
+        threshold = top.gather(1, (k - 1).clamp(min=0))
+        scores = scores.masked_fill((scores < threshold) & (k > 0), float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p = column("top_p", torch.float32)
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[:, -1:] = False  # keep at least one token
+        remove &= top_p < 1.0
+        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = column("min_p", torch.float32)
+        probs = torch.softmax(scores, dim=-1)
+        remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+        scores = scores.masked_fill(remove & (min_p > 0.0), float("-inf"))
+    return scores
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`[n]` sampled token ids for `[n, V]` logits, each row under its own settings."""
+    probs = torch.softmax(warp(logits.float(), params), dim=-1)
+    return torch.multinomial(probs, 1).squeeze(1)
