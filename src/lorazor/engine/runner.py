@@ -5,11 +5,12 @@ the request holds it: prefill always, decode forward d while d is before the rel
 after), and its flat position in the paged KV pool. The StepTrim decision for a decode forward is
 taken here, once per request and step, before the forward that it concerns.
 
-Three ways to run a step, one forward implementation:
+Two kinds of step, each run by the forward `generate()` also uses:
 - decode-only (every request computes one token): `LoRazorModel.decode_step`, the step `generate()`
-  decodes with, replayed from a CUDA graph per batch bucket on the GPU (`graphs.py`);
-- with prefill chunks: the packed forward `generate()` prefills with (`_decoder_forward`), eager.
-Block tables live in one persistent device table, one row per running request, rewritten only
+  decodes with; on the GPU replayed from a CUDA graph per batch bucket (`graphs.py`);
+- with prefill chunks: the packed forward `generate()` prefills with (`packed_forward`); on the GPU
+  padded to a token bucket and replayed from a CUDA graph (`mixed_graphs.py`).
+On the CPU both run eagerly. Block tables live in one persistent device table, one row per running request, rewritten only
 where a request gained blocks, so a step uploads a few small arrays.
 """
 
