@@ -113,14 +113,22 @@ def prepare(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk]
         request = chunk.request
         decide_release(chunk)
         row = tables.row_of(request)
-        table, span = request.block_table, range(chunk.start, chunk.start + chunk.num_tokens)
+        table, start = request.block_table, chunk.start
         # Plain Python on purpose: a step has up to max_num_batched_tokens tokens, and per-chunk
-        # tensor or numpy calls cost more than these loops.
-        pool_positions.extend(table[p // page] * page + p % page for p in span)
-        ids.extend(request.tokens[chunk.start:chunk.start + chunk.num_tokens])
-        positions.extend(span)
-        names.extend(request.adapter if request.uses_adapter_at(p) else None for p in span)
-        rows.append((row, chunk.start, chunk.num_tokens))
+        # tensor or numpy calls cost more than these loops. Decode tokens (one per chunk, most
+        # chunks) skip the loops.
+        if chunk.num_tokens == 1:
+            pool_positions.append(table[start // page] * page + start % page)
+            ids.append(request.tokens[start])
+            positions.append(start)
+            names.append(request.adapter if request.uses_adapter_at(start) else None)
+        else:
+            span = range(start, start + chunk.num_tokens)
+            pool_positions.extend(table[p // page] * page + p % page for p in span)
+            ids.extend(request.tokens[start:start + chunk.num_tokens])
+            positions.extend(span)
+            names.extend(request.adapter if request.uses_adapter_at(p) else None for p in span)
+        rows.append((row, start, chunk.num_tokens))
         last.append(len(ids) - 1)
     # Loads the step's adapters that are not in GPU slots (before the forward that reads them).
     distinct = [n for n in dict.fromkeys(names) if n is not None]
