@@ -3,6 +3,7 @@
     python benchmarks/bench_engine.py --part exact --out benchmarks/results/engine
     python benchmarks/bench_engine.py --part full --out benchmarks/results/engine
     python benchmarks/bench_engine.py --render benchmarks/results/engine      # tables + plots
+    python benchmarks/bench_engine.py --tiny --part exact --requests 16 --out /tmp/e   # CPU check of the logic
 
 Llama-3.2-3B shape with random bf16 weights, 128 random rank-8 adapters on all 7 projections, the
 workload of `engine_workload.py` (4096 requests in four task-like groups, EOS ignored). Engine:
@@ -36,6 +37,36 @@ SEQS, TOKENS, BLOCK = 256, 2048, 16
 MAX_MODEL_LEN = 1024
 
 
+def setup(args):
+    """(model, engine, adapter names, vocab size, engine shape): the Llama-3.2-3B shape with 128
+    adapters on the GPU, or with `--tiny` a tiny model with 8 adapters wherever this runs."""
+    from bench_e2e import TARGETS, build_base, fill_random_adapters
+
+    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
+
+    if args.tiny:
+        from transformers import AutoModelForCausalLM
+
+        from lorazor.tiny import tiny_config
+
+        base, adapters, seqs, tokens, max_len = AutoModelForCausalLM.from_config(tiny_config()).eval(), 8, 16, 128, 256
+    else:
+        base, adapters, seqs, tokens, max_len = build_base("llama-3.2-3b"), 128, SEQS, TOKENS, MAX_MODEL_LEN
+    base.generation_config.eos_token_id = None  # EOS ignored: each request runs its drawn length
+    base.config.eos_token_id = None
+    model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(
+        grid=args.part, max_loras=adapters, max_lora_rank=8, lora_target_modules=TARGETS, max_batch_size=seqs,
+        max_cache_len=max_len))
+    names = fill_random_adapters(model, 0, adapters)
+    cfg = base.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_block = 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * head_dim * 2
+    blocks = 2000 if args.tiny else int(args.kv_gb * 2**30 // per_block)
+    engine = LoRazorEngine(model, max_num_seqs=seqs, max_num_batched_tokens=tokens, block_size=BLOCK,
+                           num_kv_blocks=blocks, max_model_len=max_len)
+    return model, engine, names, cfg.vocab_size, dict(max_num_seqs=seqs, max_num_batched_tokens=tokens)
+
+
 def offline_requests(workload, identities, names, ks, release: bool, backbone: bool = False):
     return [dict(prompt_ids=r.prompt, max_new_tokens=r.max_new_tokens, pad_token_id=0,
                  adapter=None if backbone else names[i], release=(ks[r.group] if release else "never"))
@@ -53,8 +84,8 @@ def run_offline(engine, requests) -> dict:
                 skip=1 - lora / decode if decode else 0.0, preemptions=engine.scheduler.num_preemptions)
 
 
-def run_static(model, workload, identities, names, ks, batch: int = 256) -> dict:
-    """`generate()` batches of 256 in workload order: each batch runs to its longest request."""
+def run_static(model, workload, identities, names, ks, batch: int) -> dict:
+    """`generate()` batches of `batch` in workload order: each batch runs to its longest request."""
     start = time.perf_counter()
     useful = 0
     for b in range(0, len(workload), batch):
@@ -69,7 +100,8 @@ def run_static(model, workload, identities, names, ks, batch: int = 256) -> dict
                        release=[ks[r.group] for r in part], max_new_tokens=max(r.max_new_tokens for r in part),
                        do_sample=False, pad_token_id=0)
         useful += sum(r.max_new_tokens for r in part)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return dict(requests=len(workload), seconds=elapsed, req_s=len(workload) / elapsed, out_tok_s=useful / elapsed)
 
@@ -86,36 +118,26 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=32.0)
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: offline,skewed,open,static,backbone")
     ap.add_argument("--deadline", type=float, default=1e9, help="skip stages that would end later (s from start)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model on this machine (checks the logic)")
     args = ap.parse_args()
     if args.render:
         return render(args.render)
-    from bench_e2e import TARGETS, build_base, fill_random_adapters
-
-    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
-
     skip = set(args.skip.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / f"rows_{args.part}.jsonl"
     rows_path.write_text("")
     t0 = time.perf_counter()
-    base = build_base("llama-3.2-3b")
-    base.generation_config.eos_token_id = None  # EOS ignored: each request runs its drawn length
-    base.config.eos_token_id = None
-    model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(
-        grid=args.part, max_loras=128, max_lora_rank=8, lora_target_modules=TARGETS, max_batch_size=SEQS,
-        max_cache_len=MAX_MODEL_LEN))
-    names = fill_random_adapters(model, 0, 128)
-    cfg = base.config
-    per_block = 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * cfg.head_dim * 2
-    engine = LoRazorEngine(model, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS, block_size=BLOCK,
-                           num_kv_blocks=int(args.kv_gb * 2**30 // per_block), max_model_len=MAX_MODEL_LEN)
+    model, engine, names, vocab, shape = setup(args)
     captured = engine.warm_up()
-    workload = wl.build(args.requests, cfg.vocab_size)
+    workload = wl.build(args.requests, vocab)
+    if args.tiny:  # a tiny model on the CPU: short prompts and outputs, same logic
+        for r in workload:
+            r.prompt, r.max_new_tokens = r.prompt[:16], min(r.max_new_tokens, 8)
     ks = wl.release_lengths(workload)
     meta = dict(environment(), part=args.part, requests=len(workload), release_k=ks,
                 planned_skip=wl.skip_fraction(workload, ks), graphs_captured=captured,
-                capture_s=engine.graphs.capture_seconds, setup_s=time.perf_counter() - t0,
-                kv_blocks=engine.pool.num_blocks, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS)
+                capture_s=engine.graphs.capture_seconds if engine.graphs else 0.0, setup_s=time.perf_counter() - t0,
+                kv_blocks=engine.pool.num_blocks, **shape)
     print(json.dumps(meta), flush=True)
     (args.out / f"meta_{args.part}.json").write_text(json.dumps(meta, indent=2))
     # Warm the eager prefill path (Triton compiles for the prefill tiles) outside the timings.
@@ -145,39 +167,41 @@ def main() -> None:
             record(stage=stage, system=system, L=L, **row)
 
     counts = [int(x) for x in args.adapters.split(",") if x]
+    most = len(names)  # skewed traffic and the open loop use every adapter identity
     if args.part == "exact":
         for L in counts:
             identities = wl.assign(workload, L)
             offline("offline", "lorazor", L, identities, release=True)
             offline("offline", "exact", L, identities, release=False)
         offline("backbone", "backbone", 0, [0] * len(workload), backbone=True)
-        skewed = wl.assign(workload, 128, skewed=True)
-        offline("skewed", "lorazor", 128, skewed, release=True)
-        offline("skewed", "exact", 128, skewed, release=False)
+        skewed = wl.assign(workload, most, skewed=True)
+        offline("skewed", "lorazor", most, skewed, release=True)
+        offline("skewed", "exact", most, skewed, release=False)
         open_systems = [("lorazor", True), ("exact", False)]
     else:
         for L in counts:
             offline("offline", "full", L, wl.assign(workload, L), release=False)
         for L in (counts[0], counts[-1]):
             offline("offline", "full_release", L, wl.assign(workload, L), release=True)
-        skewed = wl.assign(workload, 128, skewed=True)
-        offline("skewed", "full", 128, skewed, release=False)
-        offline("skewed", "full_release", 128, skewed, release=True)
+        skewed = wl.assign(workload, most, skewed=True)
+        offline("skewed", "full", most, skewed, release=False)
+        offline("skewed", "full_release", most, skewed, release=True)
         open_systems = [("full", False)]
     rates = [float(x) for x in args.rates.split(",")]
     for system, release in open_systems:
-        requests = offline_requests(workload, wl.assign(workload, 128), names, ks, release)
+        requests = offline_requests(workload, wl.assign(workload, most), names, ks, release)
         for rate in rates:
             if fits("open", args.open_seconds + 5, f"open {system} {rate:.0f} req/s"):
                 offsets = wl.poisson_arrivals(rate, args.open_seconds, seed=int(rate))
-                record(stage="open", system=system, L=128, rate=rate,
+                record(stage="open", system=system, L=most, rate=rate,
                        **wl.run_open_loop(engine, requests[:len(offsets)], offsets))
     if args.part == "full" and fits("static", 4 * last[0], "static generate"):
         del engine
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         model.reconfigure(grid="exact")
-        record(stage="offline", system="static", L=128,
-               **run_static(model, workload, wl.assign(workload, 128), names, ks))
+        record(stage="offline", system="static", L=counts[-1],
+               **run_static(model, workload, wl.assign(workload, counts[-1]), names, ks, shape["max_num_seqs"]))
     print(f"part {args.part} done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -185,12 +209,8 @@ SYSTEMS = ["lorazor", "exact", "full_release", "full", "backbone", "static"]
 
 
 def render(folder: Path) -> None:
-    """Tables (markdown) and plots from every `rows_*.jsonl` in `folder`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Tables (markdown) and, with matplotlib installed (the `bench` extra), plots from every
+    `rows_*.jsonl` in `folder`."""
     rows = [json.loads(line) for path in sorted(folder.glob("rows_*.jsonl")) for line in path.read_text().splitlines()
             if line.strip()]
     metas = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("meta_*.json"))}
@@ -198,7 +218,8 @@ def render(folder: Path) -> None:
     counts = sorted({r["L"] for r in offline if r["L"] > 0})
     get = lambda stage, system, L: next((r for r in rows if r["stage"] == stage and r["system"] == system  # noqa: E731
                                          and r["L"] == L), None)
-    lines = ["# Engine benchmark (Llama-3.2-3B shape, random weights, 128 rank-8 adapters, H200)", ""]
+    lines = ["# Engine benchmark", "", "Llama-3.2-3B shape, random weights, 128 rank-8 adapters (tiny model with 8 "
+             "adapters for CPU runs); the machine and versions per part:", ""]
     for name, meta in metas.items():
         keep = ("commit", "gpu", "torch", "triton", "transformers", "requests", "release_k", "planned_skip",
                 "graphs_captured", "capture_s", "kv_blocks")
@@ -218,14 +239,14 @@ def render(folder: Path) -> None:
         if r:
             lines.append(f"\n{system}: {r['req_s']:.2f} req/s, {r['out_tok_s']:.0f} output tok/s "
                          f"({r['seconds']:.1f} s for {r['requests']} requests)")
-    lines += ["", "## Skewed traffic at 128 adapters (24 identities take ~80% of requests)", "",
+    lines += ["", "## Skewed traffic over every adapter (at 128: 24 identities take ~80% of requests)", "",
               "| system | req/s | output tok/s | skip |", "|---|---|---|---|"]
     for system in SYSTEMS[:4]:
-        r = get("skewed", system, 128)
+        r = next((r for r in rows if r["stage"] == "skewed" and r["system"] == system), None)
         if r:
             lines.append(f"| {system} | {r['req_s']:.2f} | {r['out_tok_s']:.0f} | {r['skip']:.2f} |")
     open_rows = [r for r in rows if r["stage"] == "open"]
-    lines += ["", "## Open loop, Poisson arrivals, 128 adapters (seconds)", "",
+    lines += ["", "## Open loop, Poisson arrivals, every adapter (seconds)", "",
               "| system | offered req/s | achieved req/s | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 |",
               "|---|---|---|---|---|---|---|"]
     for r in open_rows:
@@ -239,6 +260,13 @@ def render(folder: Path) -> None:
         lines += ["", "Not run (past the run's deadline): " + ", ".join(
             f"{name} x{n}" if n > 1 else name for name, n in counts_by.items())]
     (folder / "engine.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): tables only")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for system in SYSTEMS[:4]:

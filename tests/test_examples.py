@@ -56,3 +56,28 @@ def test_serving_benchmark_runs_on_the_testbed(tmp_path):
     # Both paths served every request that arrived.
     for rate in (3.0, 6.0):
         assert len({r["completed"] for r in rows if r["rate"] == rate}) == 1
+
+
+def test_engine_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path):
+    """bench_engine.py --tiny: both parts (every stage: offline sweep, backbone, skewed, open loop,
+    static generate) and the render, on the CPU."""
+    import json
+
+    root = EXAMPLES.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels"), str(root / "benchmarks")])}
+    script = str(root / "benchmarks" / "bench_engine.py")
+    for part in ("exact", "full"):
+        done = subprocess.run([sys.executable, script, "--tiny", "--part", part, "--requests", "16", "--adapters", "4,8",
+                               "--rates", "40", "--open-seconds", "0.3", "--out", str(tmp_path)], capture_output=True,
+                              text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for p in ("exact", "full") for line in (tmp_path / f"rows_{p}.jsonl").read_text().splitlines()]
+    stages = {(r["stage"], r["system"]) for r in rows}
+    assert {("offline", "lorazor"), ("offline", "exact"), ("offline", "full"), ("offline", "full_release"),
+            ("backbone", "backbone"), ("skewed", "lorazor"), ("skewed", "full"), ("open", "lorazor"), ("open", "full"),
+            ("offline", "static")} <= stages, stages
+    assert all(r["completed"] > 0 for r in rows if r["stage"] == "open")
+    done = subprocess.run([sys.executable, script, "--render", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 8 |" in (tmp_path / "engine.md").read_text()
