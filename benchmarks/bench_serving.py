@@ -1,7 +1,8 @@
 """HTTP serving against the in-process engine at the same Poisson rates (loopback only, bounded).
 
     python benchmarks/bench_serving.py --out benchmarks/results/serving            # H200
-    python benchmarks/bench_serving.py --testbed --rates 2,4 --seconds 2 --out /tmp/s  # CPU smoke
+    python benchmarks/bench_serving.py --testbed --rates 2,4 --seconds 2 --out /tmp/s  # CPU, the testbed
+    python benchmarks/bench_serving.py --tiny --rates 2,4 --seconds 2 --out /tmp/s     # CPU, the GPU run's logic
 
 For each offered rate, the same arrivals and requests run twice on one engine:
 1. In process: requests join `engine.step()` at their arrival times (`engine_workload.run_open_loop`).
@@ -50,29 +51,22 @@ class TokenIdText:
         return {"input_ids": [int(t) for t in text.split()]}
 
 
-def build(testbed: bool):
+def build(args):
     """(engine, tokenizer, adapter names, vocab size)."""
-    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
-
-    if testbed:
+    if args.testbed:
+        from lorazor import LoRazorEngine, LoRazorModel
         from lorazor.testbed import load
 
         peft_model, tokenizer, _ = load()
         model = LoRazorModel.from_peft(peft_model)
         engine = LoRazorEngine(model, max_num_seqs=32, max_num_batched_tokens=512, num_kv_blocks=1024)
         return engine, tokenizer, model.adapter_names, tokenizer.vocab_size
-    from bench_e2e import TARGETS, build_base, fill_random_adapters
+    from bench_engine import setup
 
-    base = build_base("llama-3.2-3b")
-    base.generation_config.eos_token_id = None  # EOS ignored: every request runs its drawn length
-    base.config.eos_token_id = None
-    model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(max_loras=128, max_lora_rank=8,
-                                                                   lora_target_modules=TARGETS))
-    names = fill_random_adapters(model, 0, 128)
-    engine = LoRazorEngine(model, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=18000,
-                           max_model_len=1024)
+    # The engine benchmark's model and engine (exact grid): 3B shape and 128 adapters, or --tiny.
+    _, engine, names, vocab, _ = setup(argparse.Namespace(part="exact", tiny=args.tiny, kv_gb=32.0))
     engine.warm_up()
-    return engine, TokenIdText(), names, base.config.vocab_size
+    return engine, TokenIdText(), names, vocab
 
 
 def free_port() -> int:
@@ -155,6 +149,7 @@ def knee(rows: list[dict], path: str, slo: float) -> tuple[float, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--testbed", action="store_true", help="the shipped testbed on the CPU")
+    ap.add_argument("--tiny", action="store_true", help="the GPU run's logic on a tiny random model (CPU)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serving"))
     ap.add_argument("--rates", default="25,50,100,150,200")
     ap.add_argument("--seconds", type=float, default=8.0, help="arrival window per rate")
@@ -162,10 +157,10 @@ def main() -> None:
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="P90 TTFT (s) that defines the knee")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    engine, tokenizer, names, vocab = build(args.testbed)
+    engine, tokenizer, names, vocab = build(args)
     rates = [float(x) for x in args.rates.split(",")]
     workload = wl.build(4 * int(max(rates) * args.seconds * 1.5 / 4 + 4), vocab)
-    if args.testbed:  # the testbed's prompts are short and its model small: scale the lengths down
+    if args.testbed or args.tiny:  # small models on the CPU: scale the lengths down
         for r in workload:
             r.prompt = r.prompt[:24]
             r.max_new_tokens = min(r.max_new_tokens, 16)
@@ -194,10 +189,11 @@ def main() -> None:
         thread.join(timeout=10)
     knees = {p: knee(rows, p, args.ttft_slo) for p in ("in_process", "http")}
     ratio = knees["http"][0] / knees["in_process"][0] if knees["in_process"][0] else float("nan")
-    meta = dict(environment(), testbed=args.testbed, seconds=args.seconds, ttft_slo=args.ttft_slo,
+    meta = dict(environment(), testbed=args.testbed, tiny=args.tiny, seconds=args.seconds, ttft_slo=args.ttft_slo,
                 knees={p: k for p, (k, _) in knees.items()}, knees_crossed={p: c for p, (_, c) in knees.items()},
                 knee_ratio=ratio, total_s=time.perf_counter() - t0)
-    lines = [f"# HTTP vs in-process serving ({'testbed, CPU' if args.testbed else 'Llama-3.2-3B shape, 128 adapters'})",
+    title = "testbed, CPU" if args.testbed else "tiny model, CPU" if args.tiny else "Llama-3.2-3B shape, 128 adapters"
+    lines = [f"# HTTP vs in-process serving ({title})",
              "", f"commit {meta['commit']}, {meta.get('gpu', 'CPU')}, torch {meta['torch']}", "",
              "| rate | path | achieved req/s | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 |",
              "|---|---|---|---|---|---|---|---|---|"]

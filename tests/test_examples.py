@@ -39,14 +39,16 @@ def test_benchmark_logic_runs_on_a_tiny_model(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_serving_benchmark_runs_on_the_testbed(tmp_path):
+@pytest.mark.parametrize("model", ["--testbed", "--tiny"])
+def test_serving_benchmark_runs_on_the_cpu(tmp_path, model):
     """bench_serving.py end to end on the CPU: the same arrivals in process and over HTTP (a server
-    on 127.0.0.1 that the benchmark starts and stops)."""
+    on 127.0.0.1 that the benchmark starts and stops); --tiny runs the GPU run's code path (random
+    model, token-id text, the engine benchmark's setup)."""
     import json
 
     root = EXAMPLES.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels"), str(root / "benchmarks")])}
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_serving.py"), "--testbed", "--rates", "3,6",
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_serving.py"), model, "--rates", "3,6",
                            "--seconds", "1.5", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
