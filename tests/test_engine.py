@@ -140,6 +140,26 @@ def test_more_adapters_than_slots_wait_their_turn(tmp_path):
     assert [o.token_ids for o in outs] == [peft_tokens(oracle, p, a, 5) for p, a in zip(ps, rows)]
 
 
+def test_a_request_waiting_for_a_slot_does_not_block_the_others():
+    model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False, max_loras=2))
+    eng = engine(model)
+    ps = prompts(4, seed=18)
+    first = [eng.add_request(ps[0], adapter="math", max_new_tokens=8, **GEN),
+             eng.add_request(ps[1], adapter="sql", max_new_tokens=8, **GEN)]
+    eng.step()  # math and sql take both slots
+    blocked = eng.add_request(ps[2], adapter="med", max_new_tokens=3, **GEN)
+    later = eng.add_request(ps[3], adapter="math", max_new_tokens=3, **GEN)
+    eng.step()
+    running = {r.request_id for r in eng.scheduler.running}
+    assert later in running and blocked not in running  # math's request passes med's, which waits
+    assert eng.scheduler.waiting[0].request_id == blocked
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    for rid, p, a, n in zip(first + [blocked, later], ps, ["math", "sql", "med", "math"], [8, 8, 3, 3]):
+        assert done[rid].token_ids == peft_tokens(oracle, p, a, n)
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(adapter="physics"), KeyError, "unknown adapter 'physics'"),
     (dict(prompt_ids=[]), ValueError, "empty prompt"),

@@ -8,8 +8,10 @@ Every step:
    preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
    later. Nothing is dropped.
 3. With budget left, waiting requests are admitted first come, first served, while the sequence
-   budget (`max_num_seqs`), the pool, and the GPU adapter slots (`max_adapters` distinct adapters)
-   allow. A prompt longer than the budget is prefilled in chunks over several steps.
+   budget (`max_num_seqs`) and the pool allow. A request whose adapter would need a GPU slot that
+   running requests hold (`max_adapters` distinct adapters) waits at the front of the queue
+   without blocking later requests whose adapters are already running. A prompt longer than the
+   budget is prefilled in chunks over several steps.
 """
 
 from __future__ import annotations
@@ -82,18 +84,23 @@ class Scheduler:
                 chunks.append(Chunk(request, request.num_computed, n))
                 budget -= n
         adapters = {r.adapter for r in self.running if r.adapter is not None}
+        skipped = []  # waiting requests whose adapter needs a slot that running requests hold
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.popleft()
             if request.adapter is not None and request.adapter not in adapters and len(adapters) >= self.max_adapters:
-                break  # its adapter needs a slot that running requests hold: it waits, FCFS
+                # It waits for a slot without blocking later requests whose adapters are in use;
+                # it keeps its place at the front, so it is admitted first once a slot frees.
+                skipped.append(request)
+                continue
             n = min(len(request.tokens) - request.num_computed, budget)
             if not self.pool.grow(request.block_table, request.num_computed + n):
+                self.waiting.appendleft(request)
                 break
-            self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
             if request.adapter is not None:
                 adapters.add(request.adapter)
             chunks.append(Chunk(request, request.num_computed, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         return chunks
