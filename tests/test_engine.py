@@ -160,6 +160,27 @@ def test_a_request_waiting_for_a_slot_does_not_block_the_others():
         assert done[rid].token_ids == peft_tokens(oracle, p, a, n)
 
 
+def test_waiting_requests_adapters_are_loaded_ahead():
+    # One running request at a time and 2 slots for 3 adapters: while a resident adapter's request
+    # runs, the waiting request's adapter is loaded into the idle slot, before its first step.
+    model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False, max_loras=2))
+    resident = [n for n in model.adapter_names if model.adapters[n].location == "gpu"]
+    away = [n for n in model.adapter_names if model.adapters[n].location != "gpu"]
+    assert len(resident) == 2 and len(away) == 1
+    eng = engine(model, max_num_seqs=1)
+    ps = prompts(2, seed=19)
+    ids = [eng.add_request(ps[0], adapter=resident[0], max_new_tokens=6, **GEN),
+           eng.add_request(ps[1], adapter=away[0], max_new_tokens=4, **GEN)]
+    eng.step()
+    assert [r.request_id for r in eng.scheduler.waiting] == [ids[1]]
+    assert model.adapters[away[0]].location == "gpu" and model.adapters[resident[0]].location == "gpu"
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done[ids[0]].token_ids == peft_tokens(oracle, ps[0], resident[0], 6)
+    assert done[ids[1]].token_ids == peft_tokens(oracle, ps[1], away[0], 4)
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(adapter="physics"), KeyError, "unknown adapter 'physics'"),
     (dict(prompt_ids=[]), ValueError, "empty prompt"),

@@ -40,6 +40,8 @@ DEFAULT_CPU_BLOCKS = 256
 DEFAULT_MAX_MODEL_LEN = 4096
 # GPU memory left outside the KV pool when it is sized automatically: activations, graphs, logits.
 GPU_HEADROOM_BYTES = 3 << 30
+# Waiting requests whose adapters are loaded ahead, while the step before their admission runs.
+PREFETCH_LOOKAHEAD = 8
 
 
 class LoRazorEngine:
@@ -245,6 +247,7 @@ class LoRazorEngine:
                 self.graphs = PagedDecodeGraphs(self.model, self.cache, self.scheduler.max_num_seqs,
                                                 self.scheduler.max_num_batched_tokens)
             logits, hidden = run_step(self.model, self.cache, self.tables, chunks, self.graphs)
+            self._prefetch_waiting(chunks)
             for chunk in chunks:
                 chunk.request.num_computed += chunk.num_tokens
             # A prefill chunk short of the prompt's end produces no token.
@@ -265,6 +268,22 @@ class LoRazorEngine:
         self._dispatch(outputs)
         self._run_pending_aborts()
         return outputs
+
+    def _prefetch_waiting(self, chunks) -> None:
+        """Start loading the adapters of the next waiting requests into free or idle GPU slots, on
+        the side stream while this step computes, so their first step does not wait for the copy.
+        Slots of running requests and of this step are never evicted."""
+        registry = self.model.registry
+        busy = {c.request.adapter for c in chunks} | {r.adapter for r in self.scheduler.running}
+        busy.discard(None)
+        room = self.model.bank.num_slots - len(busy)
+        wanted = []
+        for request in itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD):
+            name = request.adapter
+            if name is not None and name not in busy and name not in wanted and len(wanted) < room:
+                wanted.append(name)
+        if any(name not in registry.bank.slot_of for name in wanted):
+            registry.prefetch(wanted, protected=busy)
 
     def _read_step(self, chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
         """The next token of each row in `rows`, and the learned heads' decisions for the next decode
