@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from pathlib import Path
 
 
@@ -22,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: from free GPU memory; 256 on the CPU)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, help="the longest prompt + output a request may have")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the free GPU memory the KV pool takes when --num-kv-blocks is not given")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
 
@@ -59,7 +63,14 @@ def build(args: argparse.Namespace):
     else:
         raise SystemExit("lorazor serve needs --model PATH_OR_ID or --testbed")
     engine = LoRazorEngine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                           num_kv_blocks=args.num_kv_blocks, block_size=args.block_size)
+                           num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
+    # On the GPU every step graph is captured before the first request (no-op on the CPU).
+    start = time.perf_counter()
+    captured = engine.warm_up()
+    if captured:
+        logging.getLogger("lorazor.serve").info("captured %d step graphs in %.1f s", captured,
+                                                time.perf_counter() - start)
     template = args.chat_template.read_text() if args.chat_template else None
     return build_app(engine, tokenizer, model_name=name, chat_template=template), name
 
