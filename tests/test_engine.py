@@ -66,9 +66,16 @@ def test_preemption_and_recompute_give_the_same_tokens(pair):
     model, oracle = pair
     ps = prompts(6, seed=3)
     eng = engine(model, num_kv_blocks=7, max_num_batched_tokens=16)
-    outs = eng.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=10, **GEN) for p, a in zip(ps, ADAPTERS)])
+    ids = [eng.add_request(p, adapter=a, max_new_tokens=10, **GEN) for p, a in zip(ps, ADAPTERS)]
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        # Block-table rows belong to running requests only: a preempted request gives its row back.
+        held = [r for r in eng.requests.values() if r.table_row is not None]
+        assert {id(r) for r in held} <= {id(r) for r in eng.scheduler.running}
+        assert len(eng.tables._free) + len(held) == eng.scheduler.max_num_seqs
     assert eng.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in outs] == [peft_tokens(oracle, p, a, 10) for p, a in zip(ps, ADAPTERS)]
+    assert [done[i].token_ids for i in ids] == [peft_tokens(oracle, p, a, 10) for p, a in zip(ps, ADAPTERS)]
     assert eng.pool.num_free == eng.pool.num_blocks
 
 

@@ -102,7 +102,8 @@ class LoRazorEngine:
         self.graphs = (PagedDecodeGraphs(model, self.cache, max_num_seqs, max_num_batched_tokens)
                        if model.uses_graphs and model.context.meta_on_device and self.cache.use_kernel else None)
         self.heads = HeadTable(cfg.hidden_size, model.device)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, model.bank.num_slots)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, model.bank.num_slots,
+                                   on_free=self.tables.release)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -342,7 +343,6 @@ class LoRazorEngine:
         request.finish_reason = reason
         request.finish_time = time.monotonic()
         del self.requests[request.request_id]
-        self.tables.release(request)
         if request.adapter is not None:
             self.model.registry.in_use[request.adapter] -= 1
 

@@ -35,8 +35,12 @@ class Chunk:
 class Scheduler:
     """FCFS admission under a token budget and a sequence budget, chunked prefill, preemption."""
 
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_adapters: int):
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_adapters: int,
+                 on_free=None):
+        """`on_free(request)`: called when a request leaves the running set (finished, aborted or
+        preempted) with its blocks freed, so per-running-request state (a block-table row) goes too."""
         self.pool = pool
+        self.on_free = on_free or (lambda request: None)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_adapters = max_adapters
@@ -54,11 +58,12 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.pool.free(request.block_table)
+        self.on_free(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.pool.free(request.block_table)
-        request.table_synced = 0  # its device block-table row is rewritten when it runs again
+        self.on_free(request)
         request.num_computed = 0
         request.status = Status.WAITING
         self.waiting.appendleft(request)
