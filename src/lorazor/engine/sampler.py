@@ -60,7 +60,8 @@ def warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     scores = scores / column("temperature", torch.float32)
     if any(p.top_k for p in params):
         k = column("top_k", torch.long).clamp(max=scores.shape[-1])
-        top = torch.topk(scores, int(k.max())).values
+        # The largest k from the host's settings, not from the device tensor (no sync).
+        top = torch.topk(scores, min(max(p.top_k for p in params), scores.shape[-1])).values
         threshold = top.gather(1, (k - 1).clamp(min=0))
         scores = scores.masked_fill((scores < threshold) & (k > 0), float("-inf"))
     if any(p.top_p < 1.0 for p in params):
