@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..graphs import batch_bucket, capture_graph
+from ..graphs import batch_bucket
 from .mixed_graphs import MixedStepGraphs
 from .paged import PagedKVCache, PagedStep
+from .step_graphs import StepGraphs
 
 
 @dataclass
@@ -36,7 +37,7 @@ class _Bucket:
     graphs: dict = field(default_factory=dict)
 
 
-class PagedDecodeGraphs:
+class PagedDecodeGraphs(StepGraphs):
     """Lazily captured step graphs of one engine: decode-only steps here, packed steps in `mixed`.
 
     Args:
@@ -47,23 +48,18 @@ class PagedDecodeGraphs:
     """
 
     def __init__(self, model, cache: PagedKVCache, max_batch: int, max_tokens: int):
-        self.model = model
-        self.cache = cache
+        super().__init__(model, cache, torch.cuda.graph_pool_handle())
         self.grid = model.context.grid  # graphs hold this grid's kernels: a new grid needs new graphs
         self.max_bucket = batch_bucket(max_batch)
-        self.pool = torch.cuda.graph_pool_handle()
-        self.buckets: dict[int, _Bucket] = {}
-        self.decode_captures = 0
-        self.decode_capture_seconds = 0.0
         self.mixed = MixedStepGraphs(model, cache, max_tokens, max_batch, self.pool)
 
     @property
     def num_captures(self) -> int:
-        return self.decode_captures + self.mixed.num_captures
+        return self.captured + self.mixed.captured
 
     @property
     def capture_seconds(self) -> float:
-        return self.decode_capture_seconds + self.mixed.capture_seconds
+        return self.capture_time + self.mixed.capture_time
 
     def serves(self, batch: int) -> bool:
         return batch_bucket(batch) <= self.max_bucket
@@ -89,14 +85,7 @@ class PagedDecodeGraphs:
         n = len(inputs.ids)
         bucket = self._bucket(batch_bucket(n), block_tables)
         self._fill(bucket, inputs)
-        key = self.mixed._key()
-        if key not in bucket.graphs:
-            bucket.graphs[key] = self._capture(bucket)
-        self.cache.step = bucket.step
-        try:
-            bucket.graphs[key].replay()
-        finally:
-            self.cache.step = None
+        self._replay(bucket)
         return bucket.logits[:n], bucket.hidden[:n]
 
     def _fill(self, bucket: _Bucket, inputs) -> None:
@@ -129,30 +118,24 @@ class PagedDecodeGraphs:
         keys = [(True, bound) for bound in context.slot_bound_classes()] + [(False, None)]
         before = self.num_captures
         try:
-            for size in sizes:
-                bucket = self._bucket(size, block_tables)
-                self._fill(bucket, None)
-                for key in keys:
-                    if key not in bucket.graphs:
-                        context.enabled, context.slot_bound = key
-                        bucket.graphs[key] = self._capture(bucket)
-            self.mixed.capture_all(block_tables, keys)
+            self.capture_sizes(sizes, block_tables, keys)
+            self.mixed.capture_sizes(self.mixed.bucket_sizes(), block_tables, keys)
         finally:
             context.enabled, context.slot_bound = saved
         return self.num_captures - before
 
-    def _capture(self, bucket: _Bucket) -> torch.cuda.CUDAGraph:
+    def _step_function(self, bucket: _Bucket):
         def step():
             # Writes the same pool positions on every run: the warm-ups leave what one replay would.
             self.cache.step = bucket.step
-            hidden, _ = self.model.decode_step(bucket.tokens, bucket.positions, bucket.slot_mapping, self.cache,
-                                               bucket.row_slot, logits_out=bucket.logits)
-            bucket.hidden.copy_(hidden)
+            try:
+                hidden, _ = self.model.decode_step(bucket.tokens, bucket.positions, bucket.slot_mapping, self.cache,
+                                                   bucket.row_slot, logits_out=bucket.logits)
+                bucket.hidden.copy_(hidden)
+            finally:
+                self.cache.step = None
 
-        graph, _, seconds, _ = capture_graph(step, self.pool, measure_memory=False)
-        self.decode_captures += 1
-        self.decode_capture_seconds += seconds
-        return graph
+        return step
 
     def num_graphs(self) -> int:
         return sum(len(b.graphs) for b in list(self.buckets.values()) + list(self.mixed.buckets.values()))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..policies.learned import risk_scores
+
 
 class HeadTable:
     """Rows of (w `[H]`, b, tau), one per adapter whose head a request has used.
@@ -45,5 +47,4 @@ class HeadTable:
     def keep(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """`[n]` bool: whether each hidden state `[n, H]` keeps its adapter under head `rows[i]`."""
         index = torch.tensor(rows, device=hidden.device)
-        scores = (hidden.float() * self.w[index]).sum(-1) + self.b[index]
-        return scores >= self.tau[index]
+        return risk_scores(hidden, self.w, self.b, index) >= self.tau[index]

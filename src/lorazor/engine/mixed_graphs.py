@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..graphs import capture_graph
 from .paged import PagedKVCache, PagedStep, tile_columns
 from .runner import packed_forward
+from .step_graphs import StepGraphs
 
 TOKEN_BUCKET = 256
 
@@ -47,7 +47,7 @@ class _Bucket:
     graphs: dict = field(default_factory=dict)
 
 
-class MixedStepGraphs:
+class MixedStepGraphs(StepGraphs):
     """Graphs of packed steps up to `max_tokens` tokens and `max_rows` requests.
 
     Args:
@@ -59,15 +59,9 @@ class MixedStepGraphs:
     """
 
     def __init__(self, model, cache: PagedKVCache, max_tokens: int, max_rows: int, pool, capture: bool = True):
-        self.model = model
-        self.cache = cache
+        super().__init__(model, cache, pool, capture)
         self.max_bucket = token_bucket(max_tokens)
         self.max_rows = max_rows
-        self.pool = pool
-        self.capture = capture
-        self.buckets: dict[int, _Bucket] = {}
-        self.num_captures = 0
-        self.capture_seconds = 0.0
 
     def serves(self, num_tokens: int) -> bool:
         return token_bucket(num_tokens) <= self.max_bucket
@@ -131,19 +125,9 @@ class MixedStepGraphs:
         each request's last token, views of static buffers."""
         bucket = self._bucket(token_bucket(len(inputs.ids)), block_tables)
         self._fill(bucket, inputs)
-        if self.capture:
-            key = self._key()
-            if key not in bucket.graphs:
-                bucket.graphs[key] = self._capture(bucket)
-            bucket.graphs[key].replay()
-        else:
-            self._step_function(bucket)()
+        self._replay(bucket)
         rows = len(inputs.last)
         return bucket.logits[:rows], bucket.hidden[:rows]
-
-    def _key(self):
-        context = self.model.context
-        return (context.enabled, context.slot_bound if context.enabled else None)
 
     def _step_function(self, bucket: _Bucket):
         """The step a graph of `bucket` holds: the shared packed forward on the bucket's buffers."""
@@ -160,20 +144,3 @@ class MixedStepGraphs:
                 self.cache.step = None
 
         return step
-
-    def _capture(self, bucket: _Bucket) -> torch.cuda.CUDAGraph:
-        graph, _, seconds, _ = capture_graph(self._step_function(bucket), self.pool, measure_memory=False)
-        self.num_captures += 1
-        self.capture_seconds += seconds
-        return graph
-
-    def capture_all(self, block_tables: torch.Tensor, keys) -> None:
-        """Capture every token bucket for each (enabled, slot bound) key (padding-only inputs)."""
-        context = self.model.context
-        for tokens in self.bucket_sizes():
-            bucket = self._bucket(tokens, block_tables)
-            self._fill(bucket, None)
-            for key in keys:
-                if key not in bucket.graphs:
-                    context.enabled, context.slot_bound = key
-                    bucket.graphs[key] = self._capture(bucket)

@@ -58,7 +58,6 @@ class BlockTables:
         self.host = np.full((max_rows + 1, width), scratch_block, dtype=np.int32)
         self.device = torch.from_numpy(self.host).to(device)
         self.scratch_row = max_rows
-        self.width = width
         self._free = list(range(max_rows - 1, -1, -1))
         self._dirty = False
 
@@ -75,11 +74,11 @@ class BlockTables:
         return request.table_row
 
     def release(self, request) -> None:
+        """Free the request's row. Its stale contents stay: only rows of scheduled requests are
+        read, and a row is rewritten from block 0 when it is assigned again."""
         if request.table_row is not None:
-            self.host[request.table_row] = self.host[self.scratch_row, 0]
             self._free.append(request.table_row)
             request.table_row = None
-            self._dirty = True
 
     def upload(self) -> torch.Tensor:
         if self._dirty:
@@ -160,7 +159,7 @@ def run_step(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk
     if graphs is not None:
         if inputs.decode_only and graphs.serves(len(chunks)):
             return graphs.run(inputs, block_tables)
-        if not inputs.decode_only and graphs.mixed is not None and graphs.mixed.serves(len(inputs.ids)):
+        if not inputs.decode_only and graphs.mixed.serves(len(inputs.ids)):
             return graphs.mixed.run(inputs, block_tables)
     slot_mapping = torch.tensor(inputs.slot_mapping, dtype=torch.long, device=device)
     step = PagedStep.build(cache, inputs.chunks, slot_mapping, block_tables, device)

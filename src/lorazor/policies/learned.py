@@ -13,6 +13,12 @@ import torch
 from .base import ReleasePolicy, ReleaseState
 
 
+def risk_scores(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`[B]` scores w[index[i]] . hidden[i] + b[index[i]]: every row's head in one gather + dot
+    (`LearnedRelease` indexes its heads by slot, the engine by request)."""
+    return (hidden.float() * w[index]).sum(-1) + b[index]
+
+
 def _check_head(name, head) -> None:
     if not isinstance(head, (tuple, list)) or len(head) != 3:
         raise TypeError(f"the release head of adapter {name!r} must be (weight [H], bias, tau), got {head!r}")
@@ -73,8 +79,7 @@ class LearnedRelease(ReleasePolicy):
 
     def scores(self, hidden: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """`[B]` risk scores w_a . h + b_a, one batched gather + dot for all rows."""
-        idx = slot.long()
-        return (hidden.float() * self.bound["w"][idx]).sum(-1) + self.bound["b"][idx]
+        return risk_scores(hidden, self.bound["w"], self.bound["b"], slot.long())
 
     def keep(self, step, hidden: torch.Tensor, state: ReleaseState) -> torch.Tensor:
         return self.scores(hidden, state.slot) >= self.bound["tau"][state.slot.long()]
