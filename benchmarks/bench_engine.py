@@ -14,8 +14,10 @@ before timing. Systems:
 - full: full grid, no release (the vLLM-style kernel grid); backbone: no adapters (the ceiling);
 - static: `LoRazorModel.generate` in batches of 256 over the same requests (exact + release).
 Offline throughput at 4..128 adapters (uniform), skewed traffic at 128, Poisson open loop. Part
-`exact`: lorazor and exact at every adapter count, backbone, skewed, open loop for both. Part `full`:
-full at every count, full_release at the smallest and largest, skewed, open loop, then static.
+`exact`: lorazor and exact at 128, backbone, static, the open loop for both, skewed, then lorazor and
+exact at fewer adapters. Part `full`: full and full_release at 128, the open loop for full, skewed,
+then full at fewer adapters and full_release at the fewest. Stages run in that order (the issue's
+targets first) and `--deadline` skips the tail, listing what it skipped.
 A part runs in one process (one grid's engine); rows go to `<out>/rows_<part>.jsonl`.
 """
 
@@ -113,8 +115,9 @@ def main() -> None:
     ap.add_argument("--render", type=Path, help="write tables and plots from the rows in this folder")
     ap.add_argument("--requests", type=int, default=4096)
     ap.add_argument("--adapters", default="4,8,16,32,64,128")
-    ap.add_argument("--rates", default="25,50,100,150")
+    ap.add_argument("--rates", default="25,50,75,100,125,150,200")
     ap.add_argument("--open-seconds", type=float, default=8.0, help="arrival window per open-loop rate")
+    ap.add_argument("--ttft-slo", type=float, default=1.0, help="P90 TTFT (s) that defines the open-loop knee")
     ap.add_argument("--kv-gb", type=float, default=32.0)
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: offline,skewed,open,static,backbone")
     ap.add_argument("--deadline", type=float, default=1e9, help="skip stages that would end later (s from start)")
@@ -137,7 +140,7 @@ def main() -> None:
     meta = dict(environment(), part=args.part, requests=len(workload), release_k=ks,
                 planned_skip=wl.skip_fraction(workload, ks), graphs_captured=captured,
                 capture_s=engine.graphs.capture_seconds if engine.graphs else 0.0, setup_s=time.perf_counter() - t0,
-                kv_blocks=engine.pool.num_blocks, **shape)
+                kv_blocks=engine.pool.num_blocks, ttft_slo=args.ttft_slo, **shape)
     print(json.dumps(meta), flush=True)
     (args.out / f"meta_{args.part}.json").write_text(json.dumps(meta, indent=2))
     # Warm the eager prefill path (Triton compiles for the prefill tiles) outside the timings.
@@ -168,40 +171,50 @@ def main() -> None:
 
     counts = [int(x) for x in args.adapters.split(",") if x]
     most = len(names)  # skewed traffic and the open loop use every adapter identity
-    if args.part == "exact":
-        for L in counts:
-            identities = wl.assign(workload, L)
-            offline("offline", "lorazor", L, identities, release=True)
-            offline("offline", "exact", L, identities, release=False)
-        offline("backbone", "backbone", 0, [0] * len(workload), backbone=True)
-        skewed = wl.assign(workload, most, skewed=True)
-        offline("skewed", "lorazor", most, skewed, release=True)
-        offline("skewed", "exact", most, skewed, release=False)
-        open_systems = [("lorazor", True), ("exact", False)]
-    else:
-        for L in counts:
-            offline("offline", "full", L, wl.assign(workload, L), release=False)
-        for L in (counts[0], counts[-1]):
-            offline("offline", "full_release", L, wl.assign(workload, L), release=True)
-        skewed = wl.assign(workload, most, skewed=True)
-        offline("skewed", "full", most, skewed, release=False)
-        offline("skewed", "full_release", most, skewed, release=True)
-        open_systems = [("full", False)]
     rates = [float(x) for x in args.rates.split(",")]
-    for system, release in open_systems:
+
+    def open_loop(system, release):
+        """Rates in increasing order until P90 TTFT is far past the SLO (the knee is behind us)."""
         requests = offline_requests(workload, wl.assign(workload, most), names, ks, release)
         for rate in rates:
             if fits("open", args.open_seconds + 5, f"open {system} {rate:.0f} req/s"):
                 offsets = wl.poisson_arrivals(rate, args.open_seconds, seed=int(rate))
-                record(stage="open", system=system, L=most, rate=rate,
-                       **wl.run_open_loop(engine, requests[:len(offsets)], offsets))
-    if args.part == "full" and fits("static", 4 * last[0], "static generate"):
-        del engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        model.reconfigure(grid="exact")
-        record(stage="offline", system="static", L=counts[-1],
-               **run_static(model, workload, wl.assign(workload, counts[-1]), names, ks, shape["max_num_seqs"]))
+                row = wl.run_open_loop(engine, requests[:len(offsets)], offsets)
+                record(stage="open", system=system, L=most, rate=rate, **row)
+                if row["ttft_p90"] > 3 * args.ttft_slo:
+                    break
+
+    # Stages in order of the issue's targets: everything at the most adapters first, then the open
+    # loop, skewed traffic, and the sweep over fewer adapters; --deadline cuts the tail.
+    uniform = wl.assign(workload, most)
+    skewed = wl.assign(workload, most, skewed=True)
+    fewer = [L for L in counts if L != most]
+    if args.part == "exact":
+        offline("offline", "lorazor", most, uniform, release=True)
+        offline("offline", "exact", most, uniform, release=False)
+        offline("backbone", "backbone", 0, [0] * len(workload), backbone=True)
+        if fits("static", 1.5 * last[0], "static generate"):  # the model is on the exact grid already
+            run_static(model, workload[:shape["max_num_seqs"]], uniform, names, ks, shape["max_num_seqs"])  # warm-up
+            record(stage="offline", system="static", L=most,
+                   **run_static(model, workload, uniform, names, ks, shape["max_num_seqs"]))
+        open_loop("lorazor", True)
+        open_loop("exact", False)
+        offline("skewed", "lorazor", most, skewed, release=True)
+        offline("skewed", "exact", most, skewed, release=False)
+        for L in fewer:
+            identities = wl.assign(workload, L)
+            offline("offline", "lorazor", L, identities, release=True)
+            offline("offline", "exact", L, identities, release=False)
+    else:
+        offline("offline", "full", most, uniform, release=False)
+        offline("offline", "full_release", most, uniform, release=True)
+        open_loop("full", False)
+        offline("skewed", "full", most, skewed, release=False)
+        offline("skewed", "full_release", most, skewed, release=True)
+        for L in fewer:
+            offline("offline", "full", L, wl.assign(workload, L), release=False)
+        if fewer:
+            offline("offline", "full_release", fewer[0], wl.assign(workload, fewer[0]), release=True)
     print(f"part {args.part} done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -252,6 +265,8 @@ def render(folder: Path) -> None:
     for r in open_rows:
         lines.append(f"| {r['system']} | {r['rate']:.0f} | {r['achieved_req_s']:.1f} | {r['ttft_p50']:.3f} | "
                      f"{r['ttft_p90']:.3f} | {r['tpot_p50']:.4f} | {r['tpot_p90']:.4f} |")
+    lines += targets(rows, offline, open_rows, max(counts, default=0),
+                     next((m["ttft_slo"] for m in metas.values() if "ttft_slo" in m), 1.0))
     skipped = [r for r in rows if r["stage"] == "skipped"]
     if skipped:
         from collections import Counter
@@ -291,6 +306,31 @@ def render(folder: Path) -> None:
     fig.tight_layout()
     fig.savefig(folder / "engine.png", dpi=120)
     plot_workload(folder / "workload.png", next(iter(metas.values()))["requests"] if metas else 4096)
+
+
+def targets(rows, offline, open_rows, most: int, slo: float) -> list[str]:
+    """The issue's targets as ratios within this run, where both sides ran."""
+    req_s = {r["system"]: r["req_s"] for r in offline if r["L"] in (most, 0)}
+    knees = {system: wl.knee([(r["rate"], r["ttft_p90"]) for r in open_rows if r["system"] == system], slo)
+             for system in sorted({r["system"] for r in open_rows})}
+    checks = [("lorazor / backbone", "lorazor", "backbone", 0.90), ("exact / backbone", "exact", "backbone", 0.75),
+              ("lorazor / full", "lorazor", "full", 1.5), ("lorazor engine / static generate", "lorazor", "static", 1.5)]
+    lines = ["", f"## Targets at {most} adapters (ratios within this run)", "", "| ratio | value | target | met |",
+             "|---|---|---|---|"]
+    for label, a, b, target in checks:
+        if a in req_s and b in req_s:
+            value = req_s[a] / req_s[b]
+            lines.append(f"| {label} (req/s) | {value:.2f} | >= {target} | {'yes' if value >= target else 'no'} |")
+    if "lorazor" in knees and "full" in knees:
+        (ka, ca), (kb, cb) = knees["lorazor"], knees["full"]
+        value = ka / kb if kb else float("nan")
+        bound = "" if ca and cb else " (a knee not crossed: bound only)"
+        met = "not determined" if bound else "yes" if value >= 1.5 else "no"
+        lines.append(f"| lorazor knee / full knee (P90 TTFT {slo:g} s) | {value:.2f}{bound} | >= 1.5 | {met} |")
+    if knees:
+        lines += ["", "Knees (offered req/s where P90 TTFT crosses {:g} s; + = not crossed): ".format(slo) + ", ".join(
+            f"{system} {k:.1f}{'' if crossed else '+'}" for system, (k, crossed) in knees.items())]
+    return lines
 
 
 def plot_workload(path: Path, num_requests: int) -> None:

@@ -134,18 +134,6 @@ async def http_open_loop(url: str, requests: list[dict], offsets) -> dict:
                 **{f"tpot_{k}": v for k, v in wl.percentiles(tpot).items()})
 
 
-def knee(rows: list[dict], path: str, slo: float) -> tuple[float, bool]:
-    """(rate where P90 TTFT crosses `slo`, linearly interpolated; whether it crossed at all: if not,
-    the highest tested rate, a lower bound)."""
-    pts = sorted((r["rate"], r["ttft_p90"]) for r in rows if r["path"] == path)
-    if not pts or pts[0][1] > slo:
-        return 0.0, True
-    for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
-        if t1 > slo:
-            return r0 + (r1 - r0) * (slo - t0) / (t1 - t0), True
-    return pts[-1][0], False
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--testbed", action="store_true", help="the shipped testbed on the CPU")
@@ -187,7 +175,8 @@ def main() -> None:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-    knees = {p: knee(rows, p, args.ttft_slo) for p in ("in_process", "http")}
+    knees = {p: wl.knee([(r["rate"], r["ttft_p90"]) for r in rows if r["path"] == p], args.ttft_slo)
+             for p in ("in_process", "http")}
     ratio = knees["http"][0] / knees["in_process"][0] if knees["in_process"][0] else float("nan")
     meta = dict(environment(), testbed=args.testbed, tiny=args.tiny, seconds=args.seconds, ttft_slo=args.ttft_slo,
                 knees={p: k for p, (k, _) in knees.items()}, knees_crossed={p: c for p, (_, c) in knees.items()},

@@ -134,3 +134,16 @@ def summarize(outs, start: float) -> dict:
     return dict(completed=len(outs), achieved_req_s=len(outs) / (end - start),
                 **{f"ttft_{k}": v for k, v in percentiles([o.ttft for o in outs]).items()},
                 **{f"tpot_{k}": v for k, v in percentiles([o.tpot for o in outs]).items()})
+
+
+def knee(points, slo: float) -> tuple[float, bool]:
+    """(offered rate where P90 TTFT crosses `slo`, linearly interpolated between the tested rates;
+    whether it crossed at all: if not, the highest tested rate, a lower bound). `points` holds
+    (rate, P90 TTFT) pairs."""
+    pts = sorted(points)
+    if not pts or pts[0][1] > slo:
+        return 0.0, True
+    for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+        if t1 > slo:
+            return r0 + (r1 - r0) * (slo - t0) / (t1 - t0), True
+    return pts[-1][0], False

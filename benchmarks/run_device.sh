@@ -53,7 +53,7 @@ for step in "$@"; do
     adapters) timeout 330 python3 benchmarks/bench_adapters.py --out "$W" > "$W/adapters.log" 2>&1 ;;
     engine-quick) timeout 400 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --requests 512 \
                  --adapters 4,128 --rates 50,150 --open-seconds 4 --skip static > "$W/engine_quick.log" 2>&1 ;;
-    engine-exact) timeout 560 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 520 \
+    engine-exact) timeout 560 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  > "$W/engine_exact.log" 2>&1 ;;
     engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  > "$W/engine_full.log" 2>&1 ;;
