@@ -6,10 +6,11 @@
 
 For each offered rate, the same arrivals and requests run twice on one engine:
 1. In process: requests join `engine.step()` at their arrival times (`engine_workload.run_open_loop`).
-2. Over HTTP: `lorazor.serve.build_app` under uvicorn on 127.0.0.1. Each request is a streaming
-   `POST /v1/completions` with the prompt as token ids, sent at its arrival time by an async httpx
-   client. TTFT runs from the send to the first streamed chunk; TPOT from there to the last chunk,
-   per token.
+2. Over HTTP: `lorazor.serve.build_app` under uvicorn on 127.0.0.1, in this process. Each request
+   is a streaming `POST /v1/completions` with the prompt as token ids, sent at its arrival time by
+   an async httpx client in one of `--clients` child processes (so the clients do not share the
+   server's GIL). TTFT runs from the send to the first streamed chunk; TPOT from there to the last
+   chunk, per token.
 It reports achieved req/s, P50/P90/P99 TTFT and TPOT per rate and path. The *knee* is the offered
 rate at which P90 TTFT crosses `--ttft-slo` (interpolated between the tested rates; past
 saturation TTFT grows with the queue). The target is an HTTP knee at least 0.9x the in-process
@@ -25,10 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import socket
 import sys
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -97,13 +100,13 @@ def start_server(engine, tokenizer):
     raise TimeoutError(f"the server at {url} did not come up")
 
 
-async def http_open_loop(url: str, requests: list[dict], offsets) -> dict:
-    """Send request i at `start + offsets[i]`, stream its answer; per request (first chunk, end, tokens)."""
+async def send_all(url: str, requests: list[dict], offsets, start: float) -> list[tuple]:
+    """Send request i at `start + offsets[i]` (monotonic clock) and stream its answer; per request
+    (sent, first chunk, last chunk, completion tokens)."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
-        start = time.monotonic()
 
         async def one(offset, request):
             await asyncio.sleep(max(start + offset - time.monotonic(), 0))
@@ -125,7 +128,24 @@ async def http_open_loop(url: str, requests: list[dict], offsets) -> dict:
                         tokens = chunk["usage"]["completion_tokens"]
             return sent, first, end, tokens
 
-        results = await asyncio.gather(*(one(o, r) for o, r in zip(offsets, requests)))
+        return await asyncio.gather(*(one(o, r) for o, r in zip(offsets, requests)))
+
+
+def client_process(url: str, requests: list[dict], offsets: list[float], start: float) -> list[tuple]:
+    """One client process's share of the arrivals (run in a child process)."""
+    return asyncio.run(send_all(url, requests, offsets, start))
+
+
+def http_open_loop(pool, url: str, requests: list[dict], offsets) -> dict:
+    """The open loop over HTTP, its arrivals dealt round-robin to the client processes of `pool`, so
+    parsing the streams does not compete with the server for this process's GIL (real clients are
+    other processes). TTFT runs from the send to the first streamed chunk; TPOT from there to the
+    last chunk, per token."""
+    shards = pool._max_workers
+    start = time.monotonic() + 0.5  # every client process is up before the first arrival
+    futures = [pool.submit(client_process, url, requests[i::shards], [float(o) for o in offsets[i::shards]], start)
+               for i in range(shards)]
+    results = [r for f in futures for r in f.result()]
     ttft = [f - s for s, f, _, _ in results]
     tpot = [(e - f) / (n - 1) for _, f, e, n in results if n > 1]
     end = max(e for _, _, e, _ in results)
@@ -143,6 +163,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0, help="arrival window per rate")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="cap on output lengths (0: the workload's)")
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="P90 TTFT (s) that defines the knee")
+    ap.add_argument("--clients", type=int, default=4, help="client processes sending the HTTP requests")
     args = ap.parse_args()
     t0 = time.perf_counter()
     engine, tokenizer, names, vocab = build(args)
@@ -161,6 +182,8 @@ def main() -> None:
                      pad_token_id=0) for r, i in zip(workload, identities)]
     server, thread, url = start_server(engine, tokenizer)
     rows = []
+    pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
+    list(pool.map(time.sleep, [0.0] * args.clients))  # start the client processes before any timing
     try:
         for rate in rates:
             offsets = wl.poisson_arrivals(rate, args.seconds, seed=int(rate))
@@ -169,16 +192,18 @@ def main() -> None:
                 if path == "in_process":
                     row = wl.run_open_loop(engine, batch, offsets)
                 else:
-                    row = asyncio.run(http_open_loop(url, [dict(r) for r in batch], offsets))
+                    row = http_open_loop(pool, url, batch, offsets)
                 rows.append(dict(path=path, rate=rate, **row))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
+        pool.shutdown()
         server.should_exit = True
         thread.join(timeout=10)
     knees = {p: wl.knee([(r["rate"], r["ttft_p90"]) for r in rows if r["path"] == p], args.ttft_slo)
              for p in ("in_process", "http")}
     ratio = knees["http"][0] / knees["in_process"][0] if knees["in_process"][0] else float("nan")
     meta = dict(environment(), testbed=args.testbed, tiny=args.tiny, seconds=args.seconds, ttft_slo=args.ttft_slo,
+                clients=args.clients,
                 knees={p: k for p, (k, _) in knees.items()}, knees_crossed={p: c for p, (_, c) in knees.items()},
                 knee_ratio=ratio, total_s=time.perf_counter() - t0)
     title = "testbed, CPU" if args.testbed else "tiny model, CPU" if args.tiny else "Llama-3.2-3B shape, 128 adapters"

@@ -16,7 +16,6 @@ CUDA graph (`graphs.py`, `mixed_graphs.py`); on the CPU everything runs the pure
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 import torch
@@ -25,6 +24,7 @@ from ..generate import _float_scores, next_tokens
 from ..hf_generation import plan_generation, resolve_config
 from ..policies import NEVER, LearnedRelease, ProfiledRelease
 from ..policies.base import check_policy
+from .background import BackgroundLoop
 from .blocks import BlockPool
 from .graphs import PagedDecodeGraphs
 from .heads import HeadTable
@@ -106,9 +106,7 @@ class LoRazorEngine:
                                    on_free=self.tables.release)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._step_lock: asyncio.Lock | None = None
-        self._pending_aborts: set[str] = set()
+        self._background: BackgroundLoop | None = None
 
     def warm_up(self, batch_sizes=None) -> int:
         """Capture the step CUDA graphs now (every batch bucket up to `max_num_seqs`, or those of
@@ -140,11 +138,18 @@ class LoRazorEngine:
         """
         request = self.prepare_request(prompt_ids, adapter, generation_config, release, request_id, generator,
                                        **kwargs)
+        return self.queue_request(request, arrival_time)
+
+    def queue_request(self, request: Request, arrival_time: float | None = None) -> str:
+        """Queue a request built by `prepare_request` (its id is checked again: it may have been
+        taken since); returns its id."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.requests[request.request_id] = request
-        if adapter is not None:
-            self.model.registry.in_use[adapter] += 1
+        if request.adapter is not None:
+            self.model.registry.in_use[request.adapter] += 1
         self.scheduler.add(request)
         return request.request_id
 
@@ -236,7 +241,6 @@ class LoRazorEngine:
     # ---- steps ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output per request that got a token or finished in it."""
-        self._run_pending_aborts()
         with self.model.guard.hold("run an engine step"):
             chunks = self.scheduler.schedule()
             if not chunks:
@@ -266,8 +270,6 @@ class LoRazorEngine:
             if reason is not None:
                 self._finish(request, reason)
             outputs.append(request.report([token]))
-        self._dispatch(outputs)
-        self._run_pending_aborts()
         return outputs
 
     def _prefetch_waiting(self, chunks) -> None:
@@ -303,7 +305,14 @@ class LoRazorEngine:
             parts.append(sample(pick(logits, sampled), [requests[j].sampling for j in sampled]))
         if heads:
             parts.append(self.heads.keep(pick(hidden, heads), [requests[j].head for j in heads]).long())
-        values = torch.cat(parts).tolist() if parts else []
+        values = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+        if values.is_cuda:  # wait for the GPU with the GIL released: a server's event loop runs meanwhile
+            host = values.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            values = host
+        values = values.tolist()
         tokens: list[int | None] = [None] * len(rows)
         for j, value in zip(plain + sampled, values):
             tokens[j] = value
@@ -313,12 +322,6 @@ class LoRazorEngine:
             if tokens[j] is None:
                 tokens[j] = self._sample(request, logits[rows[j]])
         return tokens
-
-    def _run_pending_aborts(self) -> None:
-        while self._pending_aborts:
-            request_id = self._pending_aborts.pop()
-            if request_id in self.requests:
-                self.abort(request_id)
 
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
         seq = torch.tensor([request.tokens], dtype=torch.long, device=logits.device)
@@ -366,42 +369,19 @@ class LoRazorEngine:
             bar.close()
         return [done[i] for i in ids]
 
-    def lock(self) -> asyncio.Lock:
-        """The asyncio lock under which streams add requests and run steps (one step at a time)."""
-        if self._step_lock is None:
-            self._step_lock = asyncio.Lock()
-        return self._step_lock
+    @property
+    def background(self) -> BackgroundLoop:
+        """The thread that runs this engine's steps for asyncio code (`stream`, `lorazor serve`).
+        Once it has started, change the engine only through `await engine.background.call(fn)`."""
+        if self._background is None:
+            self._background = BackgroundLoop(self)
+        return self._background
 
-    async def stream(self, prompt_ids, **kwargs):
+    def stream(self, prompt_ids, **kwargs):
         """`async for out in engine.stream(ids, adapter=..., max_new_tokens=...)`: this request's
-        outputs as they come. Concurrent streams in one event loop share the steps, which run in a
-        worker thread so the loop stays responsive. A consumer that stops early aborts its request."""
-        lock = self.lock()
-        async with lock:
-            request_id = self.add_request(prompt_ids, **kwargs)
-        queue = self._queues[request_id] = asyncio.Queue()
-        try:
-            while True:
-                if queue.empty():
-                    async with lock:
-                        if queue.empty() and request_id in self.requests:
-                            await asyncio.to_thread(self.step)
-                    await asyncio.sleep(0)
-                    continue
-                out = queue.get_nowait()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if request_id in self.requests:
-                if lock.locked():  # a step runs in the worker thread: abort at the step boundary
-                    self._pending_aborts.add(request_id)
-                else:
-                    self.abort(request_id)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+        outputs as they come (`add_request`'s arguments). Steps run on `background`'s thread, so
+        the event loop stays free while they compute; concurrent streams share them. A consumer
+        that falls behind gets its pending outputs merged; one that stops early aborts its request.
+        Bad input raises here, before anything is queued."""
+        arrival_time = kwargs.pop("arrival_time", None)
+        return self.background.stream(self.prepare_request(prompt_ids, **kwargs), arrival_time)

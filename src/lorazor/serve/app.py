@@ -36,10 +36,9 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
     @asynccontextmanager
     async def lifespan(_):
         yield
-        pending = list(engine.requests)
-        for request_id in pending:
-            engine.abort(request_id)
-        log.info("shutdown: aborted %d in-flight requests", len(pending))
+        aborted = await engine.background.call(engine.background.abort_all)
+        engine.background.stop(abort=False)
+        log.info("shutdown: aborted %d in-flight requests", aborted)
 
     app = FastAPI(title="LoRazor", lifespan=lifespan)
     model = engine.model
@@ -70,11 +69,12 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
             kwargs["generator"] = torch.Generator(device=model.device).manual_seed(request.seed)
         return dict(prompt_ids=prompt_ids, adapter=adapter_for(request.model), **kwargs)
 
-    async def deltas(args: dict, stops: list[str]):
-        """(visible text delta, RequestOutput) per step of one request; the last has `finished`."""
+    async def deltas(request, stops: list[str]):
+        """(visible text delta, RequestOutput) per step of one prepared request (several steps
+        when the client reads slower than they come); the last has `finished`."""
         sent = ""
         decoded = IncrementalText(tokenizer)
-        stream = engine.stream(**args)
+        stream = engine.background.stream(request)
         try:
             async for out in stream:
                 text = visible_text(decoded.update(out.token_ids, out.finished), stops, out.finished)
@@ -110,19 +110,19 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
             return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
 
         try:  # every check before anything is generated: a bad request gets a 4xx, never a broken stream
-            engine.prepare_request(**args)
+            prepared = engine.prepare_request(**args)
         except (ValueError, KeyError, TypeError, AdapterError, NotImplementedError) as err:
             raise ApiError(400, str(err).strip('"')) from err
         if not request.stream:
             text, out = "", None
-            async for delta, out in deltas(args, stops):
+            async for delta, out in deltas(prepared, stops):
                 text += delta
             return {"id": rid, "object": kind, "created": created, "model": request.model,
                     "choices": [choice(text, FINISH_REASONS[out.finish_reason], False)],
                     "usage": usage(prompt_ids, out), "lorazor": extension(out)}
 
         async def events():
-            async for delta, out in deltas(args, stops):
+            async for delta, out in deltas(prepared, stops):
                 finish = FINISH_REASONS[out.finish_reason] if out.finished else None
                 body = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
                         "model": request.model, "choices": [choice(delta, finish, True)]}
@@ -170,22 +170,20 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
 
     @app.post("/v1/load_lora_adapter")
     async def load_adapter(request: LoadAdapterRequest):
-        async with engine.lock():
-            try:
-                model.register_adapter(request.lora_name, request.lora_path)
-            except (AdapterError, ValueError, OSError) as err:
-                raise ApiError(400, str(err), param="lora_path") from err
+        try:  # between two steps, on the engine's thread
+            await engine.background.call(lambda: model.register_adapter(request.lora_name, request.lora_path))
+        except (AdapterError, ValueError, OSError) as err:
+            raise ApiError(400, str(err), param="lora_path") from err
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_adapter(request: UnloadAdapterRequest):
-        async with engine.lock():
-            try:
-                model.unregister_adapter(request.lora_name)
-            except KeyError as err:
-                raise ApiError(404, str(err).strip('"'), kind="not_found_error", param="lora_name") from err
-            except AdapterError as err:
-                raise ApiError(400, str(err), param="lora_name") from err
+        try:
+            await engine.background.call(lambda: model.unregister_adapter(request.lora_name))
+        except KeyError as err:
+            raise ApiError(404, str(err).strip('"'), kind="not_found_error", param="lora_name") from err
+        except AdapterError as err:
+            raise ApiError(400, str(err), param="lora_name") from err
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     @app.get("/health")

@@ -1,0 +1,77 @@
+"""The HTTP server's own cost, on the CPU: the engine's step replaced by a synthetic one.
+
+    python benchmarks/probes/serve_overhead.py --step-ms 8 --rates 100,200,300 --clients 1
+
+The synthetic step waits `--step-ms` with the GIL released (as the GPU wait does) and gives every
+unfinished request one token, up to 256 at a time: the token rate of the H200 engine at a
+fraction of its cost, so what limits the HTTP path here is the server (and the clients), not a
+model. It reports the same rows as bench_serving.py: in-process and HTTP open loop per rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import bench_serving as bs  # noqa: E402
+import engine_workload as wl  # noqa: E402
+
+
+def synthetic_step(engine, step_ms: float, rows: int):
+    """A step that costs `step_ms` of GIL-free waiting and emits one token per running request."""
+    def step():
+        time.sleep(step_ms / 1000)
+        now = time.monotonic()
+        outputs = []
+        for request in list(engine.requests.values())[:rows]:
+            request.append(7)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if len(request.output) >= request.plan.max_new_tokens:
+                engine._finish(request, "length")
+            outputs.append(request.report([7]))
+        return outputs
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--step-ms", type=float, default=8.0)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--rates", default="100,200,300")
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--clients", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    engine, tokenizer, names, vocab = bs.build(argparse.Namespace(testbed=False, tiny=True))
+    engine.step = synthetic_step(engine, args.step_ms, args.rows)
+    rates = [float(x) for x in args.rates.split(",")]
+    workload = wl.build(int(max(rates) * args.seconds * 1.5) + 16, vocab)
+    requests = [dict(prompt_ids=r.prompt[:16], adapter=names[0], max_new_tokens=min(r.max_new_tokens,
+                     args.max_new_tokens), release="never", pad_token_id=0) for r in workload]
+    server, thread, url = bs.start_server(engine, tokenizer)
+    pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
+    list(pool.map(time.sleep, [0.0] * args.clients))
+    try:
+        for rate in rates:
+            offsets = wl.poisson_arrivals(rate, args.seconds, seed=int(rate))
+            batch = requests[:len(offsets)]
+            for path in ("in_process", "http"):
+                row = (wl.run_open_loop(engine, batch, offsets) if path == "in_process"
+                       else bs.http_open_loop(pool, url, batch, offsets))
+                print(f"rate {rate:5.0f} {path:10s} achieved {row['achieved_req_s']:6.1f} req/s  TTFT p50 "
+                      f"{row['ttft_p50']:.3f} p90 {row['ttft_p90']:.3f}  TPOT p50 {row['tpot_p50'] * 1e3:.1f} ms "
+                      f"p90 {row['tpot_p90'] * 1e3:.1f} ms", flush=True)
+    finally:
+        pool.shutdown()
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+if __name__ == "__main__":
+    main()
