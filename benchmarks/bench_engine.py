@@ -17,7 +17,8 @@ Offline throughput at 4..128 adapters (uniform), skewed traffic at 128, Poisson 
 `exact`: lorazor and exact at 128, backbone, static, the open loop for both, skewed, then lorazor and
 exact at fewer adapters. Part `full`: full and full_release at 128, the open loop for full, skewed,
 then full at fewer adapters and full_release at the fewest. Stages run in that order (the issue's
-targets first) and `--deadline` skips the tail, listing what it skipped.
+targets first) and `--deadline` skips the tail, listing what it skipped. To run only the sweep over
+fewer adapters: `--adapters 4,8,16,32,64 --skip backbone,static,open,skewed`.
 A part runs in one process (one grid's engine); rows go to `<out>/rows_<part>.jsonl`.
 """
 
@@ -121,13 +122,14 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=32.0)
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: offline,skewed,open,static,backbone")
     ap.add_argument("--deadline", type=float, default=1e9, help="skip stages that would end later (s from start)")
+    ap.add_argument("--tag", default="", help="suffix of this run's rows and meta files (runs of one part side by side)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on this machine (checks the logic)")
     args = ap.parse_args()
     if args.render:
         return render(args.render)
     skip = set(args.skip.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
-    rows_path = args.out / f"rows_{args.part}.jsonl"
+    rows_path = args.out / f"rows_{args.part}{args.tag}.jsonl"
     rows_path.write_text("")
     t0 = time.perf_counter()
     model, engine, names, vocab, shape = setup(args)
@@ -142,7 +144,7 @@ def main() -> None:
                 capture_s=engine.graphs.capture_seconds if engine.graphs else 0.0, setup_s=time.perf_counter() - t0,
                 kv_blocks=engine.pool.num_blocks, ttft_slo=args.ttft_slo, **shape)
     print(json.dumps(meta), flush=True)
-    (args.out / f"meta_{args.part}.json").write_text(json.dumps(meta, indent=2))
+    (args.out / f"meta_{args.part}{args.tag}.json").write_text(json.dumps(meta, indent=2))
     # Warm the eager prefill path (Triton compiles for the prefill tiles) outside the timings.
     engine.generate(offline_requests(workload[:64], wl.assign(workload[:64], 4), names, ks, True))
 
@@ -189,9 +191,11 @@ def main() -> None:
     uniform = wl.assign(workload, most)
     skewed = wl.assign(workload, most, skewed=True)
     fewer = [L for L in counts if L != most]
+    at_most = most in counts  # without it in --adapters: only the sweep over fewer adapters
     if args.part == "exact":
-        offline("offline", "lorazor", most, uniform, release=True)
-        offline("offline", "exact", most, uniform, release=False)
+        if at_most:
+            offline("offline", "lorazor", most, uniform, release=True)
+            offline("offline", "exact", most, uniform, release=False)
         offline("backbone", "backbone", 0, [0] * len(workload), backbone=True)
         if fits("static", 1.5 * last[0], "static generate"):  # the model is on the exact grid already
             run_static(model, workload[:shape["max_num_seqs"]], uniform, names, ks, shape["max_num_seqs"])  # warm-up
@@ -206,8 +210,9 @@ def main() -> None:
             offline("offline", "lorazor", L, identities, release=True)
             offline("offline", "exact", L, identities, release=False)
     else:
-        offline("offline", "full", most, uniform, release=False)
-        offline("offline", "full_release", most, uniform, release=True)
+        if at_most:
+            offline("offline", "full", most, uniform, release=False)
+            offline("offline", "full_release", most, uniform, release=True)
         open_loop("full", False)
         offline("skewed", "full", most, skewed, release=False)
         offline("skewed", "full_release", most, skewed, release=True)
@@ -267,7 +272,8 @@ def render(folder: Path) -> None:
                      f"{r['ttft_p90']:.3f} | {r['tpot_p50']:.4f} | {r['tpot_p90']:.4f} |")
     lines += targets(rows, offline, open_rows, max(counts, default=0),
                      next((m["ttft_slo"] for m in metas.values() if "ttft_slo" in m), 1.0))
-    skipped = [r for r in rows if r["stage"] == "skipped"]
+    ran = {f"{r['stage']} {r['system']} L={r['L']}" for r in rows if r["stage"] != "skipped"}
+    skipped = [r for r in rows if r["stage"] == "skipped" and r["system"] not in ran]  # a later run may have it
     if skipped:
         from collections import Counter
 

@@ -15,6 +15,7 @@
 #   engine-quick     bench_engine.py on 512 requests, 4 and 128 adapters, two open-loop rates (a smoke run)
 #   engine-exact     bench_engine.py --part exact: LoRazor, exact without release, backbone, static, open loop
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
+#   engine-sweep     bench_engine.py --part exact at 4-64 adapters only (lorazor and exact), rows_exact_sweep.jsonl
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
 #                    (needs fastapi, uvicorn, pydantic: carry their wheels as .whl/, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
@@ -55,6 +56,8 @@ for step in "$@"; do
                  --adapters 4,128 --rates 50,150 --open-seconds 4 --skip static > "$W/engine_quick.log" 2>&1 ;;
     engine-exact) timeout 560 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  > "$W/engine_exact.log" 2>&1 ;;
+    engine-sweep) timeout 560 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
+                 --adapters 4,8,16,32,64 --skip backbone,static,open,skewed --tag _sweep > "$W/engine_sweep.log" 2>&1 ;;
     engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  > "$W/engine_full.log" 2>&1 ;;
     serving) if [ -d .whl ]; then  # fastapi, uvicorn, pydantic wheels carried in (device README)

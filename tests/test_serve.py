@@ -187,6 +187,39 @@ def test_64_concurrent_streaming_clients_over_mixed_adapters(served):
     assert served["engine"].pool.num_free == served["engine"].pool.num_blocks
 
 
+def test_adapters_load_and_unload_while_streams_run(served):
+    """Loads and unloads run between two engine steps (on the engine's thread), never inside one:
+    the streams running meanwhile keep their offline outputs."""
+    from lorazor.testbed import ASSETS
+
+    prompts, adapters = task_prompts(served, 16)
+    want = offline(served, prompts, adapters, max_new_tokens=16)
+
+    async def one(c, prompt, adapter):
+        stream = await c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=16, temperature=0,
+                                            stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def churn():
+        async with httpx.AsyncClient(base_url=served["url"], timeout=60) as h:
+            codes = []
+            for i in range(3):
+                body = {"lora_name": f"mcq{i}", "lora_path": str(ASSETS / "adapters" / "mcq")}
+                codes.append((await h.post("/v1/load_lora_adapter", json=body)).status_code)
+                codes.append((await h.post("/v1/unload_lora_adapter", json={"lora_name": f"mcq{i}"})).status_code)
+            return codes
+
+    async def everyone():
+        async with openai.AsyncOpenAI(base_url=f"{served['url']}/v1", api_key="none", max_retries=0,
+                                      timeout=120) as c:
+            return await asyncio.gather(churn(), *(one(c, p, a) for p, a in zip(prompts, adapters)))
+
+    codes, *got = asyncio.run(everyone())
+    assert codes == [200] * 6
+    assert got == want
+    assert served["engine"].pool.num_free == served["engine"].pool.num_blocks
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "physics", "prompt": "x", "max_tokens": 2}, 404, "model"),
     ({"model": "testbed", "max_tokens": 2}, 400, "prompt"),
