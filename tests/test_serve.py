@@ -168,21 +168,23 @@ def test_models_and_adapter_load_unload_round_trip(served):
         c.completions.create(model="sql2", prompt=prompt, max_tokens=2, temperature=0)
 
 
+async def stream_all(served, prompts, adapters, max_tokens, *others):
+    """Stream every prompt concurrently with the async `openai` client, beside the coroutines
+    `others`; (their results, the texts in order)."""
+    async def one(c, prompt, adapter):
+        stream = await c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=max_tokens,
+                                            temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async with openai.AsyncOpenAI(base_url=f"{served['url']}/v1", api_key="none", max_retries=0, timeout=120) as c:
+        results = await asyncio.gather(*others, *(one(c, p, a) for p, a in zip(prompts, adapters)))
+    return results[:len(others)], results[len(others):]
+
+
 def test_64_concurrent_streaming_clients_over_mixed_adapters(served):
     prompts, adapters = task_prompts(served, 64)
     want = offline(served, prompts, adapters, max_new_tokens=8)
-
-    async def one(c, prompt, adapter):
-        stream = await c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=8, temperature=0,
-                                            stream=True)
-        return "".join([chunk.choices[0].text async for chunk in stream])
-
-    async def everyone():
-        async with openai.AsyncOpenAI(base_url=f"{served['url']}/v1", api_key="none", max_retries=0,
-                                      timeout=120) as c:
-            return await asyncio.gather(*(one(c, p, a) for p, a in zip(prompts, adapters)))
-
-    got = asyncio.run(everyone())
+    _, got = asyncio.run(stream_all(served, prompts, adapters, 8))
     assert got == want
     assert served["engine"].pool.num_free == served["engine"].pool.num_blocks
 
@@ -195,11 +197,6 @@ def test_adapters_load_and_unload_while_streams_run(served):
     prompts, adapters = task_prompts(served, 16)
     want = offline(served, prompts, adapters, max_new_tokens=16)
 
-    async def one(c, prompt, adapter):
-        stream = await c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=16, temperature=0,
-                                            stream=True)
-        return "".join([chunk.choices[0].text async for chunk in stream])
-
     async def churn():
         async with httpx.AsyncClient(base_url=served["url"], timeout=60) as h:
             codes = []
@@ -209,12 +206,7 @@ def test_adapters_load_and_unload_while_streams_run(served):
                 codes.append((await h.post("/v1/unload_lora_adapter", json={"lora_name": f"mcq{i}"})).status_code)
             return codes
 
-    async def everyone():
-        async with openai.AsyncOpenAI(base_url=f"{served['url']}/v1", api_key="none", max_retries=0,
-                                      timeout=120) as c:
-            return await asyncio.gather(churn(), *(one(c, p, a) for p, a in zip(prompts, adapters)))
-
-    codes, *got = asyncio.run(everyone())
+    (codes,), got = asyncio.run(stream_all(served, prompts, adapters, 16, churn()))
     assert codes == [200] * 6
     assert got == want
     assert served["engine"].pool.num_free == served["engine"].pool.num_blocks
