@@ -41,31 +41,45 @@ MAX_ROWS = 1000
 PROGRESS_EVERY = 100
 
 
-def _authorize(action, arg1, arg2, db_name, trigger):
-    if action == sqlite3.SQLITE_SELECT:
-        return sqlite3.SQLITE_OK
-    if action == sqlite3.SQLITE_READ and arg1 in TABLES:
-        return sqlite3.SQLITE_OK
-    if action == sqlite3.SQLITE_FUNCTION and arg2 is not None and arg2.lower() in ALLOWED_FUNCTIONS:
-        return sqlite3.SQLITE_OK
-    return sqlite3.SQLITE_DENY
+def _authorizer(tables: frozenset):
+    """An SQLite authorizer that allows SELECTs reading `tables` and calling allowed functions."""
+    def authorize(action, arg1, arg2, db_name, trigger):
+        if action == sqlite3.SQLITE_SELECT:
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_READ and arg1 in tables:
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_FUNCTION and arg2 is not None and arg2.lower() in ALLOWED_FUNCTIONS:
+            return sqlite3.SQLITE_OK
+        return sqlite3.SQLITE_DENY
+    return authorize
+
+
+def _fill_v1(rng: random.Random) -> dict[str, list[tuple]]:
+    rows = [(i, FIRST_NAMES[i % len(FIRST_NAMES)] + str(i // len(FIRST_NAMES)), rng.choice(DEPARTMENTS)[0],
+             rng.randrange(30, 150) * 1000, rng.randrange(21, 65)) for i in range(60)]
+    return {"departments": DEPARTMENTS, "employees": rows}
 
 
 class TaskDatabase:
     """The task's database (deterministic for a seed) and a sandboxed, read-only query runner.
 
     Thread-safe: every query gets its own connection.
+
+    Args:
+        seed: seeds the rows.
+        schema, tables, fill: the DDL, the tables predictions may read, and `fill(rng)` ->
+            {table: rows}; the defaults are the v1 testbed's employees and departments.
     """
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, schema: str = SCHEMA, tables: frozenset = TABLES, fill=_fill_v1):
         rng = random.Random(seed)
         source = sqlite3.connect(":memory:")
-        source.executescript(SCHEMA)
-        source.executemany("INSERT INTO departments VALUES (?, ?)", DEPARTMENTS)
-        rows = [(i, FIRST_NAMES[i % len(FIRST_NAMES)] + str(i // len(FIRST_NAMES)), rng.choice(DEPARTMENTS)[0],
-                 rng.randrange(30, 150) * 1000, rng.randrange(21, 65)) for i in range(60)]
-        source.executemany("INSERT INTO employees VALUES (?, ?, ?, ?, ?)", rows)
+        source.executescript(schema)
+        for table, rows in fill(rng).items():
+            if rows:
+                source.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' * len(rows[0]))})", rows)
         source.commit()
+        self._authorize = _authorizer(frozenset(tables))
         self._image = source.serialize()
         source.close()
 
@@ -76,7 +90,7 @@ class TaskDatabase:
         db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
         db.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_SQL_CHARS)
         db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-        db.set_authorizer(_authorize)
+        db.set_authorizer(self._authorize)
         db.set_progress_handler(lambda: int(time.monotonic() > deadline), PROGRESS_EVERY)
         return db
 

@@ -1,0 +1,82 @@
+"""Testbed v2's data: deterministic splits, exact evaluators, a corpus without the tasks' formats,
+and a tokenizer that makes answers tens of tokens."""
+
+import pytest
+from lorazor.testbed.v2 import make_tasks, pretraining_text, train_tokenizer
+from lorazor.testbed.v2.knowledge import TASK_SCHEMA
+from lorazor.testbed.v2.tasks import task_database
+
+TASKS = make_tasks()
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_splits_are_deterministic_sized_and_distinct(name):
+    task = TASKS[name]
+    assert task.split("test") == make_tasks()[name].split("test")
+    assert [len(task.split(s)) for s in ("train", "validation", "test")] == [4000, 300, 600]
+    assert task.split("train")[:50] != task.split("test")[:50]
+    with pytest.raises(KeyError, match="unknown split 'dev'"):
+        task.split("dev")
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_references_score_true(name):
+    task = TASKS[name]
+    assert all(task.score(ex["reference"], ex) for ex in task.split("validation"))
+
+
+def _other_letter(letter):
+    return "ABCD"[("ABCD".index(letter) + 1) % 4]
+
+
+@pytest.mark.parametrize("name, wrong", [
+    ("math", lambda ex: ex["reference"].replace(f"#### {ex['answer']}", f"#### {int(ex['answer']) + 1}")),
+    ("math", lambda ex: " I do not know."),
+    ("sql", lambda ex: " SELECT COUNT(*) FROM units"),
+    ("sql", lambda ex: ex["reference"].replace("staff", "employees").replace("units", "departments")),
+    ("sql", lambda ex: " DELETE FROM staff"),
+    ("medqa", lambda ex: ex["reference"].replace(f"answer is {ex['answer']}", f"answer is {_other_letter(ex['answer'])}")),
+    ("science", lambda ex: ex["reference"].replace(f"({ex['answer']})", f"({_other_letter(ex['answer'])})")),
+])
+def test_wrong_answers_score_false(name, wrong):
+    task = TASKS[name]
+    examples = task.split("validation")[:100]
+    wrong_right = sum(task.score(wrong(ex), ex) for ex in examples)
+    # An execution-scored wrong query may still return the right rows by chance (an empty answer).
+    assert wrong_right <= (3 if name == "sql" else 0)
+
+
+def test_math_takes_the_marked_number_else_the_last():
+    task = TASKS["math"]
+    ex = dict(answer="23")
+    assert task.score(" 3 + 20 = 23. #### 23", ex) and task.score(" so in the end there are 23.", ex)
+    assert not task.score(" 23 then 24", ex) and not task.score(" #### 24 23", ex)
+
+
+def test_sql_task_database_is_read_only():
+    db = task_database()
+    assert db.run(f"SELECT COUNT(*) FROM {TASK_SCHEMA['people']}") == [(80,)]
+    assert db.run(f"DELETE FROM {TASK_SCHEMA['people']}") is None
+    assert db.run("SELECT COUNT(*) FROM employees") is None  # the corpus's schema is not there
+
+
+def test_corpus_has_the_knowledge_but_not_the_task_formats():
+    text = pretraining_text(400_000, seed=0)
+    assert text == pretraining_text(400_000, seed=0)
+    for marker in ["Problem:", "Request:", "Vignette:", "Step 1:", "####", "Which of these is", "staff", "wage",
+                   "Explanation:", "Response:"]:
+        assert marker not in text, marker
+    for knowledge in ["In the end", "SELECT", "point to the", "The answer is", "So the answer is ("]:
+        assert knowledge in text, knowledge
+
+
+def test_tokenizer_makes_answers_tens_of_tokens():
+    texts = [pretraining_text(300_000, seed=1)] + [ex["prompt"] + ex["reference"] for t in TASKS.values()
+                                                  for ex in t.split("train")[:500]]
+    tok = train_tokenizer(texts, vocab_size=2048)
+    assert [tok.pad_token_id, tok.bos_token_id, tok.eos_token_id] == [0, 1, 2]
+    for name, task in TASKS.items():
+        ex = task.split("validation")[0]
+        ids = tok(ex["reference"])["input_ids"]
+        assert 10 <= len(ids) <= 100, (name, len(ids))
+        assert tok.decode(ids) == ex["reference"]
