@@ -1,6 +1,7 @@
 """Train the testbed: a tiny Llama backbone on domain prose, then one rank-8 LoRA per task with PEFT.
 
     python -m lorazor.testbed.train --out src/lorazor/testbed/assets [--device cuda] [--steps 600]
+    python -m lorazor.testbed.train --version 2 --out <dir> --device cuda   # testbed v2 (in progress)
 
 Writes `backbone/` (config + safetensors), `tokenizer/`, `adapters/<task>/` (PEFT format) and
 `train_log.json` (command, seeds, steps, losses, seconds). Everything is seeded.
@@ -23,15 +24,32 @@ from .tokenizer import build_tokenizer
 
 BACKBONE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
                 num_key_value_heads=2, max_position_embeddings=512)
+# v2: about 8M parameters, so the fp16 backbone ships in under 20 MB with its BPE vocabulary.
+BACKBONE_V2 = dict(hidden_size=320, intermediate_size=896, num_hidden_layers=6, num_attention_heads=5,
+                   num_key_value_heads=1, max_position_embeddings=1024)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def backbone_config(tokenizer):
+def backbone_config(tokenizer, shape: dict = BACKBONE):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       tie_word_embeddings=True, **BACKBONE)
+                       tie_word_embeddings=True, **shape)
+
+
+def version_parts(version: int, seed: int):
+    """(tasks, corpus function, tokenizer, backbone shape, characters per token) of a testbed version."""
+    if version == 1:
+        return make_tasks(), pretraining_text, build_tokenizer(), BACKBONE, 1.0
+    from . import v2
+
+    tasks = v2.make_tasks()
+    # The tokenizer learns from a sample of the corpus and the tasks' training text.
+    sample = v2.pretraining_text(2_000_000, seed)
+    texts = [sample[i:i + 10_000] for i in range(0, len(sample), 10_000)]
+    texts += [ex["prompt"] + ex["reference"] for task in tasks.values() for ex in task.split("train")]
+    return tasks, v2.pretraining_text, v2.train_tokenizer(texts), BACKBONE_V2, 3.7
 
 
 def _lr(step: int, steps: int, peak: float) -> float:
@@ -39,8 +57,12 @@ def _lr(step: int, steps: int, peak: float) -> float:
     return peak * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
 
 
-def pretrain(model, tokenizer, steps: int, batch: int, seq: int, device, seed: int, log: dict) -> None:
-    ids = torch.tensor(tokenizer(pretraining_text(steps * batch * seq // 4 + seq * batch, seed))["input_ids"])
+def pretrain(model, tokenizer, steps: int, batch: int, seq: int, device, seed: int, log: dict,
+             corpus=pretraining_text, chars_per_token: float = 1.0) -> None:
+    # A quarter of the tokens the steps read, distinct (random windows revisit them), at least a batch.
+    text = corpus(int((steps * batch * seq // 4 + seq * batch) * chars_per_token), seed)
+    chunks = [text[i:i + 100_000] for i in range(0, len(text), 100_000)]
+    ids = torch.tensor([t for part in tokenizer(chunks)["input_ids"] for t in part])
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     model.train()
@@ -119,21 +141,22 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--version", type=int, choices=[1, 2], default=1, help="testbed version (2: in progress)")
     args = ap.parse_args(argv)
     start = time.time()
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    tokenizer = build_tokenizer()
+    tasks, corpus, tokenizer, shape, chars_per_token = version_parts(args.version, args.seed)
     log = {"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
            "torch": torch.__version__, "device": str(device)}
-    base = AutoModelForCausalLM.from_config(backbone_config(tokenizer)).to(device)
+    base = AutoModelForCausalLM.from_config(backbone_config(tokenizer, shape)).to(device)
     log["backbone_parameters"] = sum(p.numel() for p in base.parameters())
-    pretrain(base, tokenizer, args.pretrain_steps, args.batch, args.seq, device, args.seed, log)
+    pretrain(base, tokenizer, args.pretrain_steps, args.batch, args.seq, device, args.seed, log, corpus, chars_per_token)
     log["pretrain_seconds"] = round(time.time() - start, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     base.half().save_pretrained(args.out / "backbone")
     tokenizer.save_pretrained(args.out / "tokenizer")
-    for i, (name, task) in enumerate(make_tasks().items()):
+    for i, (name, task) in enumerate(tasks.items()):
         fresh = AutoModelForCausalLM.from_pretrained(args.out / "backbone", dtype=torch.float32).to(device)
         t = time.time()
         model = train_adapter(fresh, name, task, tokenizer, args.adapter_steps, args.batch, device, args.seed + i, log)
