@@ -25,6 +25,8 @@ import dataclasses
 import logging
 import threading
 
+import torch
+
 from .request import RequestOutput
 
 log = logging.getLogger("lorazor.engine")
@@ -109,6 +111,9 @@ class BackgroundLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        device = engine.model.device
+        if device.type == "cuda":  # a new thread starts on GPU 0: run kernels where the model lives
+            torch.cuda.set_device(device)
         while True:
             with self._wake:
                 while not self._calls and not self._stopping and not engine.has_unfinished():
