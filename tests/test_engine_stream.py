@@ -118,3 +118,22 @@ def test_stop_aborts_in_flight_streams(pair):
     aborted, outs = asyncio.run(run())
     assert aborted == 1 and outs[-1].finish_reason == "abort" and len(outs[-1].token_ids) < 60
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_two_streams_with_one_request_id(pair):
+    """The second stream is refused and the first one, already running, keeps its outputs."""
+    model, oracle = pair
+    eng = engine(model)
+    p = prompts(1, seed=8)[0]
+
+    async def run():
+        first = eng.stream(p, adapter="math", max_new_tokens=6, request_id="same", **GEN)
+        second = eng.stream(p, adapter="sql", max_new_tokens=6, request_id="same", **GEN)
+        got = asyncio.ensure_future(collect(first))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="request_id 'same' is already in use"):
+            await collect(second)
+        return await got
+
+    outs = asyncio.run(asyncio.wait_for(run(), 60))  # before the fix, the first stream lost its queue and hung
+    assert outs[-1].token_ids == peft_tokens(oracle, p, "math", 6)

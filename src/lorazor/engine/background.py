@@ -72,6 +72,8 @@ class BackgroundLoop:
         engine = self.engine
         queue: asyncio.Queue = asyncio.Queue()
         request_id = request.request_id
+        if request_id in self._streams:  # two streams that passed prepare_request with one id
+            raise ValueError(f"request_id {request_id!r} is already in use")
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         queued = finished = False
         try:
