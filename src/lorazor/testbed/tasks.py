@@ -123,15 +123,17 @@ class Task:
     make: Callable[[random.Random], dict]
     scorer: Callable[[str, dict], bool]
     max_new_tokens: int
+    splits: dict = field(default_factory=lambda: SPLITS)  # split -> (seed, size)
+    seed_tag: str = ""  # prefixes the split seeds (testbed v2: "v2-")
     _cache: dict = field(default_factory=dict, repr=False)
 
     def split(self, name: str) -> list[dict]:
         """The deterministic examples of split `name` ("train", "validation" or "test")."""
-        if name not in SPLITS:
-            raise KeyError(f"unknown split {name!r}; splits: {sorted(SPLITS)}")
+        if name not in self.splits:
+            raise KeyError(f"unknown split {name!r}; splits: {sorted(self.splits)}")
         if name not in self._cache:
-            seed, size = SPLITS[name]
-            rng = random.Random(f"{self.name}-{seed}")
+            seed, size = self.splits[name]
+            rng = random.Random(f"{self.seed_tag}{self.name}-{seed}")
             self._cache[name] = [self.make(rng) for _ in range(size)]
         return self._cache[name]
 

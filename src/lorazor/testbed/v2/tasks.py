@@ -25,19 +25,6 @@ SPLITS = {"train": (10, 4000), "validation": (11, 300), "test": (12, 600)}
 LETTERS = "ABCD"
 
 
-class TaskV2(Task):
-    """A v1 `Task` with v2's split sizes and seeds."""
-
-    def split(self, name: str) -> list[dict]:
-        if name not in SPLITS:
-            raise KeyError(f"unknown split {name!r}; splits: {sorted(SPLITS)}")
-        if name not in self._cache:
-            seed, size = SPLITS[name]
-            rng = random.Random(f"v2-{self.name}-{seed}")
-            self._cache[name] = [self.make(rng) for _ in range(size)]
-        return self._cache[name]
-
-
 # ---- math ---------------------------------------------------------------------------------------
 def story_events(rng: random.Random) -> tuple[str, str, int, list[tuple[str, str, int]]]:
     """(who, item, start, events): each event is (sentence, worked arithmetic, value after it)."""
@@ -170,11 +157,8 @@ def _score_letter(prediction: str, example: dict) -> bool:
     return bool(found) and found[-1] == example["answer"]
 
 
-def make_tasks() -> dict[str, TaskV2]:
+def make_tasks() -> dict[str, Task]:
     """The four v2 tasks, by adapter name (max_new_tokens in subword tokens)."""
-    return {
-        "math": TaskV2("math", _math, _score_math, 160),
-        "sql": TaskV2("sql", _sql, _score_sql, 96),
-        "medqa": TaskV2("medqa", _medqa, _score_letter, 96),
-        "science": TaskV2("science", _science, _score_letter, 96),
-    }
+    return {name: Task(name, make, score, max_new, splits=SPLITS, seed_tag="v2-") for name, make, score, max_new in (
+        ("math", _math, _score_math, 160), ("sql", _sql, _score_sql, 96), ("medqa", _medqa, _score_letter, 96),
+        ("science", _science, _score_letter, 96))}
