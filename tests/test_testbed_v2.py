@@ -84,28 +84,23 @@ def test_tokenizer_makes_answers_tens_of_tokens():
 
 def test_v2_training_pipeline_runs_end_to_end(tmp_path):
     """A few steps of `train --version 2` (the GPU run's code path on the CPU): a BPE tokenizer, a
-    backbone and four PEFT adapters that load and generate answers the evaluators can score."""
+    backbone and four trained PEFT adapters, which `load` finds with the v2 tasks and the accuracy
+    command evaluates."""
     import json
 
-    import torch
+    from lorazor.testbed import load
+    from lorazor.testbed.evaluate import main as evaluate
     from lorazor.testbed.train import main as train
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     train(["--version", "2", "--out", str(tmp_path), "--pretrain-steps", "2", "--adapter-steps", "1", "--batch", "2",
            "--seq", "64"])
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert 6e6 < log["backbone_parameters"] < 10e6  # fp16 weights under 20 MB
-    tok = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "backbone", dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, tmp_path / "adapters" / "math", adapter_name="math")
-    for name in ("sql", "medqa", "science"):
-        model.load_adapter(tmp_path / "adapters" / name, adapter_name=name)
-    for name, task in TASKS.items():
+    model, tok, tasks = load(tmp_path)
+    assert list(tasks) == ["math", "sql", "medqa", "science"] and tasks["sql"].split("test") == TASKS["sql"].split("test")
+    for name in tasks:
         trained = [p for n, p in model.named_parameters() if "lora_B" in n and f".{name}." in n]
         assert len(trained) == 7 * 6 and all(p.abs().sum() > 0 for p in trained), name  # 7 projections x 6 layers
-        model.set_adapter(name)
-        ex = task.split("test")[0]
-        ids = tok(ex["prompt"], return_tensors="pt")["input_ids"]
-        out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-        assert out.shape[1] == ids.shape[1] + 4 and not task.score(tok.decode(out[0, ids.shape[1]:]), ex)
+    evaluate(["--assets", str(tmp_path), "--limit", "2", "--out", str(tmp_path / "results")])
+    rows = json.loads((tmp_path / "results" / "testbed_accuracy.json").read_text())["rows"]
+    assert [r["task"] for r in rows] == list(tasks) and all(0 <= r["full"] <= 1 for r in rows)

@@ -8,6 +8,7 @@ and live in `assets/` (backbone, tokenizer, PEFT adapters named after the tasks)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .tasks import Task, make_tasks
@@ -15,8 +16,20 @@ from .tasks import Task, make_tasks
 ASSETS = Path(__file__).parent / "assets"
 
 
+def tasks_for(root: Path) -> dict[str, Task]:
+    """The tasks of the testbed version whose weights are in `root` (its `train_log.json` says)."""
+    log = root / "train_log.json"
+    version = json.loads(log.read_text()).get("args", {}).get("version", "1") if log.exists() else "1"
+    if str(version) == "2":
+        from .v2 import make_tasks as make_v2_tasks
+
+        return make_v2_tasks()
+    return make_tasks()
+
+
 def load(assets: str | Path | None = None):
     """(PeftModel with the four task adapters, tokenizer, {name: Task}), on the CPU in float32.
+    The tasks are those of the testbed version that trained the weights (v1, or v2 in progress).
 
     Raises:
         FileNotFoundError: the weights are not in `assets` (train them with
@@ -32,7 +45,7 @@ def load(assets: str | Path | None = None):
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     tokenizer.padding_side = "left"
     base = AutoModelForCausalLM.from_pretrained(root / "backbone", dtype=torch.float32)
-    tasks = make_tasks()
+    tasks = tasks_for(root)
     names = [n for n in tasks if (root / "adapters" / n / "adapter_config.json").exists()]
     if not names:
         raise FileNotFoundError(f"no adapters under {root / 'adapters'}")
