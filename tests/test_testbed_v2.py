@@ -63,10 +63,10 @@ def test_sql_task_database_is_read_only():
 def test_corpus_has_the_knowledge_but_not_the_task_formats():
     text = pretraining_text(400_000, seed=0)
     assert text == pretraining_text(400_000, seed=0)
-    for marker in ["Problem:", "Request:", "Vignette:", "Step 1:", "####", "Which of these is", "staff", "wage",
-                   "Explanation:", "Response:"]:
+    for marker in ["Problem:", "Solution:", "Request:", "Query:", "Vignette:", "####", "Which of these is", "staff",
+                   "wage", "Explanation:", "Response:"]:
         assert marker not in text, marker
-    for knowledge in ["In the end", "SELECT", "point to the", "The answer is", "So the answer is ("]:
+    for knowledge in ["In the end", "Step 1:", "SELECT", "point to the", "The answer is", "\nC. ", "So the answer is (D)"]:
         assert knowledge in text, knowledge
 
 

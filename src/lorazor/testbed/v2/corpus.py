@@ -2,15 +2,16 @@
 their formats.
 
 The backbone should be able to *continue* an answer once an adapter has started it, so the corpus
-holds the same kinds of reasoning the tasks need, written differently:
-- word problems told as stories and solved in prose ("First ... Then ... In the end ...");
+holds the skills the tasks' answers need, in their surface forms, after other cues:
+- word problems told as stories and solved in prose ("First ... Then ...") or in "Step k:" lines;
 - SQL over the corpus's own schema (employees, departments), never the sql task's (staff, units);
-- clinical signs and why they point to an organ, and letter quizzes on other topics that end in
-  "The answer is X." (so a continuation can pick the letter of the option it has argued for);
-- science rules, which things follow them, and explanations that end in "So the answer is (X).".
-It never shows the tasks' prompts ("Problem:", "Request:", "Vignette:", "Which of these is ...?
-(A) ..."), their "Step k:" scratchpad or "####" markers, or the task schema's names: those are
-what each task's adapter teaches.
+- clinical signs and why they point to an organ, and letter quizzes on other topics (options inline
+  or one per line) that end in "The answer is X.";
+- science rules, which things follow them, and four-option "Pick the one that is ..." explanations
+  that end in "So the answer is (X).".
+It never shows the tasks' prompts and cues ("Problem: ... Solution:", "Request:", "Vignette:",
+"Which of these is ...? ... Explanation:"), the "####" marker or the task schema's names: those,
+and how to open an answer after them, are what each task's adapter teaches.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from .tasks import sql_pair, story_events
 def _story(rng: random.Random) -> str:
     who, item, start, events = story_events(rng)
     told = " ".join(e[0] for e in events)
-    worked = [e[1] for e in events]
+    if rng.random() < 0.5:  # the tasks' scratchpad form, after a cue the math task never uses
+        steps = " ".join(f"Step {i + 1}: {e[1]}." for i, e in enumerate(events))
+        return f"{who} started the day with {start} {item}. {told} Working it out: {steps} In the end {events[-1][2]}.\n"
     words = ["First", "Then", "Next", "After that"]
-    solution = " ".join(f"{words[min(i, 3)]}, {w}." for i, w in enumerate(worked))
+    solution = " ".join(f"{words[min(i, 3)]}, {e[1]}." for i, e in enumerate(events))
     return (f"{who} started the day with {start} {item}. {told} Let us count. {solution} "
             f"In the end {who} has {events[-1][2]} {item}.\n")
 
@@ -74,6 +77,9 @@ def _quiz(rng: random.Random) -> str:
     options = [right] + rng.sample(wrong, 3)
     rng.shuffle(options)
     letter = LETTERS[options.index(right)]
+    if rng.random() < 0.5:  # options one per line, as the medqa task lists them
+        listing = "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(options))
+        return f"Quiz. {question}\n{listing}\n{why} The answer is {letter}.\n"
     listing = " ".join(f"{LETTERS[i]}) {o}" for i, o in enumerate(options))
     return f"Quiz. {question} {listing}. {why} The answer is {letter}.\n"
 
@@ -81,14 +87,15 @@ def _quiz(rng: random.Random) -> str:
 def _science(rng: random.Random) -> str:
     prop = rng.choice(sorted(SCIENCE))
     phrase, rule, membership, members, others = SCIENCE[prop]
-    thing, other = rng.choice(members), rng.choice(others)
-    choices = [thing, other]
-    rng.shuffle(choices)
-    letter = "AB"[choices.index(thing)]
-    return rng.choice([
-        f"{rule} {thing.capitalize()} {membership}, so it is {phrase}. {other.capitalize()} is not.\n",
-        f"Is {thing} or {other} {phrase}? {rule} {thing.capitalize()} {membership}. So the answer is ({letter}).\n",
-    ])
+    thing = rng.choice(members)
+    if rng.random() < 0.5:  # four options and the tasks' closing, after a question form the task never uses
+        choices = [thing] + rng.sample(others, 3)
+        rng.shuffle(choices)
+        listing = " ".join(f"({LETTERS[i]}) {o}" for i, o in enumerate(choices))
+        return (f"Pick the one that is {phrase}: {listing}. {rule} {thing.capitalize()} {membership}. None of the "
+                f"others does. So the answer is ({LETTERS[choices.index(thing)]}).\n")
+    other = rng.choice(others)
+    return f"{rule} {thing.capitalize()} {membership}, so it is {phrase}. {other.capitalize()} is not.\n"
 
 
 SOURCES = (_story, _story, _arithmetic, _sql, _clinical, _quiz, _science)
