@@ -51,6 +51,14 @@ def test_math_takes_the_marked_number_else_the_last():
     ex = dict(answer="23")
     assert task.score(" 3 + 20 = 23. #### 23", ex) and task.score(" so in the end there are 23.", ex)
     assert not task.score(" 23 then 24", ex) and not task.score(" #### 24 23", ex)
+    assert task.score(" so there are 23.\nQuiz. 4 + 5 = 9", ex)  # only the answer's line counts
+
+
+def test_letter_tasks_read_the_first_line_only():
+    task = TASKS["science"]
+    ex = dict(answer="C")
+    assert task.score(" Rule. So the answer is (C).\nQuiz. Which? A) x B) y. The answer is B.", ex)
+    assert not task.score(" Rule.\nSo the answer is (C).", ex)
 
 
 def test_sql_task_database_is_read_only():

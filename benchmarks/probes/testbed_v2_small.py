@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--limit", type=int, default=60, help="validation examples per task")
+    ap.add_argument("--eval-only", action="store_true", help="evaluate the weights already in --out")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -37,17 +38,18 @@ def main() -> None:
     start = time.time()
     tasks, corpus, tokenizer, _, cpt = tr.version_parts(2, 0)
     log = {}
-    base = AutoModelForCausalLM.from_config(tr.backbone_config(tokenizer, tr.BACKBONE))
-    log["parameters"] = sum(p.numel() for p in base.parameters())
-    tr.pretrain(base, tokenizer, args.pretrain_steps, args.batch, args.seq, torch.device("cpu"), 0, log, corpus, cpt)
-    args.out.mkdir(parents=True, exist_ok=True)
-    base.save_pretrained(args.out / "backbone")
-    peft_model = None
-    for i, (name, task) in enumerate(tasks.items()):
-        fresh = AutoModelForCausalLM.from_pretrained(args.out / "backbone")
-        trained = tr.train_adapter(fresh, name, task, tokenizer, args.adapter_steps, args.batch, torch.device("cpu"),
-                                   i, log)
-        trained.save_pretrained(args.out / "adapters")
+    if not args.eval_only:
+        base = AutoModelForCausalLM.from_config(tr.backbone_config(tokenizer, tr.BACKBONE))
+        log["parameters"] = sum(p.numel() for p in base.parameters())
+        tr.pretrain(base, tokenizer, args.pretrain_steps, args.batch, args.seq, torch.device("cpu"), 0, log, corpus,
+                    cpt)
+        args.out.mkdir(parents=True, exist_ok=True)
+        base.save_pretrained(args.out / "backbone")
+        for i, (name, task) in enumerate(tasks.items()):
+            fresh = AutoModelForCausalLM.from_pretrained(args.out / "backbone")
+            trained = tr.train_adapter(fresh, name, task, tokenizer, args.adapter_steps, args.batch,
+                                       torch.device("cpu"), i, log)
+            trained.save_pretrained(args.out / "adapters")
     from peft import PeftModel
 
     names = list(tasks)
@@ -64,7 +66,7 @@ def main() -> None:
             print(name, mode, f"accuracy {acc:.3f} skip {skip:.3f}", flush=True)
     log["rows"] = rows
     log["seconds"] = round(time.time() - start, 1)
-    (args.out / "probe.json").write_text(json.dumps(log, indent=2))
+    (args.out / ("probe_eval.json" if args.eval_only else "probe.json")).write_text(json.dumps(log, indent=2))
 
 
 if __name__ == "__main__":

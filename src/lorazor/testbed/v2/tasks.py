@@ -6,8 +6,9 @@ corpus never shows (`corpus.py` writes the same knowledge in other formats).
     medqa    a clinical vignette with four options, one reasoning sentence, the letter  (MedQA-4)
     science  which of four things has a property: an explanation, then "(<letter>)"     (ScienceQA)
 
-Evaluators are exact and lenient only where the real benchmarks are: math takes the number after
-"####", else the last number (as GSM8K scripts do); the letter tasks take the last "answer is X".
+Evaluators are exact and lenient only where the real benchmarks are. Each reads the answer's first
+line (answers are one line; harnesses stop at a newline too): math takes the number after "####",
+else the last number (as GSM8K scripts do); the letter tasks take the last "answer is X".
 Splits are generated from a seed per task and split, so every machine builds the same data; their
 sizes follow the paper's Table 2 in spirit (validation a few hundred, test several hundred).
 """
@@ -58,7 +59,15 @@ def _math(rng: random.Random) -> dict:
     return {"prompt": f"Problem: {question}\nSolution:", "reference": f" {steps} #### {answer}", "answer": str(answer)}
 
 
+def first_line(prediction: str) -> str:
+    """Every v2 answer is one line: evaluators read up to the first newline, as evaluation harnesses
+    stop a base model's continuation at a stop sequence (a backbone that carries on after a release
+    may go on to write another document)."""
+    return prediction.split("\n", 1)[0]
+
+
 def _score_math(prediction: str, example: dict) -> bool:
+    prediction = first_line(prediction)
     marked = re.search(r"####\s*(-?\d+)", prediction)
     numbers = re.findall(r"-?\d+", prediction)
     got = marked.group(1) if marked else (numbers[-1] if numbers else None)
@@ -116,7 +125,7 @@ def task_database() -> TaskDatabase:
 
 
 def _score_sql(prediction: str, example: dict) -> bool:
-    return same_result(task_database(), prediction.strip().split("\n")[0], example["reference"].strip())
+    return same_result(task_database(), first_line(prediction.strip()), example["reference"].strip())
 
 
 # ---- letter tasks -------------------------------------------------------------------------------
@@ -153,7 +162,7 @@ def _science(rng: random.Random) -> dict:
 
 
 def _score_letter(prediction: str, example: dict) -> bool:
-    found = re.findall(r"answer is \(?([ABCD])\b", prediction)
+    found = re.findall(r"answer is \(?([ABCD])\b", first_line(prediction))
     return bool(found) and found[-1] == example["answer"]
 
 
