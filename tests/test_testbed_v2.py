@@ -112,3 +112,17 @@ def test_v2_training_pipeline_runs_end_to_end(tmp_path):
     evaluate(["--assets", str(tmp_path), "--limit", "2", "--out", str(tmp_path / "results")])
     rows = json.loads((tmp_path / "results" / "testbed_accuracy.json").read_text())["rows"]
     assert [r["task"] for r in rows] == list(tasks) and all(0 <= r["full"] <= 1 for r in rows)
+
+
+def test_v2_corpus_ends_each_document_with_eos():
+    """Pretraining text is one document per line, each closed by EOS, so a backbone that carries on
+    after a release learns to stop where an answer ends."""
+    from lorazor.testbed.train import corpus_ids, recipe
+
+    parts = recipe(2, 0)
+    ids = corpus_ids(parts, parts.tokenizer, 20_000, seed=3)
+    eos = parts.tokenizer.eos_token_id
+    text = parts.corpus(int(20_000 * parts.chars_per_token), 3)
+    assert int((ids == eos).sum()) == len([line for line in text.split("\n") if line])
+    ends = (ids == eos).nonzero().flatten()
+    assert all(parts.tokenizer.decode(ids[i - 1:i]).endswith("\n") for i in ends.tolist())

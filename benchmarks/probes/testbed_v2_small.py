@@ -36,13 +36,13 @@ def main() -> None:
     from lorazor.testbed.evaluate import run_task
 
     start = time.time()
-    tasks, corpus, tokenizer, _, cpt = tr.version_parts(2, 0)
+    parts = tr.recipe(2, 0)
+    tasks, tokenizer = parts.tasks, parts.tokenizer
     log = {}
     if not args.eval_only:
         base = AutoModelForCausalLM.from_config(tr.backbone_config(tokenizer, tr.BACKBONE))
         log["parameters"] = sum(p.numel() for p in base.parameters())
-        tr.pretrain(base, tokenizer, args.pretrain_steps, args.batch, args.seq, torch.device("cpu"), 0, log, corpus,
-                    cpt)
+        tr.pretrain(base, tokenizer, args.pretrain_steps, args.batch, args.seq, torch.device("cpu"), 0, log, parts)
         args.out.mkdir(parents=True, exist_ok=True)
         base.save_pretrained(args.out / "backbone")
         for i, (name, task) in enumerate(tasks.items()):

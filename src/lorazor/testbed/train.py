@@ -14,6 +14,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,10 +39,24 @@ def backbone_config(tokenizer, shape: dict = BACKBONE):
                        tie_word_embeddings=True, **shape)
 
 
-def version_parts(version: int, seed: int):
-    """(tasks, corpus function, tokenizer, backbone shape, characters per token) of a testbed version."""
+@dataclass
+class Recipe:
+    """What a testbed version trains on: its tasks, corpus (`corpus(num_chars, seed)`), tokenizer,
+    backbone shape, characters per token of the corpus, and whether each corpus line is a document
+    that ends in EOS (so a backbone learns to stop when an answer ends)."""
+
+    tasks: dict
+    corpus: object
+    tokenizer: object
+    shape: dict
+    chars_per_token: float = 1.0
+    eos_per_line: bool = False
+
+
+def recipe(version: int, seed: int) -> Recipe:
+    """The training recipe of testbed `version` (1: shipped; 2: in progress)."""
     if version == 1:
-        return make_tasks(), pretraining_text, build_tokenizer(), BACKBONE, 1.0
+        return Recipe(make_tasks(), pretraining_text, build_tokenizer(), BACKBONE)
     from . import v2
 
     tasks = v2.make_tasks()
@@ -49,7 +64,7 @@ def version_parts(version: int, seed: int):
     sample = v2.pretraining_text(2_000_000, seed)
     texts = [sample[i:i + 10_000] for i in range(0, len(sample), 10_000)]
     texts += [ex["prompt"] + ex["reference"] for task in tasks.values() for ex in task.split("train")]
-    return tasks, v2.pretraining_text, v2.train_tokenizer(texts), BACKBONE_V2, 3.7
+    return Recipe(tasks, v2.pretraining_text, v2.train_tokenizer(texts), BACKBONE_V2, 3.7, eos_per_line=True)
 
 
 def _lr(step: int, steps: int, peak: float) -> float:
@@ -57,12 +72,21 @@ def _lr(step: int, steps: int, peak: float) -> float:
     return peak * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
 
 
-def pretrain(model, tokenizer, steps: int, batch: int, seq: int, device, seed: int, log: dict,
-             corpus=pretraining_text, chars_per_token: float = 1.0) -> None:
-    # A quarter of the tokens the steps read, distinct (random windows revisit them), at least a batch.
-    text = corpus(int((steps * batch * seq // 4 + seq * batch) * chars_per_token), seed)
+def corpus_ids(recipe: Recipe, tokenizer, num_tokens: int, seed: int) -> torch.Tensor:
+    """About `num_tokens` token ids of the recipe's corpus, with EOS after each line if it says so."""
+    text = recipe.corpus(int(num_tokens * recipe.chars_per_token), seed)
+    if recipe.eos_per_line:
+        lines = [line + "\n" for line in text.split("\n") if line]
+        return torch.tensor([t for part in tokenizer(lines)["input_ids"] for t in part + [tokenizer.eos_token_id]])
     chunks = [text[i:i + 100_000] for i in range(0, len(text), 100_000)]
-    ids = torch.tensor([t for part in tokenizer(chunks)["input_ids"] for t in part])
+    return torch.tensor([t for part in tokenizer(chunks)["input_ids"] for t in part])
+
+
+def pretrain(model, tokenizer, steps: int, batch: int, seq: int, device, seed: int, log: dict,
+             recipe: Recipe | None = None) -> None:
+    recipe = recipe or Recipe(None, pretraining_text, tokenizer, BACKBONE)
+    # A quarter of the tokens the steps read, distinct (random windows revisit them), at least a batch.
+    ids = corpus_ids(recipe, tokenizer, steps * batch * seq // 4 + seq * batch, seed)
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     model.train()
@@ -146,12 +170,13 @@ def main(argv=None) -> None:
     start = time.time()
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    tasks, corpus, tokenizer, shape, chars_per_token = version_parts(args.version, args.seed)
+    parts = recipe(args.version, args.seed)
+    tasks, tokenizer = parts.tasks, parts.tokenizer
     log = {"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
            "torch": torch.__version__, "device": str(device)}
-    base = AutoModelForCausalLM.from_config(backbone_config(tokenizer, shape)).to(device)
+    base = AutoModelForCausalLM.from_config(backbone_config(tokenizer, parts.shape)).to(device)
     log["backbone_parameters"] = sum(p.numel() for p in base.parameters())
-    pretrain(base, tokenizer, args.pretrain_steps, args.batch, args.seq, device, args.seed, log, corpus, chars_per_token)
+    pretrain(base, tokenizer, args.pretrain_steps, args.batch, args.seq, device, args.seed, log, parts)
     log["pretrain_seconds"] = round(time.time() - start, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     base.half().save_pretrained(args.out / "backbone")
