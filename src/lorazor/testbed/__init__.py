@@ -16,15 +16,19 @@ from .tasks import Task, make_tasks
 ASSETS = Path(__file__).parent / "assets"
 
 
-def tasks_for(root: Path) -> dict[str, Task]:
-    """The tasks of the testbed version whose weights are in `root` (its `train_log.json` says)."""
-    log = root / "train_log.json"
-    version = json.loads(log.read_text()).get("args", {}).get("version", "1") if log.exists() else "1"
+def tasks_of_version(version) -> dict[str, Task]:
+    """The tasks of testbed `version` (1: shipped; 2: in progress)."""
     if str(version) == "2":
         from .v2 import make_tasks as make_v2_tasks
 
         return make_v2_tasks()
     return make_tasks()
+
+
+def tasks_for(root: Path) -> dict[str, Task]:
+    """The tasks of the testbed version whose weights are in `root` (its `train_log.json` says)."""
+    log = root / "train_log.json"
+    return tasks_of_version(json.loads(log.read_text()).get("args", {}).get("version", "1") if log.exists() else "1")
 
 
 def load(assets: str | Path | None = None):

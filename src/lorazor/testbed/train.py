@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from .corpus import pretraining_text
-from .tasks import make_tasks
 from .tokenizer import build_tokenizer
 
 BACKBONE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
@@ -55,11 +54,11 @@ class Recipe:
 
 def recipe(version: int, seed: int) -> Recipe:
     """The training recipe of testbed `version` (1: shipped; 2: in progress)."""
-    if version == 1:
-        return Recipe(make_tasks(), pretraining_text, build_tokenizer(), BACKBONE)
-    from . import v2
+    from . import tasks_of_version, v2
 
-    tasks = v2.make_tasks()
+    tasks = tasks_of_version(version)
+    if version == 1:
+        return Recipe(tasks, pretraining_text, build_tokenizer(), BACKBONE)
     # The tokenizer learns from a sample of the corpus and the tasks' training text.
     sample = v2.pretraining_text(2_000_000, seed)
     texts = [sample[i:i + 10_000] for i in range(0, len(sample), 10_000)]
