@@ -100,6 +100,8 @@ class BackgroundLoop:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout)
+        if self._thread.is_alive():  # a step outlived the timeout: stay stopped rather than start a second thread
+            raise TimeoutError(f"the engine's thread did not stop within {timeout} s")
         self._thread = None
         self._stopping = False
         return aborted
