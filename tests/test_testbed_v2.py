@@ -115,14 +115,17 @@ def test_v2_training_pipeline_runs_end_to_end(tmp_path):
 
 
 def test_v2_corpus_ends_each_document_with_eos():
-    """Pretraining text is one document per line, each closed by EOS, so a backbone that carries on
-    after a release learns to stop where an answer ends."""
+    """Pretraining text is a list of documents, each closed by EOS, so a backbone that carries on
+    after a release learns to stop where an answer ends; a quiz's option lines stay in its document."""
     from lorazor.testbed.train import corpus_ids, recipe
 
     parts = recipe(2, 0)
     ids = corpus_ids(parts, parts.tokenizer, 20_000, seed=3)
     eos = parts.tokenizer.eos_token_id
-    text = parts.corpus(int(20_000 * parts.chars_per_token), 3)
-    assert int((ids == eos).sum()) == len([line for line in text.split("\n") if line])
-    ends = (ids == eos).nonzero().flatten()
-    assert all(parts.tokenizer.decode(ids[i - 1:i]).endswith("\n") for i in ends.tolist())
+    docs = parts.documents(int(20_000 * parts.chars_per_token), 3)
+    assert int((ids == eos).sum()) == len(docs) and ids[-1] == eos
+    assert "".join(docs) == parts.corpus(int(20_000 * parts.chars_per_token), 3)
+    first = ids[: int((ids == eos).nonzero()[0])]
+    assert parts.tokenizer.decode(first) == docs[0]
+    quiz = next(d for d in docs if d.startswith("Quiz.") and "\nA. " in d)  # options one per line, one document
+    assert quiz.count("\n") == 6 and quiz.endswith(".\n")

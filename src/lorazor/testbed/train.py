@@ -41,15 +41,16 @@ def backbone_config(tokenizer, shape: dict = BACKBONE):
 @dataclass
 class Recipe:
     """What a testbed version trains on: its tasks, corpus (`corpus(num_chars, seed)`), tokenizer,
-    backbone shape, characters per token of the corpus, and whether each corpus line is a document
-    that ends in EOS (so a backbone learns to stop when an answer ends)."""
+    backbone shape, characters per token of the corpus, and, when given, `documents(num_chars, seed)`:
+    the same corpus as a list of documents, each closed by EOS in training (so a backbone learns to
+    stop where an answer ends)."""
 
     tasks: dict
     corpus: object
     tokenizer: object
     shape: dict
     chars_per_token: float = 1.0
-    eos_per_line: bool = False
+    documents: object = None
 
 
 def recipe(version: int, seed: int) -> Recipe:
@@ -63,7 +64,8 @@ def recipe(version: int, seed: int) -> Recipe:
     sample = v2.pretraining_text(2_000_000, seed)
     texts = [sample[i:i + 10_000] for i in range(0, len(sample), 10_000)]
     texts += [ex["prompt"] + ex["reference"] for task in tasks.values() for ex in task.split("train")]
-    return Recipe(tasks, v2.pretraining_text, v2.train_tokenizer(texts), BACKBONE_V2, 3.7, eos_per_line=True)
+    return Recipe(tasks, v2.pretraining_text, v2.train_tokenizer(texts), BACKBONE_V2, 3.7,
+                  documents=v2.pretraining_documents)
 
 
 def _lr(step: int, steps: int, peak: float) -> float:
@@ -71,12 +73,17 @@ def _lr(step: int, steps: int, peak: float) -> float:
     return peak * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
 
 
+def _autocast(device: torch.device):
+    """bf16 autocast on a GPU (fp32 master weights; several times faster there), none on the CPU."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def corpus_ids(recipe: Recipe, tokenizer, num_tokens: int, seed: int) -> torch.Tensor:
-    """About `num_tokens` token ids of the recipe's corpus, with EOS after each line if it says so."""
+    """About `num_tokens` token ids of the recipe's corpus, with EOS after each document if it has them."""
+    if recipe.documents is not None:
+        docs = recipe.documents(int(num_tokens * recipe.chars_per_token), seed)
+        return torch.tensor([t for part in tokenizer(docs)["input_ids"] for t in part + [tokenizer.eos_token_id]])
     text = recipe.corpus(int(num_tokens * recipe.chars_per_token), seed)
-    if recipe.eos_per_line:
-        lines = [line + "\n" for line in text.split("\n") if line]
-        return torch.tensor([t for part in tokenizer(lines)["input_ids"] for t in part + [tokenizer.eos_token_id]])
     chunks = [text[i:i + 100_000] for i in range(0, len(text), 100_000)]
     return torch.tensor([t for part in tokenizer(chunks)["input_ids"] for t in part])
 
@@ -89,19 +96,21 @@ def pretrain(model, tokenizer, steps: int, batch: int, seq: int, device, seed: i
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     model.train()
+    start = time.time()
     for step in range(steps):
         starts = torch.randint(0, ids.numel() - seq - 1, (batch,), generator=g)
         x = torch.stack([ids[s : s + seq] for s in starts]).to(device)
         for group in opt.param_groups:
             group["lr"] = _lr(step, steps, 3e-3)
-        loss = model(input_ids=x, labels=x).loss
+        with _autocast(device):
+            loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == steps - 1:
             log.setdefault("pretrain_loss", []).append((step, round(loss.item(), 4)))
-            print(f"pretrain {step}/{steps} loss {loss.item():.3f}", flush=True)
+            print(f"pretrain {step}/{steps} loss {loss.item():.3f} ({time.time() - start:.0f} s)", flush=True)
     model.eval()
 
 
@@ -141,8 +150,9 @@ def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, devi
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         for group in opt.param_groups:
             group["lr"] = _lr(step, steps, 3e-3)
-        loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
-                     labels=lab.to(device)).loss
+        with _autocast(device):
+            loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
+                         labels=lab.to(device)).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

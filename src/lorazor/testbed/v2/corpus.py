@@ -5,8 +5,9 @@ The backbone should be able to *continue* an answer once an adapter has started 
 holds the skills the tasks' answers need, in their surface forms, after other cues:
 - word problems told as stories and solved in prose ("First ... Then ...") or in "Step k:" lines;
 - SQL over the corpus's own schema (employees, departments), never the sql task's (staff, units);
-- clinical signs and why they point to an organ, and letter quizzes on other topics (options inline
-  or one per line) that end in "The answer is X.";
+- clinical signs and why they point to an organ, worked clinical quizzes (options inline, after a
+  "Case quiz." cue) and letter quizzes on other topics (options inline or one per line), all ending
+  in "The answer is X.";
 - science rules, which things follow them, and four-option "Pick the one that is ..." explanations
   that end in "So the answer is (X).".
 It never shows the tasks' prompts and cues ("Problem: ... Solution:", "Request:", "Vignette:",
@@ -62,26 +63,51 @@ def _clinical(rng: random.Random) -> str:
                        f"When a patient has {a}, check the {organ}. "])
 
 
-QUIZZES = [  # topics the tasks never ask about: the letter-picking skill, on other knowledge
-    ("Which city is the capital of France?", "Paris", ["Lyon", "Nice", "Lille"], "Paris is the seat of the French government."),
-    ("Which animal is the largest?", "the blue whale", ["the horse", "the lion", "the eagle"], "A blue whale can weigh over 100 tonnes."),
-    ("Which color do you get by mixing blue and yellow?", "green", ["red", "purple", "orange"], "Blue and yellow paint make green."),
-    ("How many days are in a week?", "seven", ["five", "six", "eight"], "A week has seven days."),
-    ("Which instrument has 88 keys?", "the piano", ["the violin", "the flute", "the drum"], "A piano keyboard has 88 keys."),
-    ("Which season follows winter?", "spring", ["summer", "autumn", "fall"], "Spring comes after winter."),
-]
+# Categories for letter quizzes on topics the tasks never ask about: the skill of finding the letter
+# of the option an explanation named, over thousands of option sets rather than a few memorizable ones.
+CATEGORIES = {
+    "color": ["red", "green", "blue", "yellow", "purple", "orange"],
+    "fruit": ["an apple", "a banana", "a cherry", "a grape", "a lemon", "a mango"],
+    "tool": ["a hammer", "a saw", "a wrench", "a drill", "a chisel", "a shovel"],
+    "vehicle": ["a car", "a bus", "a train", "a bicycle", "a truck", "a boat"],
+    "musical instrument": ["a piano", "a violin", "a flute", "a drum", "a guitar", "a trumpet"],
+    "country": ["France", "Japan", "Brazil", "Kenya", "Canada", "India"],
+    "bird": ["an eagle", "a sparrow", "a robin", "an owl", "a parrot", "a crow"],
+    "vegetable": ["a carrot", "an onion", "a potato", "a leek", "a pepper", "a cabbage"],
+    "sport": ["tennis", "soccer", "golf", "rugby", "hockey", "cricket"],
+    "month": ["January", "March", "May", "July", "October", "December"],
+}
+
+
+def _listing(rng: random.Random, options: list[str]) -> str:
+    """Options one per line ("A. x", as the medqa task lists them) or inline ("A) x")."""
+    if rng.random() < 0.5:
+        return "\n" + "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(options)) + "\n"
+    return " " + " ".join(f"{LETTERS[i]}) {o}" for i, o in enumerate(options)) + ". "
 
 
 def _quiz(rng: random.Random) -> str:
-    question, right, wrong, why = rng.choice(QUIZZES)
-    options = [right] + rng.sample(wrong, 3)
+    category, other = rng.sample(sorted(CATEGORIES), 2)
+    right = rng.choice(CATEGORIES[category])
+    wrong = rng.sample([x for c in CATEGORIES if c != category for x in CATEGORIES[c]], 3)
+    options = [right] + wrong
     rng.shuffle(options)
     letter = LETTERS[options.index(right)]
-    if rng.random() < 0.5:  # options one per line, as the medqa task lists them
-        listing = "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(options))
-        return f"Quiz. {question}\n{listing}\n{why} The answer is {letter}.\n"
+    return (f"Quiz. Name the {category}.{_listing(rng, options)}{right[0].upper() + right[1:]} is a {category}. "
+            f"The others are not. The answer is {letter}.\n")
+
+
+def _clinical_quiz(rng: random.Random) -> str:
+    """Worked clinical multiple choice in the medqa answer style, after a question form the task never
+    uses (options inline), so a backbone can finish a medqa answer an adapter has started."""
+    organ = rng.choice(sorted(ORGANS))
+    signs, why = ORGANS[organ]
+    a, b = rng.sample(signs, 2)
+    options = [organ] + rng.sample([o for o in ORGANS if o != organ], 3)
+    rng.shuffle(options)
     listing = " ".join(f"{LETTERS[i]}) {o}" for i, o in enumerate(options))
-    return f"Quiz. {question} {listing}. {why} The answer is {letter}.\n"
+    return (f"Case quiz. Signs: {a}, {b}. Organ? {listing}. {a.capitalize()} and {b} point to the {organ}. {why} "
+            f"The other options do not explain {a}. The answer is {LETTERS[options.index(organ)]}.\n")
 
 
 def _science(rng: random.Random) -> str:
@@ -98,15 +124,19 @@ def _science(rng: random.Random) -> str:
     return f"{rule} {thing.capitalize()} {membership}, so it is {phrase}. {other.capitalize()} is not.\n"
 
 
-SOURCES = (_story, _story, _arithmetic, _sql, _clinical, _quiz, _science)
+SOURCES = (_story, _story, _arithmetic, _sql, _clinical, _clinical_quiz, _quiz, _science)
+
+
+def pretraining_documents(num_chars: int, seed: int = 0) -> list[str]:
+    """About `num_chars` characters of the mixed corpus as documents, deterministic for a seed."""
+    rng = random.Random(f"v2-corpus-{seed}")
+    docs, size = [], 0
+    while size < num_chars:
+        docs.append(rng.choice(SOURCES)(rng))
+        size += len(docs[-1])
+    return docs
 
 
 def pretraining_text(num_chars: int, seed: int = 0) -> str:
-    """About `num_chars` characters of the mixed corpus, deterministic for a seed."""
-    rng = random.Random(f"v2-corpus-{seed}")
-    parts, size = [], 0
-    while size < num_chars:
-        piece = rng.choice(SOURCES)(rng)
-        parts.append(piece)
-        size += len(piece)
-    return "".join(parts)
+    """The documents of `pretraining_documents`, joined."""
+    return "".join(pretraining_documents(num_chars, seed))
