@@ -65,7 +65,7 @@ for step in "$@"; do
     testbed-v2) # The trained assets (about 15 MB) travel as their own tarball: all.tgz stays small.
                TB=/tmp/tb/testbed_v2
                timeout ${V2_TIMEOUT:-480} python3 -m lorazor.testbed.train --version 2 --device cuda --out "$TB" \
-                 --pretrain-steps ${V2_PRETRAIN_STEPS:-5000} --adapter-steps ${V2_ADAPTER_STEPS:-1200} --batch 64 --seq 512 \
+                 --pretrain-steps ${V2_PRETRAIN_STEPS:-4000} --adapter-steps ${V2_ADAPTER_STEPS:-600} --batch 64 --seq 512 \
                  > "$W/testbed_v2.log" 2>&1
                tar czf "$OUT/testbed_v2.tgz" -C /tmp/tb testbed_v2 && cp "$TB/train_log.json" "$W/" 2>/dev/null
                timeout ${V2_EVAL_TIMEOUT:-60} python3 -m lorazor.testbed.evaluate --assets "$TB" --device cuda \

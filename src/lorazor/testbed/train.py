@@ -115,24 +115,21 @@ def pretrain(model, tokenizer, steps: int, batch: int, seq: int, device, seed: i
 
 
 def task_batches(task, tokenizer, batch: int, g: torch.Generator):
-    """Left-padded prompt + reference + eos; the loss covers the reference and eos only."""
-    examples = task.split("train")
+    """Left-padded prompt + reference + eos; the loss covers the reference and eos only. Examples
+    are tokenized once (tokenizing each batch anew held a GPU run back)."""
+    examples = [(tokenizer(ex["prompt"])["input_ids"], tokenizer(ex["reference"])["input_ids"] + [tokenizer.eos_token_id])
+                for ex in task.split("train")]
     while True:
         picks = torch.randint(0, len(examples), (batch,), generator=g).tolist()
-        seqs, labels = [], []
-        for i in picks:
-            p = tokenizer(examples[i]["prompt"])["input_ids"]
-            r = tokenizer(examples[i]["reference"])["input_ids"] + [tokenizer.eos_token_id]
-            seqs.append(p + r)
-            labels.append([-100] * len(p) + r)
-        width = max(map(len, seqs))
+        width = max(len(examples[i][0]) + len(examples[i][1]) for i in picks)
         ids = torch.full((batch, width), tokenizer.pad_token_id)
         lab = torch.full((batch, width), -100)
         mask = torch.zeros(batch, width, dtype=torch.long)
-        for j, (s, lb) in enumerate(zip(seqs, labels)):
-            ids[j, width - len(s):] = torch.tensor(s)
-            lab[j, width - len(s):] = torch.tensor(lb)
-            mask[j, width - len(s):] = 1
+        for j, i in enumerate(picks):
+            p, r = examples[i]
+            ids[j, width - len(p) - len(r):] = torch.tensor(p + r)
+            lab[j, width - len(r):] = torch.tensor(r)
+            mask[j, width - len(p) - len(r):] = 1
         yield ids, lab, mask
 
 
@@ -190,12 +187,14 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     base.half().save_pretrained(args.out / "backbone")
     tokenizer.save_pretrained(args.out / "tokenizer")
+    (args.out / "train_log.json").write_text(json.dumps(log, indent=2))
     for i, (name, task) in enumerate(tasks.items()):
         fresh = AutoModelForCausalLM.from_pretrained(args.out / "backbone", dtype=torch.float32).to(device)
         t = time.time()
         model = train_adapter(fresh, name, task, tokenizer, args.adapter_steps, args.batch, device, args.seed + i, log)
         model.save_pretrained(args.out / "adapters")
         log[f"{name}_seconds"] = round(time.time() - t, 1)
+        (args.out / "train_log.json").write_text(json.dumps(log, indent=2))  # a run cut short keeps its log
     log["total_seconds"] = round(time.time() - start, 1)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=2))
 
