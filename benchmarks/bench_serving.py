@@ -78,14 +78,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(engine, tokenizer):
+def start_server(engine, tokenizer, **app_kwargs):
     import httpx
     import uvicorn
 
     from lorazor.serve import build_app
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, tokenizer), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, tokenizer, **app_kwargs), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

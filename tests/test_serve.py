@@ -277,3 +277,25 @@ def test_lorazor_serve_testbed_command_starts_serves_and_shuts_down():
         proc.send_signal(signal.SIGINT)
         log, _ = proc.communicate(timeout=30)
     assert "shutdown: aborted 0 in-flight requests" in log, log[-2000:]
+
+
+def test_the_app_shortens_the_thread_switch_interval_while_it_runs():
+    """The engine's thread must get the GIL back soon after each GPU wait while the event loop
+    streams: the app sets a short switch interval for its lifetime and restores Python's after."""
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    from lorazor import LoRazorEngine, LoRazorModel
+    from lorazor.serve import build_app
+    from lorazor.serve.app import SWITCH_INTERVAL_S
+    from lorazor.testbed import load
+
+    peft_model, tokenizer, _ = load()
+    engine = LoRazorEngine(LoRazorModel.from_peft(peft_model), max_num_seqs=4, num_kv_blocks=64)
+    before = sys.getswitchinterval()
+    assert before != SWITCH_INTERVAL_S
+    with TestClient(build_app(engine, tokenizer)) as http:
+        assert http.get("/health").status_code == 200
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+    assert sys.getswitchinterval() == pytest.approx(before)

@@ -1,6 +1,7 @@
 """The HTTP server's own cost, on the CPU: the engine's step replaced by a synthetic one.
 
     python benchmarks/probes/serve_overhead.py --step-ms 8 --rates 100,200,300 --clients 1
+    python benchmarks/probes/serve_overhead.py --step-ms 6 --busy-ms 3 --releases 6 --rates 150 --clients 2
 
 The synthetic step waits `--step-ms` with the GIL released (as the GPU wait does) and gives every
 unfinished request one token, up to 256 at a time: the token rate of the H200 engine at a
@@ -22,10 +23,20 @@ import bench_serving as bs  # noqa: E402
 import engine_workload as wl  # noqa: E402
 
 
-def synthetic_step(engine, step_ms: float, rows: int):
-    """A step that costs `step_ms` of GIL-free waiting and emits one token per running request."""
+def _busy(ms: float) -> None:
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
+
+
+def synthetic_step(engine, step_ms: float, rows: int, busy_ms: float = 0.0, releases: int = 1):
+    """A step that costs `step_ms` of GIL-free waiting in `releases` parts, with `busy_ms` of Python
+    (holding the GIL, as the engine's scheduling and launches do) spread between them, and emits
+    one token per running request."""
     def step():
-        time.sleep(step_ms / 1000)
+        for _ in range(releases):
+            _busy(busy_ms / releases)
+            time.sleep(step_ms / 1000 / releases)
         now = time.monotonic()
         outputs = []
         for request in list(engine.requests.values())[:rows]:
@@ -47,14 +58,20 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--busy-ms", type=float, default=0.0, help="Python work per step, holding the GIL")
+    ap.add_argument("--releases", type=int, default=1, help="GIL-free waits per step (the step's syncs)")
+    ap.add_argument("--switch-interval", default="app", help="build_app's switch_interval: app (its default), "
+                    "none (Python's 5 ms) or seconds")
     args = ap.parse_args()
     engine, tokenizer, names, vocab = bs.build(argparse.Namespace(testbed=False, tiny=True))
-    engine.step = synthetic_step(engine, args.step_ms, args.rows)
+    engine.step = synthetic_step(engine, args.step_ms, args.rows, args.busy_ms, args.releases)
     rates = [float(x) for x in args.rates.split(",")]
     workload = wl.build(int(max(rates) * args.seconds * 1.5) + 16, vocab)
     requests = [dict(prompt_ids=r.prompt[:16], adapter=names[0], max_new_tokens=min(r.max_new_tokens,
                      args.max_new_tokens), release="never", pad_token_id=0) for r in workload]
-    server, thread, url = bs.start_server(engine, tokenizer)
+    app_kwargs = {} if args.switch_interval == "app" else dict(
+        switch_interval=None if args.switch_interval == "none" else float(args.switch_interval))
+    server, thread, url = bs.start_server(engine, tokenizer, **app_kwargs)
     pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     list(pool.map(time.sleep, [0.0] * args.clients))
     try:
