@@ -16,15 +16,15 @@
 #   engine-exact     bench_engine.py --part exact: LoRazor, exact without release, backbone, static, open loop
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
 #   engine-sweep     bench_engine.py --part exact at 4-64 adapters only (lorazor and exact), rows_exact_sweep.jsonl
-#   testbed-v2       python -m lorazor.testbed.train --version 2 on the GPU, then a quick accuracy check;
-#                    the assets come back as $OUT/testbed_v2.tgz
+#   testbed-v2       python -m lorazor.testbed.train --version 2 on the GPU, then the paper's tables on it
+#                    (python -m lorazor.testbed.paper); assets come back as $OUT/testbed_v2.tgz.part-*
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
 #                    (needs fastapi, uvicorn, pydantic: carry their wheels as .whl/, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-W=$OUT/work
+W=${WORK:-$OUT/work}  # WORK=/tmp/work: only all.tgz (and the testbed parts) come back, at most 8 files
 rm -rf "$W"  # only this call's files come back (so run every step of a call in one invocation)
 mkdir -p "$W"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$W/gpu.txt"
@@ -62,14 +62,15 @@ for step in "$@"; do
                  --adapters 4,8,16,32,64 --skip backbone,static,open,skewed --tag _sweep > "$W/engine_sweep.log" 2>&1 ;;
     engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  > "$W/engine_full.log" 2>&1 ;;
-    testbed-v2) # The trained assets (about 15 MB) travel as their own tarball: all.tgz stays small.
+    testbed-v2) # Assets (about 18 MB compressed) come back as 15 MiB parts: cat testbed_v2.tgz.part-* | tar xz
                TB=/tmp/tb/testbed_v2
-               timeout ${V2_TIMEOUT:-480} python3 -m lorazor.testbed.train --version 2 --device cuda --out "$TB" \
+               timeout ${V2_TIMEOUT:-400} python3 -m lorazor.testbed.train --version 2 --device cuda --out "$TB" \
                  --pretrain-steps ${V2_PRETRAIN_STEPS:-4000} --adapter-steps ${V2_ADAPTER_STEPS:-600} --batch 64 --seq 512 \
                  > "$W/testbed_v2.log" 2>&1
-               tar czf "$OUT/testbed_v2.tgz" -C /tmp/tb testbed_v2 && cp "$TB/train_log.json" "$W/" 2>/dev/null
-               timeout ${V2_EVAL_TIMEOUT:-60} python3 -m lorazor.testbed.evaluate --assets "$TB" --device cuda \
-                 --limit 100 --out "$W/testbed_v2_eval" > "$W/testbed_v2_eval.log" 2>&1 ;;
+               tar czf - -C /tmp/tb testbed_v2 | split -b 15m - "$OUT/testbed_v2.tgz.part-"
+               cp "$TB/train_log.json" "$W/" 2>/dev/null
+               timeout ${V2_PAPER_TIMEOUT:-150} python3 -m lorazor.testbed.paper --assets "$TB" --device cuda \
+                 --out "$W/testbed_paper" > "$W/testbed_paper.log" 2>&1 ;;
     serving) if [ -d .whl ]; then  # fastapi, uvicorn, pydantic wheels carried in (device README)
                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
                  .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH

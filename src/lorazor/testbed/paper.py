@@ -1,0 +1,236 @@
+"""The paper's accuracy results on the testbed, from its weights: Tables 1, 4 and 6, Figs 2, 13, 14.
+
+    python -m lorazor.testbed.paper --out benchmarks/results/testbed_paper [--assets DIR] [--device cuda]
+    python -m lorazor.testbed.paper --out /tmp/paper --limit 8 --train-limit 8     # a quick run (CI)
+
+Per task, on the splits the paper uses them for:
+- validation: the profiled curve (release after k decode steps, k in `LENGTHS`) and the learned
+  head's curve over its thresholds (the head trains on paired continuations of the train split);
+- test: full LoRA, backbone only, release at every k (Fig 2 and the per-request safe cutoffs of
+  Fig 14), and the chosen operating points:
+  - Table 1: training-free (the profiled k with the best validation accuracy at >= 50% skip) and
+    learned P25 / P50 / P75 (thresholds at >= 25 / 50 / 75% validation skip), each with its
+    realized test skip (Table 6);
+  - Table 4: profiled and learned, each at the most validation skip within 2 points of full LoRA.
+Writes `paper_tables.md/.json`, `fig2_release_step.png`, `fig13_pareto.png`, `fig14_cutoffs.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LENGTHS = (0, 1, 2, 3, 4, 8, 16, 32, 64)
+SKIP_TARGETS = {"P25": 0.25, "P50": 0.5, "P75": 0.75}
+BUDGET = 0.02  # Table 4's common validation accuracy budget (2 points)
+
+
+def outcomes(model, tokenizer, adapter, data, policy, batch: int) -> tuple[list[bool], float]:
+    """(per-request correctness, decode-LoRA skip fraction) of `adapter` on `data` under `policy`."""
+    from lorazor.calibration.profiled import generate_answers
+
+    correct, lora, needed = [], 0, 0
+    for start in range(0, len(data.prompts), batch):
+        texts, out = generate_answers(model, tokenizer, adapter, data.prompts[start:start + batch],
+                                      data.generate_kwargs, policy)
+        correct += [bool(data.score(t, start + i)) for i, t in enumerate(texts)]
+        lora += int(out.lora_decode_steps.sum())
+        needed += int(out.decode_steps.sum())
+    skip = 1.0 if adapter is None else (0.0 if needed == 0 else 1.0 - lora / needed)
+    return correct, skip
+
+
+def safe_cutoffs(full: list[bool], by_k: dict[int, list[bool]]) -> list[int | None]:
+    """Per request that full LoRA answers correctly: the smallest k from which every later k of
+    the grid stays correct (None: only full LoRA is safe). Requests full LoRA gets wrong are left out."""
+    ks = sorted(by_k)
+    cutoffs = []
+    for i, ok in enumerate(full):
+        if not ok:
+            continue
+        safe = None
+        for k in reversed(ks):
+            if not by_k[k][i]:
+                break
+            safe = k
+        cutoffs.append(safe)
+    return cutoffs
+
+
+def choose(curve, **criterion):
+    """`select_point` on a validation curve, or None when no point meets the criterion."""
+    from lorazor.calibration.profiled import select_point
+
+    try:
+        return select_point(curve, **criterion)
+    except ValueError:
+        return None
+
+
+def run_task(model, tokenizer, name, task, args, timings: dict) -> dict:
+    from lorazor.calibration import calibrate_learned
+    from lorazor.calibration.profiled import ReleasePoint
+    from lorazor.policies import LearnedRelease, ProfiledRelease
+    from lorazor.testbed.calibrate import _task_set
+
+    val = _task_set(task, "validation", args.limit, tokenizer)
+    test = _task_set(task, "test", args.limit, tokenizer)
+    train = _task_set(task, "train", args.train_limit, tokenizer)
+    b = args.batch
+    with torch.inference_mode():
+        t = time.time()
+        profiled = []
+        for k in (None, *LENGTHS):
+            correct, skip = outcomes(model, tokenizer, name, val, ProfiledRelease({name: k}), b)
+            profiled.append(ReleasePoint(k, sum(correct) / len(correct), skip))
+        timings[f"{name}: validation, profiled"] = time.time() - t
+        t = time.time()
+        heads, learned_curves = calibrate_learned(model, tokenizer, {name: train}, {name: val}, min_skip=0.0,
+                                                  batch_size=b)
+        learned = learned_curves[name]
+        w, bias, _ = heads.heads[name]
+        timings[f"{name}: learned head and its validation curve"] = time.time() - t
+
+        t = time.time()
+        full, _ = outcomes(model, tokenizer, name, test, ProfiledRelease({name: None}), b)
+        backbone, _ = outcomes(model, tokenizer, None, test, None, b)
+        by_k = {k: outcomes(model, tokenizer, name, test, ProfiledRelease({name: k}), b) for k in LENGTHS}
+
+        def on_test(point):
+            if point is None:
+                return None
+            if point.tau is None:
+                acc, skip = (full, 0.0) if point.k is None else by_k[point.k]
+            else:
+                acc, skip = outcomes(model, tokenizer, name, test, LearnedRelease({name: (w, bias, point.tau)}), b)
+            return dict(k=point.k, tau=point.tau, val_accuracy=point.accuracy, val_skip=point.skip_fraction,
+                        accuracy=sum(acc) / len(acc), skip=skip)
+
+        rows = {"training-free (k, >=50% skip)": on_test(choose(profiled, min_skip=0.5))}
+        rows.update({f"learned {p}": on_test(choose(learned, min_skip=q)) for p, q in SKIP_TARGETS.items()})
+        budget = {"profiled": on_test(choose(profiled, max_accuracy_drop=BUDGET)),
+                  "learned": on_test(choose(learned, max_accuracy_drop=BUDGET))}
+        timings[f"{name}: test"] = time.time() - t
+    mean = lambda c: sum(c) / len(c)  # noqa: E731
+    return dict(task=name, full=mean(full), backbone=mean(backbone), prefill_only=mean(by_k[0][0]),
+                curve={k: dict(accuracy=mean(c), skip=s) for k, (c, s) in by_k.items()},
+                table1=rows, table4=budget, cutoffs=safe_cutoffs(full, {k: c for k, (c, _) in by_k.items()}),
+                validation=dict(profiled=[p.__dict__ for p in profiled], learned=[p.__dict__ for p in learned]))
+
+
+def _cell(point) -> str:
+    return "n/a" if point is None else f"{point['accuracy']:.1%} ({point['skip']:.0%})"
+
+
+def render(results: list[dict], meta: dict) -> str:
+    names = list(results[0]["table1"]) if results else []
+    lines = ["# The paper's accuracy results on the testbed", "", "```", json.dumps(meta, indent=2), "```", "",
+             "## Table 1 (test accuracy; realized test decode-LoRA skip in brackets, the Table 6 analogue)", "",
+             "| task | full LoRA | backbone only | prefill only | " + " | ".join(names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
+    for r in results:
+        lines.append(f"| {r['task']} | {r['full']:.1%} | {r['backbone']:.1%} | {r['prefill_only']:.1%} | "
+                     + " | ".join(_cell(r["table1"][n]) for n in names) + " |")
+    lines += ["", f"## Table 4 (most validation skip within {BUDGET:.0%} of full LoRA's validation accuracy; test "
+              "accuracy and skip)", "", "| task | full LoRA | profiled | learned |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['task']} | {r['full']:.1%} | {_cell(r['table4']['profiled'])} | "
+                     f"{_cell(r['table4']['learned'])} |")
+    lines += ["", "## Fig 2 (test accuracy after release at k; skip in brackets)", "",
+              "| task | " + " | ".join(f"k={k}" for k in LENGTHS) + " |", "|---|" + "---|" * len(LENGTHS)]
+    for r in results:
+        lines.append(f"| {r['task']} | " + " | ".join(
+            f"{r['curve'][k]['accuracy']:.0%} ({r['curve'][k]['skip']:.0%})" for k in LENGTHS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    n = len(results)
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        ax.plot(range(len(LENGTHS)), [100 * r["curve"][k]["accuracy"] for k in LENGTHS], marker="o", label="release at k")
+        ax.axhline(100 * r["full"], color="g", ls="--", lw=0.8, label="full LoRA")
+        ax.axhline(100 * r["backbone"], color="k", ls=":", lw=0.8, label="backbone")
+        ax.set_xticks(range(len(LENGTHS)), [str(k) for k in LENGTHS], fontsize=7)
+        ax.set(title=r["task"], xlabel="release step k")
+    axes[0][0].set_ylabel("test accuracy (%)")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "fig2_release_step.png", dpi=120)
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        for kind, marker in (("profiled", "o"), ("learned", "x")):
+            pts = r["validation"][kind]
+            ax.scatter([100 * p["skip_fraction"] for p in pts], [100 * p["accuracy"] for p in pts], marker=marker,
+                       label=kind, s=18)
+        ax.set(title=r["task"], xlabel="validation decode-LoRA skip (%)")
+    axes[0][0].set_ylabel("validation accuracy (%)")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "fig13_pareto.png", dpi=120)
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
+    labels = [str(k) for k in LENGTHS] + ["full"]
+    for ax, r in zip(axes[0], results):
+        counts = [sum(1 for c in r["cutoffs"] if c == k) for k in LENGTHS] + [sum(1 for c in r["cutoffs"] if c is None)]
+        ax.bar(range(len(labels)), counts)
+        ax.set_xticks(range(len(labels)), labels, fontsize=6)
+        ax.set(title=r["task"], xlabel="safe release cutoff k")
+    axes[0][0].set_ylabel("test requests")
+    fig.tight_layout()
+    fig.savefig(out / "fig14_cutoffs.png", dpi=120)
+    plt.close("all")
+
+
+def main(argv=None) -> None:
+    from lorazor import LoRazorConfig, LoRazorModel
+    from lorazor.testbed import load
+    from lorazor.testbed.calibrate import _environment
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--assets", type=Path, default=None, help="testbed weights (default: the shipped ones)")
+    ap.add_argument("--limit", type=int, default=None, help="validation and test examples per task (default: all)")
+    ap.add_argument("--train-limit", type=int, default=200, help="train prompts per task for the learned heads")
+    ap.add_argument("--tasks", default=None, help="comma-separated tasks (default: all)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=100)
+    args = ap.parse_args(argv)
+    start = time.time()
+    peft_model, tokenizer, tasks = load(args.assets)
+    if args.tasks:
+        unknown = sorted(set(args.tasks.split(",")) - set(tasks))
+        if unknown:
+            raise SystemExit(f"unknown tasks {unknown}; the testbed has {sorted(tasks)}")
+        tasks = {n: tasks[n] for n in args.tasks.split(",")}
+    model = LoRazorModel.from_peft(peft_model.to(args.device), LoRazorConfig())
+    from tqdm import tqdm
+
+    timings, results = {}, []
+    for name, task in tqdm(tasks.items(), desc="tasks", total=len(tasks)):
+        results.append(run_task(model, tokenizer, name, task, args, timings))
+    given = " ".join(sys.argv[1:] if argv is None else argv)
+    meta = dict(command=f"python -m lorazor.testbed.paper {given}", environment=_environment(model.device),
+                date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - start, 1),
+                stage_seconds={k: round(v, 1) for k, v in timings.items()})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "paper_tables.json").write_text(json.dumps({"meta": meta, "tasks": results}, indent=2))
+    text = render(results, meta)
+    (args.out / "paper_tables.md").write_text(text)
+    plot(results, args.out)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
