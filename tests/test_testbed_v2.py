@@ -2,6 +2,7 @@
 and a tokenizer that makes answers tens of tokens."""
 
 import pytest
+import torch
 from lorazor.testbed.v2 import make_tasks, pretraining_text, train_tokenizer
 from lorazor.testbed.v2.knowledge import TASK_SCHEMA
 from lorazor.testbed.v2.tasks import task_database
@@ -104,6 +105,10 @@ def test_v2_training_pipeline_runs_end_to_end(tmp_path):
            "--seq", "64"])
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert 6e6 < log["backbone_parameters"] < 10e6  # fp16 weights under 20 MB
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "adapters" / "sql" / "adapter_model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}  # shipped in fp16, as the backbone
     model, tok, tasks = load(tmp_path)
     assert list(tasks) == ["math", "sql", "medqa", "science"] and tasks["sql"].split("test") == TASKS["sql"].split("test")
     for name in tasks:

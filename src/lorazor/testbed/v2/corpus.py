@@ -27,13 +27,15 @@ from .tasks import sql_pair, story_events
 def _story(rng: random.Random) -> str:
     who, item, start, events = story_events(rng)
     told = " ".join(e[0] for e in events)
+    # Stories open as the math task's problems do ("Tom has 5 pens.") or otherwise: a backbone that
+    # only ever saw other openings overran the last event when it finished a released math answer.
+    opening = f"{who} has {start} {item}." if rng.random() < 0.5 else f"{who} started the day with {start} {item}."
     if rng.random() < 0.5:  # the tasks' scratchpad form, after a cue the math task never uses
         steps = " ".join(f"Step {i + 1}: {e[1]}." for i, e in enumerate(events))
-        return f"{who} started the day with {start} {item}. {told} Working it out: {steps} In the end {events[-1][2]}.\n"
+        return f"{opening} {told} Working it out: {steps} In the end {events[-1][2]}.\n"
     words = ["First", "Then", "Next", "After that"]
     solution = " ".join(f"{words[min(i, 3)]}, {e[1]}." for i, e in enumerate(events))
-    return (f"{who} started the day with {start} {item}. {told} Let us count. {solution} "
-            f"In the end {who} has {events[-1][2]} {item}.\n")
+    return f"{opening} {told} Let us count. {solution} In the end {who} has {events[-1][2]} {item}.\n"
 
 
 def _arithmetic(rng: random.Random) -> str:
