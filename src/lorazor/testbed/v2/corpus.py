@@ -101,15 +101,16 @@ def _quiz(rng: random.Random) -> str:
 
 def _clinical_quiz(rng: random.Random) -> str:
     """Worked clinical multiple choice in the medqa answer style, after a question form the task never
-    uses (options inline), so a backbone can finish a medqa answer an adapter has started."""
+    uses, so a backbone can finish a medqa answer an adapter has started. Options come inline or one
+    per line: with only inline ones, a medqa adapter trained on the first H200 backbone named the
+    right organ every time but its letter half the time."""
     organ = rng.choice(sorted(ORGANS))
     signs, why = ORGANS[organ]
     a, b = rng.sample(signs, 2)
     options = [organ] + rng.sample([o for o in ORGANS if o != organ], 3)
     rng.shuffle(options)
-    listing = " ".join(f"{LETTERS[i]}) {o}" for i, o in enumerate(options))
-    return (f"Case quiz. Signs: {a}, {b}. Organ? {listing}. {a.capitalize()} and {b} point to the {organ}. {why} "
-            f"The other options do not explain {a}. The answer is {LETTERS[options.index(organ)]}.\n")
+    return (f"Case quiz. Signs: {a}, {b}. Organ?{_listing(rng, options)}{a.capitalize()} and {b} point to the "
+            f"{organ}. {why} The other options do not explain {a}. The answer is {LETTERS[options.index(organ)]}.\n")
 
 
 def _science(rng: random.Random) -> str:
