@@ -32,3 +32,14 @@ def test_paper_tables_run_end_to_end_in_limit_mode(tmp_path):
     text = (tmp_path / "paper_tables.md").read_text()
     assert "## Table 1" in text and "## Table 4" in text and "| mcq |" in text
     assert data["meta"]["stage_seconds"] and "lorazor.testbed.paper" in data["meta"]["command"]
+
+
+def test_bad_counts_are_refused_naming_the_value(capsys):
+    import pytest
+
+    from lorazor.testbed.paper import main
+
+    for flag in ("--batch", "--limit", "--train-limit"):
+        with pytest.raises(SystemExit):
+            main(["--out", "/tmp/unused", flag, "0"])
+        assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from .profiled import (
     evaluate_release,
     generate_answers,
     pareto_front,
+    policy_outcomes,
     profile_release_lengths,
     select_point,
     select_release_length,
@@ -25,5 +26,5 @@ from .profiled import (
 __all__ = [
     "DEFAULT_RELEASE_LENGTHS", "RELEASE_POSITIONS", "ReleaseExamples", "ReleasePoint", "ValidationSet",
     "calibrate_learned", "calibrate_profiled", "collect_release_examples", "evaluate_policy", "evaluate_release", "generate_answers",
-    "pareto_front", "profile_release_lengths", "select_point", "select_release_length", "train_risk_head",
+    "pareto_front", "policy_outcomes", "profile_release_lengths", "select_point", "select_release_length", "train_risk_head",
 ]

@@ -85,26 +85,35 @@ def generate_answers(
     return tokenizer.batch_decode(out.sequences[:, ids.shape[1]:], skip_special_tokens=True), out
 
 
+def policy_outcomes(
+    model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str | None, data: ValidationSet,
+    policy: ReleasePolicy | None, batch_size: int = 64,
+) -> tuple[list[bool], float]:
+    """(per-prompt correctness, decode skip) of `adapter` on `data` under a release `policy`
+    (None: model default). `adapter` None runs the backbone alone (skip fraction 1.0 by definition)."""
+    if not data.prompts:
+        raise ValueError("prompts is empty: calibration needs validation prompts")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    correct, lora_calls, needed = [], 0, 0
+    for start in range(0, len(data.prompts), batch_size):
+        texts, out = generate_answers(model, tokenizer, adapter, data.prompts[start : start + batch_size],
+                                      data.generate_kwargs, policy)
+        correct += [bool(data.score(text, start + i)) for i, text in enumerate(texts)]
+        lora_calls += int(out.lora_decode_steps.sum())
+        needed += int(out.decode_steps.sum())
+    if adapter is None:
+        return correct, 1.0
+    return correct, (0.0 if needed == 0 else 1.0 - lora_calls / needed)
+
+
 def evaluate_policy(
     model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str | None, data: ValidationSet,
     policy: ReleasePolicy | None, batch_size: int = 64,
 ) -> tuple[float, float]:
-    """(accuracy, decode skip) of `adapter` on `data` under a release `policy` (None: model default).
-
-    `adapter` None runs the backbone alone (skip fraction 1.0 by definition).
-    """
-    if not data.prompts:
-        raise ValueError("prompts is empty: calibration needs validation prompts")
-    correct, lora_calls, needed = 0, 0, 0
-    for start in range(0, len(data.prompts), batch_size):
-        texts, out = generate_answers(model, tokenizer, adapter, data.prompts[start : start + batch_size],
-                                      data.generate_kwargs, policy)
-        correct += sum(bool(data.score(text, start + i)) for i, text in enumerate(texts))
-        lora_calls += int(out.lora_decode_steps.sum())
-        needed += int(out.decode_steps.sum())
-    if adapter is None:
-        return correct / len(data.prompts), 1.0
-    return correct / len(data.prompts), (0.0 if needed == 0 else 1.0 - lora_calls / needed)
+    """(accuracy, decode skip) of `adapter` on `data` under a release `policy` (`policy_outcomes`)."""
+    correct, skip = policy_outcomes(model, tokenizer, adapter, data, policy, batch_size)
+    return sum(correct) / len(correct), skip
 
 
 def evaluate_release(

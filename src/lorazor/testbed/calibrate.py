@@ -27,6 +27,16 @@ def _task_set(task, split: str, limit: int | None, tokenizer):
     )
 
 
+def pick_tasks(tasks: dict, spec: str | None) -> dict:
+    """The tasks a comma-separated `--tasks` names, in its order (all of them for None)."""
+    if not spec:
+        return tasks
+    unknown = sorted(set(spec.split(",")) - set(tasks))
+    if unknown:
+        raise SystemExit(f"unknown tasks {unknown}; the testbed has {sorted(tasks)}")
+    return {name: tasks[name] for name in spec.split(",")}
+
+
 def _environment(device) -> str:
     """Commit (when run from a git checkout), package versions and device, for the results file."""
     import subprocess
@@ -63,11 +73,7 @@ def main(argv=None) -> None:
     start = time.time()
     peft_model, tokenizer, tasks = load(args.assets)
     model = LoRazorModel.from_peft(peft_model, LoRazorConfig())
-    if args.tasks:
-        unknown = sorted(set(args.tasks.split(",")) - set(tasks))
-        if unknown:
-            raise SystemExit(f"unknown tasks {unknown}; the testbed has {sorted(tasks)}")
-        tasks = {name: tasks[name] for name in args.tasks.split(",")}
+    tasks = pick_tasks(tasks, args.tasks)
     validation = {name: _task_set(task, "validation", args.limit, tokenizer) for name, task in tasks.items()}
     rule = dict(max_accuracy_drop=args.max_drop, min_skip=args.min_skip)
     if args.policy == "profiled":

@@ -30,21 +30,6 @@ SKIP_TARGETS = {"P25": 0.25, "P50": 0.5, "P75": 0.75}
 BUDGET = 0.02  # Table 4's common validation accuracy budget (2 points)
 
 
-def outcomes(model, tokenizer, adapter, data, policy, batch: int) -> tuple[list[bool], float]:
-    """(per-request correctness, decode-LoRA skip fraction) of `adapter` on `data` under `policy`."""
-    from lorazor.calibration.profiled import generate_answers
-
-    correct, lora, needed = [], 0, 0
-    for start in range(0, len(data.prompts), batch):
-        texts, out = generate_answers(model, tokenizer, adapter, data.prompts[start:start + batch],
-                                      data.generate_kwargs, policy)
-        correct += [bool(data.score(t, start + i)) for i, t in enumerate(texts)]
-        lora += int(out.lora_decode_steps.sum())
-        needed += int(out.decode_steps.sum())
-    skip = 1.0 if adapter is None else (0.0 if needed == 0 else 1.0 - lora / needed)
-    return correct, skip
-
-
 def safe_cutoffs(full: list[bool], by_k: dict[int, list[bool]]) -> list[int | None]:
     """Per request that full LoRA answers correctly: the smallest k from which every later k of
     the grid stays correct (None: only full LoRA is safe). Requests full LoRA gets wrong are left out."""
@@ -73,8 +58,7 @@ def choose(curve, **criterion):
 
 
 def run_task(model, tokenizer, name, task, args, timings: dict) -> dict:
-    from lorazor.calibration import calibrate_learned
-    from lorazor.calibration.profiled import ReleasePoint
+    from lorazor.calibration import ReleasePoint, calibrate_learned, policy_outcomes
     from lorazor.policies import LearnedRelease, ProfiledRelease
     from lorazor.testbed.calibrate import _task_set
 
@@ -86,7 +70,7 @@ def run_task(model, tokenizer, name, task, args, timings: dict) -> dict:
         t = time.time()
         profiled = []
         for k in (None, *LENGTHS):
-            correct, skip = outcomes(model, tokenizer, name, val, ProfiledRelease({name: k}), b)
+            correct, skip = policy_outcomes(model, tokenizer, name, val, ProfiledRelease({name: k}), b)
             profiled.append(ReleasePoint(k, sum(correct) / len(correct), skip))
         timings[f"{name}: validation, profiled"] = time.time() - t
         t = time.time()
@@ -97,9 +81,9 @@ def run_task(model, tokenizer, name, task, args, timings: dict) -> dict:
         timings[f"{name}: learned head and its validation curve"] = time.time() - t
 
         t = time.time()
-        full, _ = outcomes(model, tokenizer, name, test, ProfiledRelease({name: None}), b)
-        backbone, _ = outcomes(model, tokenizer, None, test, None, b)
-        by_k = {k: outcomes(model, tokenizer, name, test, ProfiledRelease({name: k}), b) for k in LENGTHS}
+        full, _ = policy_outcomes(model, tokenizer, name, test, ProfiledRelease({name: None}), b)
+        backbone, _ = policy_outcomes(model, tokenizer, None, test, None, b)
+        by_k = {k: policy_outcomes(model, tokenizer, name, test, ProfiledRelease({name: k}), b) for k in LENGTHS}
 
         def on_test(point):
             if point is None:
@@ -107,7 +91,7 @@ def run_task(model, tokenizer, name, task, args, timings: dict) -> dict:
             if point.tau is None:
                 acc, skip = (full, 0.0) if point.k is None else by_k[point.k]
             else:
-                acc, skip = outcomes(model, tokenizer, name, test, LearnedRelease({name: (w, bias, point.tau)}), b)
+                acc, skip = policy_outcomes(model, tokenizer, name, test, LearnedRelease({name: (w, bias, point.tau)}), b)
             return dict(k=point.k, tau=point.tau, val_accuracy=point.accuracy, val_skip=point.skip_fraction,
                         accuracy=sum(acc) / len(acc), skip=skip)
 
@@ -149,54 +133,58 @@ def render(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _figure(results: list[dict], draw, ylabel: str, path: Path) -> None:
+    """One panel per task, drawn by `draw(ax, result)`, saved to `path`."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 3), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        draw(ax, r)
+        ax.set_title(r["task"])
+    axes[0][0].set_ylabel(ylabel)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(results: list[dict], out: Path) -> None:
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
         return
-    n = len(results)
-    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
-    for ax, r in zip(axes[0], results):
+    matplotlib.use("Agg")
+
+    def release_step(ax, r):  # Fig 2
         ax.plot(range(len(LENGTHS)), [100 * r["curve"][k]["accuracy"] for k in LENGTHS], marker="o", label="release at k")
         ax.axhline(100 * r["full"], color="g", ls="--", lw=0.8, label="full LoRA")
         ax.axhline(100 * r["backbone"], color="k", ls=":", lw=0.8, label="backbone")
         ax.set_xticks(range(len(LENGTHS)), [str(k) for k in LENGTHS], fontsize=7)
-        ax.set(title=r["task"], xlabel="release step k")
-    axes[0][0].set_ylabel("test accuracy (%)")
-    axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out / "fig2_release_step.png", dpi=120)
-    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
-    for ax, r in zip(axes[0], results):
+        ax.set_xlabel("release step k")
+
+    def pareto(ax, r):  # Fig 13
         for kind, marker in (("profiled", "o"), ("learned", "x")):
             pts = r["validation"][kind]
             ax.scatter([100 * p["skip_fraction"] for p in pts], [100 * p["accuracy"] for p in pts], marker=marker,
                        label=kind, s=18)
-        ax.set(title=r["task"], xlabel="validation decode-LoRA skip (%)")
-    axes[0][0].set_ylabel("validation accuracy (%)")
-    axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out / "fig13_pareto.png", dpi=120)
-    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3), squeeze=False)
-    labels = [str(k) for k in LENGTHS] + ["full"]
-    for ax, r in zip(axes[0], results):
-        counts = [sum(1 for c in r["cutoffs"] if c == k) for k in LENGTHS] + [sum(1 for c in r["cutoffs"] if c is None)]
-        ax.bar(range(len(labels)), counts)
-        ax.set_xticks(range(len(labels)), labels, fontsize=6)
-        ax.set(title=r["task"], xlabel="safe release cutoff k")
-    axes[0][0].set_ylabel("test requests")
-    fig.tight_layout()
-    fig.savefig(out / "fig14_cutoffs.png", dpi=120)
-    plt.close("all")
+        ax.set_xlabel("validation decode-LoRA skip (%)")
+
+    def cutoffs(ax, r):  # Fig 14
+        counts = [r["cutoffs"].count(k) for k in LENGTHS] + [r["cutoffs"].count(None)]
+        ax.bar(range(len(counts)), counts)
+        ax.set_xticks(range(len(counts)), [str(k) for k in LENGTHS] + ["full"], fontsize=6)
+        ax.set_xlabel("safe release cutoff k")
+
+    _figure(results, release_step, "test accuracy (%)", out / "fig2_release_step.png")
+    _figure(results, pareto, "validation accuracy (%)", out / "fig13_pareto.png")
+    _figure(results, cutoffs, "test requests", out / "fig14_cutoffs.png")
 
 
 def main(argv=None) -> None:
     from lorazor import LoRazorConfig, LoRazorModel
     from lorazor.testbed import load
-    from lorazor.testbed.calibrate import _environment
+    from lorazor.testbed.calibrate import _environment, pick_tasks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -207,13 +195,13 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=100)
     args = ap.parse_args(argv)
+    for flag in ("limit", "train_limit", "batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     start = time.time()
     peft_model, tokenizer, tasks = load(args.assets)
-    if args.tasks:
-        unknown = sorted(set(args.tasks.split(",")) - set(tasks))
-        if unknown:
-            raise SystemExit(f"unknown tasks {unknown}; the testbed has {sorted(tasks)}")
-        tasks = {n: tasks[n] for n in args.tasks.split(",")}
+    tasks = pick_tasks(tasks, args.tasks)
     model = LoRazorModel.from_peft(peft_model.to(args.device), LoRazorConfig())
     from tqdm import tqdm
 
