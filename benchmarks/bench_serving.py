@@ -6,7 +6,9 @@
 
 For each offered rate, the same arrivals and requests run twice on one engine:
 1. In process: requests join `engine.step()` at their arrival times (`engine_workload.run_open_loop`).
-2. Over HTTP: `lorazor.serve.build_app` under uvicorn on 127.0.0.1, in this process. Each request
+2. Over HTTP: `lorazor.serve.build_app` under uvicorn on 127.0.0.1, in this process, over a second
+   copy of the engine in a process of its own (`EngineProcess`, as `lorazor serve` runs it;
+   `--engine thread` serves the first copy from a thread of this process instead). Each request
    is a streaming `POST /v1/completions` with the prompt as token ids, sent at its arrival time by
    an async httpx client in one of `--clients` child processes (so the clients do not share the
    server's GIL). TTFT runs from the send to the first streamed chunk; TPOT from there to the last
@@ -70,6 +72,24 @@ def build(args):
     _, engine, names, vocab, _ = setup(argparse.Namespace(part="exact", tiny=args.tiny, kv_gb=32.0))
     engine.warm_up()
     return engine, TokenIdText(), names, vocab
+
+
+def engine_factory(args):
+    """(engine, tokenizer) as `build` makes them: what the engine process runs."""
+    engine, tokenizer, _, _ = build(args)
+    return engine, tokenizer
+
+
+def serving_engine(engine, args):
+    """What the HTTP server serves: `engine` itself (`--engine thread`), or a copy of it built in a
+    process of its own."""
+    if args.engine == "thread":
+        return engine
+    import functools
+
+    from lorazor.serve.engine_process import EngineProcess
+
+    return EngineProcess(functools.partial(engine_factory, argparse.Namespace(testbed=args.testbed, tiny=args.tiny)))
 
 
 def free_port() -> int:
@@ -164,6 +184,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=0, help="cap on output lengths (0: the workload's)")
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="P90 TTFT (s) that defines the knee")
     ap.add_argument("--clients", type=int, default=4, help="client processes sending the HTTP requests")
+    ap.add_argument("--engine", choices=["process", "thread"], default="process",
+                    help="where the HTTP server's engine runs (process: lorazor serve's default)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     engine, tokenizer, names, vocab = build(args)
@@ -180,7 +202,7 @@ def main() -> None:
     identities = wl.assign(workload, len(names))
     requests = [dict(prompt_ids=r.prompt, adapter=names[i], max_new_tokens=r.max_new_tokens, release=ks[r.group],
                      pad_token_id=0) for r, i in zip(workload, identities)]
-    server, thread, url = start_server(engine, tokenizer)
+    server, thread, url = start_server(serving_engine(engine, args), tokenizer)
     rows = []
     pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     list(pool.map(time.sleep, [0.0] * args.clients))  # start the client processes before any timing
@@ -203,12 +225,14 @@ def main() -> None:
              for p in ("in_process", "http")}
     ratio = knees["http"][0] / knees["in_process"][0] if knees["in_process"][0] else float("nan")
     meta = dict(environment(), testbed=args.testbed, tiny=args.tiny, seconds=args.seconds, ttft_slo=args.ttft_slo,
-                clients=args.clients,
+                clients=args.clients, engine=args.engine,
                 knees={p: k for p, (k, _) in knees.items()}, knees_crossed={p: c for p, (_, c) in knees.items()},
                 knee_ratio=ratio, total_s=time.perf_counter() - t0)
     title = "testbed, CPU" if args.testbed else "tiny model, CPU" if args.tiny else "Llama-3.2-3B shape, 128 adapters"
     lines = [f"# HTTP vs in-process serving ({title})",
-             "", f"commit {meta['commit']}, {meta.get('gpu', 'CPU')}, torch {meta['torch']}", "",
+             "", f"commit {meta['commit']}, {meta.get('gpu', 'CPU')}, torch {meta['torch']}; the server's engine "
+                 f"runs {'in a process of its own' if args.engine == 'process' else 'on a thread of its process'}",
+             "",
              "| rate | path | achieved req/s | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

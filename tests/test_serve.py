@@ -43,15 +43,35 @@ def wait_healthy(url: str, seconds: float = 60) -> None:
     raise TimeoutError(f"no server at {url} after {seconds} s")
 
 
-@pytest.fixture(scope="module")
-def served():
-    from lorazor import LoRazorEngine, LoRazorModel
+def serve_args(*extra):
+    """`lorazor serve` arguments for the testbed, parsed as the command parses them."""
+    import argparse
+
+    from lorazor.serve.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--testbed", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
+                              "--num-kv-blocks", "512", *extra])
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(request):
+    """The server on 127.0.0.1 with its engine on a thread of this process, or in a process of its
+    own (`lorazor serve`'s default); a separate copy of the testbed computes the offline references."""
+    import functools
+
+    from lorazor import LoRazorModel
     from lorazor.serve import build_app
+    from lorazor.serve.cli import build_engine
+    from lorazor.serve.engine_process import EngineProcess
     from lorazor.testbed import load
 
     peft_model, tokenizer, tasks = load()
-    model = LoRazorModel.from_peft(peft_model)
-    engine = LoRazorEngine(model, max_num_seqs=32, max_num_batched_tokens=512, num_kv_blocks=512)
+    if request.param == "thread":
+        engine, _ = build_engine(serve_args())
+    else:
+        engine = EngineProcess(functools.partial(build_engine, serve_args()))
     app = build_app(engine, tokenizer, model_name="testbed", chat_template=TEMPLATE)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -59,9 +79,11 @@ def served():
     thread.start()
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url)
-    yield dict(url=url, model=model, engine=engine, tokenizer=tokenizer, tasks=tasks)
+    yield dict(url=url, model=LoRazorModel.from_peft(peft_model), tokenizer=tokenizer, tasks=tasks)
     server.should_exit = True
-    thread.join(timeout=10)
+    thread.join(timeout=30)
+    if request.param == "process":
+        assert not engine.process.is_alive()  # the app's shutdown ended the engine's process
 
 
 def client(served):
@@ -186,7 +208,7 @@ def test_64_concurrent_streaming_clients_over_mixed_adapters(served):
     want = offline(served, prompts, adapters, max_new_tokens=8)
     _, got = asyncio.run(stream_all(served, prompts, adapters, 8))
     assert got == want
-    assert served["engine"].pool.num_free == served["engine"].pool.num_blocks
+    assert idle(served)
 
 
 def test_adapters_load_and_unload_while_streams_run(served):
@@ -209,7 +231,7 @@ def test_adapters_load_and_unload_while_streams_run(served):
     (codes,), got = asyncio.run(stream_all(served, prompts, adapters, 16, churn()))
     assert codes == [200] * 6
     assert got == want
-    assert served["engine"].pool.num_free == served["engine"].pool.num_blocks
+    assert idle(served)
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -246,6 +268,12 @@ def metric(served, name) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
+def idle(served) -> bool:
+    """No request running or waiting, and every KV block free (as `/metrics` says)."""
+    return all(metric(served, f"lorazor_{name}") == 0 for name in ("kv_blocks_used", "requests_running",
+                                                                  "requests_waiting"))
+
+
 def test_a_client_that_disconnects_frees_its_blocks(served):
     body = {"model": "explain", "prompt": served["tasks"]["explain"].split("test")[0]["prompt"], "max_tokens": 100,
             "temperature": 0, "stream": True}
@@ -255,8 +283,7 @@ def test_a_client_that_disconnects_frees_its_blocks(served):
     deadline = time.monotonic() + 10
     while metric(served, "lorazor_kv_blocks_used") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert metric(served, "lorazor_kv_blocks_used") == 0 and not served["engine"].requests
-    assert metric(served, "lorazor_requests_running") == 0
+    assert idle(served)
     text = httpx.get(f"{served['url']}/metrics").text
     assert "lorazor_time_to_first_token_seconds_count" in text and "lorazor_generation_tokens_total" in text
 
@@ -277,6 +304,42 @@ def test_lorazor_serve_testbed_command_starts_serves_and_shuts_down():
         proc.send_signal(signal.SIGINT)
         log, _ = proc.communicate(timeout=30)
     assert "shutdown: aborted 0 in-flight requests" in log, log[-2000:]
+
+
+def test_an_engine_process_that_fails_to_start_says_why():
+    import functools
+
+    from lorazor.serve.cli import build_engine
+    from lorazor.serve.engine_process import EngineProcess
+
+    with pytest.raises(RuntimeError, match="no_such_adapter_dir"):
+        EngineProcess(functools.partial(build_engine, serve_args("--adapter", "x=/tmp/no_such_adapter_dir")))
+
+
+def test_a_dead_engine_process_gets_503_and_health_says_so():
+    """Requests to a server whose engine process died get a 503 with an OpenAI-style body (not a
+    hang), and `/health` turns 503 so a supervisor can restart it."""
+    import functools
+
+    from fastapi.testclient import TestClient
+
+    from lorazor.serve import build_app
+    from lorazor.serve.cli import build_engine
+    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.testbed import load_tokenizer
+
+    engine = EngineProcess(functools.partial(build_engine, serve_args()))
+    body = {"model": "testbed", "prompt": "The", "max_tokens": 2, "temperature": 0}
+    with TestClient(build_app(engine, load_tokenizer(), model_name="testbed")) as http:
+        assert http.post("/v1/completions", json=body).status_code == 200
+        engine.process.kill()
+        engine.process.join(10)
+        deadline = time.monotonic() + 10
+        while http.get("/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http.get("/health").status_code == 503
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
 
 
 def test_the_app_shortens_the_thread_switch_interval_while_it_runs():

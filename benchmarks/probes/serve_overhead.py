@@ -2,6 +2,7 @@
 
     python benchmarks/probes/serve_overhead.py --step-ms 8 --rates 100,200,300 --clients 1
     python benchmarks/probes/serve_overhead.py --step-ms 6 --busy-ms 3 --releases 6 --rates 150 --clients 2
+    ... --engine thread    # the server's engine on a thread of its process (default: a process of its own)
 
 The synthetic step waits `--step-ms` with the GIL released (as the GPU wait does) and gives every
 unfinished request one token, up to 256 at a time: the token rate of the H200 engine at a
@@ -50,6 +51,18 @@ def synthetic_step(engine, step_ms: float, rows: int, busy_ms: float = 0.0, rele
     return step
 
 
+def synthetic_setup(args):
+    """(engine, tokenizer, adapter names, vocab size): the tiny engine with the synthetic step."""
+    engine, tokenizer, names, vocab = bs.build(argparse.Namespace(testbed=False, tiny=True))
+    engine.step = synthetic_step(engine, args.step_ms, args.rows, args.busy_ms, args.releases)
+    return engine, tokenizer, names, vocab
+
+
+def synthetic_engine(args):
+    """(engine, tokenizer): what the engine process runs."""
+    return synthetic_setup(args)[:2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--step-ms", type=float, default=8.0)
@@ -62,16 +75,24 @@ def main() -> None:
     ap.add_argument("--releases", type=int, default=1, help="GIL-free waits per step (the step's syncs)")
     ap.add_argument("--switch-interval", default="app", help="build_app's switch_interval: app (its default), "
                     "none (Python's 5 ms) or seconds")
+    ap.add_argument("--engine", choices=["process", "thread"], default="process",
+                    help="where the HTTP server's engine runs")
     args = ap.parse_args()
-    engine, tokenizer, names, vocab = bs.build(argparse.Namespace(testbed=False, tiny=True))
-    engine.step = synthetic_step(engine, args.step_ms, args.rows, args.busy_ms, args.releases)
+    engine, tokenizer, names, vocab = synthetic_setup(args)
     rates = [float(x) for x in args.rates.split(",")]
     workload = wl.build(int(max(rates) * args.seconds * 1.5) + 16, vocab)
     requests = [dict(prompt_ids=r.prompt[:16], adapter=names[0], max_new_tokens=min(r.max_new_tokens,
                      args.max_new_tokens), release="never", pad_token_id=0) for r in workload]
     app_kwargs = {} if args.switch_interval == "app" else dict(
         switch_interval=None if args.switch_interval == "none" else float(args.switch_interval))
-    server, thread, url = bs.start_server(engine, tokenizer, **app_kwargs)
+    served = engine
+    if args.engine == "process":
+        import functools
+
+        from lorazor.serve.engine_process import EngineProcess
+
+        served = EngineProcess(functools.partial(synthetic_engine, args))
+    server, thread, url = bs.start_server(served, tokenizer, **app_kwargs)
     pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     list(pool.map(time.sleep, [0.0] * args.clients))
     try:

@@ -14,12 +14,13 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..adapters import AdapterError
+from .engine_process import EngineDeadError
+from .engines import REQUEST_ERRORS, LocalEngine
 from .metrics import ServerMetrics
 from .protocol import (FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, IncrementalText, LoadAdapterRequest,
                        SamplingFields, UnloadAdapterRequest, generation_kwargs, stops_of, visible_text)
@@ -35,34 +36,44 @@ SWITCH_INTERVAL_S = 0.0005
 
 def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | None = None,
               switch_interval: float | None = SWITCH_INTERVAL_S) -> FastAPI:
-    """The app serving `engine` (a `LoRazorEngine`), with `tokenizer` for text in and out.
+    """The app serving `engine`, with `tokenizer` for text in and out.
 
     Args:
+        engine: a `LoRazorEngine` (its steps run on a thread of this process), or an
+            `EngineProcess` (the engine in a process of its own: `lorazor serve`'s default).
         model_name: the name under which the base model (no adapter) is served.
         chat_template: a Jinja chat template for tokenizers without one (else chat requests get 400).
         switch_interval: `sys.setswitchinterval` while the app runs (restored at shutdown); None
             leaves Python's own.
     """
+    from ..engine.engine import LoRazorEngine
+
+    if isinstance(engine, LoRazorEngine):
+        engine = LocalEngine(engine, tokenizer)
+
     @asynccontextmanager
     async def lifespan(_):
         before = sys.getswitchinterval()
         if switch_interval is not None:
             sys.setswitchinterval(switch_interval)
+        engine.start()
         try:
             yield
         finally:
             sys.setswitchinterval(before)
-        aborted = await engine.background.call(engine.background.abort_all)
-        engine.background.stop(abort=False)
+        aborted = await engine.shutdown()
         log.info("shutdown: aborted %d in-flight requests", aborted)
 
     app = FastAPI(title="LoRazor", lifespan=lifespan)
-    model = engine.model
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics()
 
     @app.exception_handler(ApiError)
     async def api_error(_, err: ApiError):
         return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_, err: EngineDeadError):
+        return JSONResponse(ApiError(503, str(err), kind="service_unavailable").body(), status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, err: RequestValidationError):
@@ -74,23 +85,20 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
     def adapter_for(name: str) -> str | None:
         if name == model_name:
             return None
-        if name not in model.registry.entries:
+        if name not in engine.adapter_names:
             raise ApiError(404, f"model {name!r} not found: serve {model_name!r} or one of the adapters "
-                                f"{model.adapter_names}", kind="not_found_error", param="model")
+                                f"{engine.adapter_names}", kind="not_found_error", param="model")
         return name
 
     def add_args(request: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> dict:
         kwargs = generation_kwargs(request, tokenizer, max_tokens)
-        if request.seed is not None:
-            kwargs["generator"] = torch.Generator(device=model.device).manual_seed(request.seed)
-        return dict(prompt_ids=prompt_ids, adapter=adapter_for(request.model), **kwargs)
+        return dict(prompt_ids=prompt_ids, adapter=adapter_for(request.model), seed=request.seed, **kwargs)
 
-    async def deltas(request, stops: list[str]):
-        """(visible text delta, RequestOutput) per step of one prepared request (several steps
+    async def deltas(stream, stops: list[str]):
+        """(visible text delta, RequestOutput) per step of one request's `stream` (several steps
         when the client reads slower than they come); the last has `finished`."""
         sent = ""
         decoded = IncrementalText(tokenizer)
-        stream = engine.background.stream(request)
         try:
             async for out in stream:
                 text = visible_text(decoded.update(out.token_ids, out.finished), stops, out.finished)
@@ -126,19 +134,19 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
             return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
 
         try:  # every check before anything is generated: a bad request gets a 4xx, never a broken stream
-            prepared = engine.prepare_request(**args)
-        except (ValueError, KeyError, TypeError, AdapterError, NotImplementedError) as err:
+            stream = await engine.generate(rid, args)
+        except REQUEST_ERRORS as err:
             raise ApiError(400, str(err).strip('"')) from err
         if not request.stream:
             text, out = "", None
-            async for delta, out in deltas(prepared, stops):
+            async for delta, out in deltas(stream, stops):
                 text += delta
             return {"id": rid, "object": kind, "created": created, "model": request.model,
                     "choices": [choice(text, FINISH_REASONS[out.finish_reason], False)],
                     "usage": usage(prompt_ids, out), "lorazor": extension(out)}
 
         async def events():
-            async for delta, out in deltas(prepared, stops):
+            async for delta, out in deltas(stream, stops):
                 finish = FINISH_REASONS[out.finish_reason] if out.finished else None
                 body = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
                         "model": request.model, "choices": [choice(delta, finish, True)]}
@@ -181,13 +189,13 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
         data = [{"id": model_name, "object": "model", "created": created, "owned_by": "lorazor", "root": model_name,
                  "parent": None}]
         data += [{"id": name, "object": "model", "created": created, "owned_by": "lorazor", "root": name,
-                  "parent": model_name} for name in model.adapter_names]
+                  "parent": model_name} for name in engine.adapter_names]
         return {"object": "list", "data": data}
 
     @app.post("/v1/load_lora_adapter")
     async def load_adapter(request: LoadAdapterRequest):
-        try:  # between two steps, on the engine's thread
-            await engine.background.call(lambda: model.register_adapter(request.lora_name, request.lora_path))
+        try:  # between two steps of the engine
+            await engine.register_adapter(request.lora_name, request.lora_path)
         except (AdapterError, ValueError, OSError) as err:
             raise ApiError(400, str(err), param="lora_path") from err
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
@@ -195,7 +203,7 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
     @app.post("/v1/unload_lora_adapter")
     async def unload_adapter(request: UnloadAdapterRequest):
         try:
-            await engine.background.call(lambda: model.unregister_adapter(request.lora_name))
+            await engine.unregister_adapter(request.lora_name)
         except KeyError as err:
             raise ApiError(404, str(err).strip('"'), kind="not_found_error", param="lora_name") from err
         except AdapterError as err:
@@ -203,11 +211,11 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     @app.get("/health")
-    async def health():
-        return Response(status_code=200)
+    async def health():  # 503 once the engine is gone, so a supervisor restarts the server
+        return Response(status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type=metrics.content_type)
+        return Response(metrics.render(await engine.stats()), media_type=metrics.content_type)
 
     return app

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import time
 from pathlib import Path
+
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,42 +29,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="the longest prompt + output a request may have")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the free GPU memory the KV pool takes when --num-kv-blocks is not given")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the engine on a thread of the server's process (default: a process of its own)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
 
 
-def build(args: argparse.Namespace):
-    """(app, served model name) for parsed arguments."""
-    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
-
-    from .app import build_app
-
+def adapter_paths(args: argparse.Namespace) -> dict[str, str]:
     adapters = {}
     for spec in args.adapter:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"--adapter takes NAME=PATH, got {spec!r}")
         adapters[name] = path
+    return adapters
+
+
+def build_engine(args: argparse.Namespace):
+    """(engine, tokenizer) for parsed arguments, step graphs captured (in the engine's process)."""
+    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    adapters = adapter_paths(args)
     config = LoRazorConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                            max_cpu_loras=args.max_cpu_loras, dtype=args.dtype)
     if args.testbed:
-        if args.model:
-            raise SystemExit("--testbed and --model exclude each other")
         from lorazor.testbed import load
 
         peft_model, tokenizer, _ = load()
         model = LoRazorModel.from_peft(peft_model, config)
         for name, path in adapters.items():
             model.register_adapter(name, path)
-        name = args.served_model_name or "testbed"
-    elif args.model:
+    else:
         from transformers import AutoTokenizer
 
         model = LoRazorModel.from_pretrained(args.model, adapters=adapters, config=config)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        name = args.served_model_name or args.model
-    else:
-        raise SystemExit("lorazor serve needs --model PATH_OR_ID or --testbed")
     engine = LoRazorEngine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
@@ -71,6 +74,32 @@ def build(args: argparse.Namespace):
     if captured:
         logging.getLogger("lorazor.serve").info("captured %d step graphs in %.1f s", captured,
                                                 time.perf_counter() - start)
+    return engine, tokenizer
+
+
+def build(args: argparse.Namespace):
+    """(app, served model name) for parsed arguments."""
+    from .app import build_app
+    from .engine_process import EngineProcess
+
+    if args.testbed and args.model:
+        raise SystemExit("--testbed and --model exclude each other")
+    if not args.testbed and not args.model:
+        raise SystemExit("lorazor serve needs --model PATH_OR_ID or --testbed")
+    adapter_paths(args)  # a malformed --adapter stops here, before any model loads
+    name = args.served_model_name or ("testbed" if args.testbed else args.model)
+    if args.in_process:
+        engine, tokenizer = build_engine(args)
+    else:
+        engine = EngineProcess(functools.partial(build_engine, args))
+        if args.testbed:
+            from lorazor.testbed import load_tokenizer
+
+            tokenizer = load_tokenizer()
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
     template = args.chat_template.read_text() if args.chat_template else None
     return build_app(engine, tokenizer, model_name=name, chat_template=template), name
 
@@ -78,7 +107,7 @@ def build(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     app, name = build(args)
     logging.getLogger("lorazor.serve").info("serving %r on http://%s:%d/v1", name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -8,23 +8,18 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class ServerMetrics:
-    """Running / waiting requests, KV blocks in use, adapters in GPU slots (read when scraped);
+    """Running / waiting requests, KV blocks in use, adapters in GPU slots (set when scraped);
     generated tokens and finished requests (counters; take `rate()` for tokens/s); TTFT and TPOT."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine):
+    def __init__(self):
         self.registry = registry = CollectorRegistry()
-        scheduler, pool, bank = engine.scheduler, engine.pool, engine.model.bank
-        Gauge("lorazor_requests_running", "Requests running", registry=registry).set_function(
-            lambda: len(scheduler.running))
-        Gauge("lorazor_requests_waiting", "Requests waiting", registry=registry).set_function(
-            lambda: len(scheduler.waiting))
-        Gauge("lorazor_kv_blocks_used", "KV cache blocks in use", registry=registry).set_function(
-            lambda: pool.num_blocks - pool.num_free)
-        Gauge("lorazor_kv_blocks_total", "KV cache blocks", registry=registry).set(pool.num_blocks)
-        Gauge("lorazor_adapters_resident", "Adapters in GPU slots", registry=registry).set_function(
-            lambda: len(bank.slot_of))
+        self.gauges = {key: Gauge(f"lorazor_{metric}", text, registry=registry) for key, metric, text in (
+            ("running", "requests_running", "Requests running"), ("waiting", "requests_waiting", "Requests waiting"),
+            ("kv_blocks_used", "kv_blocks_used", "KV cache blocks in use"),
+            ("kv_blocks_total", "kv_blocks_total", "KV cache blocks"),
+            ("adapters_resident", "adapters_resident", "Adapters in GPU slots"))}
         self.tokens = Counter("lorazor_generation_tokens", "Generated tokens", registry=registry)
         self.finished = Counter("lorazor_requests_finished", "Finished requests", ["reason"], registry=registry)
         self.ttft = Histogram("lorazor_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
@@ -41,5 +36,8 @@ class ServerMetrics:
         if out.tpot is not None:
             self.tpot.observe(out.tpot)
 
-    def render(self) -> bytes:
+    def render(self, stats: dict) -> bytes:
+        """The exposition text, with the gauges set from the engine's `stats` (`engine_stats`)."""
+        for key, gauge in self.gauges.items():
+            gauge.set(stats[key])
         return generate_latest(self.registry)

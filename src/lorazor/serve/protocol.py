@@ -87,7 +87,7 @@ def generation_kwargs(request: SamplingFields, tokenizer, max_tokens: int | None
         kwargs.update(do_sample=True, temperature=temperature, top_p=request.top_p or 1.0, top_k=request.top_k or 0)
     stops = stops_of(request)
     if stops:
-        kwargs.update(stop_strings=stops, tokenizer=tokenizer)
+        kwargs.update(stop_strings=stops)  # the engine matches them with its tokenizer
     return kwargs
 
 

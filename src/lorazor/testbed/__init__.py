@@ -31,6 +31,15 @@ def tasks_for(root: Path) -> dict[str, Task]:
     return tasks_of_version(json.loads(log.read_text()).get("args", {}).get("version", "1") if log.exists() else "1")
 
 
+def load_tokenizer(assets: str | Path | None = None):
+    """The testbed's tokenizer alone (left padding, as `load` sets it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained((Path(assets) if assets is not None else ASSETS) / "tokenizer")
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
 def load(assets: str | Path | None = None):
     """(PeftModel with the four task adapters, tokenizer, {name: Task}), on the CPU in float32.
     The tasks are those of the testbed version that trained the weights (v1, or v2 in progress).
@@ -41,13 +50,12 @@ def load(assets: str | Path | None = None):
     """
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     root = Path(assets) if assets is not None else ASSETS
     if not (root / "backbone" / "model.safetensors").exists():
         raise FileNotFoundError(f"no testbed weights in {root}: run `python -m lorazor.testbed.train --out {root}`")
-    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    tokenizer.padding_side = "left"
+    tokenizer = load_tokenizer(root)
     base = AutoModelForCausalLM.from_pretrained(root / "backbone", dtype=torch.float32)
     tasks = tasks_for(root)
     names = [n for n in tasks if (root / "adapters" / n / "adapter_config.json").exists()]
@@ -59,4 +67,4 @@ def load(assets: str | Path | None = None):
     return model.eval(), tokenizer, {n: tasks[n] for n in names}
 
 
-__all__ = ["ASSETS", "Task", "load", "make_tasks"]
+__all__ = ["ASSETS", "Task", "load", "load_tokenizer", "make_tasks"]

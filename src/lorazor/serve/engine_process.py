@@ -1,0 +1,302 @@
+"""The served engine in a process of its own, so its steps never wait on the server's Python.
+
+Why: in one process, the event loop (parsing requests, detokenizing, writing server-sent events)
+and the engine's scheduling share the interpreter lock; each slows the other, and an H200 run
+served 0.55x the in-process rate. vLLM runs its engine core in its own process for that reason.
+
+How (two one-way pipes, pickled tuples):
+- the server sends ("add", id, kwargs, arrival), ("abort", id), ("call", n, method, args), ("stop",);
+- the engine process takes every waiting message between two steps (blocking only when it has
+  nothing to run), runs the step, and sends ("out", rows): one message per step with one row per
+  request that moved, holding only the new tokens. A bad request comes back as ("error", id, text);
+  a call as ("reply", n, ok, value, adapter names).
+- in the server, one reader thread receives, and hands each message to the event loop in one
+  callback; streams rebuild each request's tokens from the rows.
+`time.monotonic()` is the same clock in both processes on Linux, so TTFT and TPOT stay right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import pickle
+import signal
+import threading
+import time
+import traceback
+
+from ..engine.background import merge
+from ..engine.request import RequestOutput
+from .engines import REQUEST_ERRORS, engine_arguments, engine_stats
+
+log = logging.getLogger("lorazor.serve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process has exited: nothing more can be served."""
+
+
+def pack(out: RequestOutput) -> tuple:
+    """A step's output for the pipe: without `token_ids`, which the receiver rebuilds."""
+    return (out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.release_step, out.decode_steps,
+            out.lora_decode_steps, out.arrival_time, out.first_token_time, out.finish_time)
+
+
+def unpack(row: tuple, tokens: list[int]) -> RequestOutput:
+    """The output a row stands for; `tokens` (this request's tokens so far) grows by its new ones."""
+    rid, new, finished, reason, release, decode, lora, arrival, first, finish = row
+    tokens.extend(new)
+    return RequestOutput(rid, new, list(tokens), finished, reason, release, decode, lora, arrival, first, finish)
+
+
+def _picklable(err: BaseException) -> BaseException:
+    try:
+        pickle.dumps(err)
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+# ---- the engine's side ------------------------------------------------------------------------------
+def engine_main(factory, inbox, outbox) -> None:
+    """The engine process: build the engine with `factory() -> (engine, tokenizer)`, then serve
+    messages and run steps until told to stop or the server goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
+    try:
+        engine, tokenizer = factory()
+        model = engine.model
+        if model.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(model.device)
+    except BaseException:
+        outbox.send(("failed", traceback.format_exc()))
+        return
+    outbox.send(("ready", list(model.adapter_names)))
+    calls = {"register_adapter": model.register_adapter, "unregister_adapter": model.unregister_adapter,
+             "stats": lambda: engine_stats(engine)}
+    try:
+        while True:
+            if not engine.has_unfinished():
+                inbox.poll(None)  # idle: sleep until the server sends something
+            while inbox.poll(0):
+                message = inbox.recv()
+                kind = message[0]
+                if kind == "add":
+                    _, rid, kwargs, arrival = message
+                    try:
+                        request = engine.prepare_request(request_id=rid,
+                                                         **engine_arguments(kwargs, model.device, tokenizer))
+                        engine.queue_request(request, arrival)
+                    except REQUEST_ERRORS as err:
+                        outbox.send(("error", rid, str(err).strip('"')))
+                elif kind == "abort":
+                    if message[1] in engine.requests:
+                        outbox.send(("out", [pack(engine.abort(message[1]))]))
+                elif kind == "call":
+                    _, number, method, args = message
+                    try:
+                        outbox.send(("reply", number, True, calls[method](*args), list(model.adapter_names)))
+                    except Exception as err:  # handed to the caller
+                        outbox.send(("reply", number, False, _picklable(err), list(model.adapter_names)))
+                elif kind == "stop":
+                    outputs = [engine.abort(rid) for rid in list(engine.requests)]
+                    outbox.send(("out", [pack(o) for o in outputs]))
+                    outbox.send(("stopped", len(outputs)))
+                    return
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception:  # a failed step must not hang every stream: end them all
+                    log.exception("engine step failed: aborting every request")
+                    outputs = [engine.abort(rid) for rid in list(engine.requests)]
+                if outputs:
+                    outbox.send(("out", [pack(o) for o in outputs]))
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
+        return
+
+
+# ---- the server's side ------------------------------------------------------------------------------
+class EngineProcess:
+    """Starts `factory` (a picklable callable returning `(engine, tokenizer)`) in a spawned process
+    and waits until the engine is built (model loaded, graphs captured).
+
+    Raises:
+        RuntimeError: the factory failed (the message holds its traceback) or took longer than
+            `startup_timeout` seconds.
+    """
+
+    def __init__(self, factory, startup_timeout: float = 1800.0):
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        engine_inbox, self._send_end = context.Pipe(duplex=False)
+        self._recv_end, engine_outbox = context.Pipe(duplex=False)
+        self.process = context.Process(target=engine_main, args=(factory, engine_inbox, engine_outbox),
+                                       name="lorazor-engine", daemon=True)
+        self.process.start()
+        engine_inbox.close()
+        engine_outbox.close()
+        deadline = time.monotonic() + startup_timeout
+        while not self._recv_end.poll(1.0):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the engine process exited with code {self.process.exitcode} while starting")
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError(f"the engine process did not start within {startup_timeout} s")
+        message = self._recv_end.recv()
+        if message[0] == "failed":
+            self.process.join(10)
+            raise RuntimeError(f"building the engine failed in its process:\n{message[1]}")
+        self.adapter_names: list[str] = message[1]
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._replies: dict[int, asyncio.Future] = {}
+        self._numbers = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._stopped: asyncio.Future | None = None
+        self._dead: BaseException | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self.process.is_alive()
+
+    def start(self) -> None:
+        """Bind to the running event loop and start receiving (the app's startup)."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = self._loop.create_future()
+        self._reader = threading.Thread(target=self._read, name="lorazor-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _send(self, message) -> None:
+        if self._dead is not None:
+            raise self._dead
+        try:
+            with self._send_lock:
+                self._send_end.send(message)
+        except OSError as err:  # the process is gone; the reader thread is about to say so
+            raise EngineDeadError(f"the engine process exited (code {self.process.exitcode})") from err
+
+    def _read(self) -> None:
+        """The reader thread: every message to the event loop, in order, one callback each."""
+        while True:
+            try:
+                message = self._recv_end.recv()
+            except (EOFError, OSError):
+                message = ("dead",)
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, message)
+            except RuntimeError:  # the event loop is closed
+                return
+            if message[0] in ("dead", "stopped"):
+                return
+
+    def _dispatch(self, message) -> None:
+        kind = message[0]
+        if kind == "out":
+            for row in message[1]:
+                queue = self._streams.get(row[0])
+                if queue is not None:
+                    queue.put_nowait(row)
+        elif kind == "error":
+            queue = self._streams.get(message[1])
+            if queue is not None:
+                queue.put_nowait(ValueError(message[2]))
+        elif kind == "reply":
+            _, number, ok, value, names = message
+            self.adapter_names = names
+            future = self._replies.pop(number, None)
+            if future is None or future.done():
+                return
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+        elif kind == "stopped":
+            if not self._stopped.done():
+                self._stopped.set_result(message[1])
+        elif kind == "dead":  # the engine process exited: end everything that waits on it
+            self.process.join(5)
+            self._dead = EngineDeadError(f"the engine process exited (code {self.process.exitcode})")
+            for queue in self._streams.values():
+                queue.put_nowait(self._dead)
+            for future in self._replies.values():
+                if not future.done():
+                    future.set_exception(self._dead)
+            if not self._stopped.done():
+                self._stopped.set_result(0)
+
+    async def _call(self, method: str, *args):
+        number = next(self._numbers)
+        future = self._replies[number] = self._loop.create_future()
+        self._send(("call", number, method, args))
+        return await future
+
+    async def generate(self, request_id: str, kwargs: dict, arrival_time: float | None = None):
+        """The request's outputs (an async iterator, from its first output on); a bad request
+        raises ValueError here, with the engine's message."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        try:
+            self._send(("add", request_id, kwargs, time.monotonic() if arrival_time is None else arrival_time))
+            first = await queue.get()
+        except BaseException:  # cancelled while waiting (the client left): the engine forgets it
+            self._leave(request_id)
+            raise
+        if isinstance(first, BaseException):
+            self._streams.pop(request_id, None)
+            raise first
+        return self._outputs(request_id, queue, first)
+
+    async def _outputs(self, request_id: str, queue: asyncio.Queue, row):
+        tokens: list[int] = []
+        finished = False
+        try:
+            while True:
+                if isinstance(row, BaseException):
+                    raise row
+                out = unpack(row, tokens)
+                while not queue.empty():  # the consumer fell behind: one output for the backlog
+                    row = queue.get_nowait()
+                    if isinstance(row, BaseException):
+                        raise row
+                    out = merge(out, unpack(row, tokens))
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+                row = await queue.get()
+        finally:
+            if not finished:  # the consumer stopped early: free the request's blocks
+                self._leave(request_id)
+            else:
+                self._streams.pop(request_id, None)
+
+    def _leave(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if self._dead is None:
+            self._send(("abort", request_id))
+
+    async def register_adapter(self, name: str, path: str) -> None:
+        await self._call("register_adapter", name, path)
+
+    async def unregister_adapter(self, name: str) -> None:
+        await self._call("unregister_adapter", name)
+
+    async def stats(self) -> dict:
+        return await self._call("stats")
+
+    async def shutdown(self, timeout: float = 30.0) -> int:
+        """Abort every unfinished request (their streams end with "abort") and end the engine
+        process; returns how many were aborted."""
+        aborted = 0
+        if self._dead is None:
+            self._send(("stop",))
+            aborted = await asyncio.wait_for(asyncio.shield(self._stopped), timeout)
+        await asyncio.to_thread(self.process.join, timeout)
+        if self.process.is_alive():
+            self.process.kill()
+        return aborted

@@ -1,0 +1,81 @@
+"""Where the served engine runs, behind the few calls the app makes.
+
+- `LocalEngine`: in the server's process, its steps on a background thread (`engine.background`).
+  Simple, and what tests and notebooks use; but the event loop (HTTP, detokenizing, streaming)
+  and the engine's Python share one interpreter lock, and an H200 run served at half the
+  in-process rate that way.
+- `EngineProcess` (`engine_process.py`): the engine in a process of its own, as vLLM's engine core
+  runs; the default of `lorazor serve`.
+
+Both take requests as plain `add_request` keyword arguments (a `seed` instead of a generator, no
+tokenizer), so they can cross a pipe; `engine_arguments` turns them back where the engine runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..adapters import AdapterError
+
+# What a bad request raises from `prepare_request`; the app answers them with 400.
+REQUEST_ERRORS = (ValueError, KeyError, TypeError, AdapterError, NotImplementedError)
+
+
+def engine_arguments(kwargs: dict, device, tokenizer) -> dict:
+    """`add_request` arguments from a request's plain ones: `seed` becomes a seeded generator on
+    the engine's device, and stop strings get the tokenizer that matches them to tokens."""
+    kwargs = dict(kwargs)
+    seed = kwargs.pop("seed", None)
+    if seed is not None:
+        kwargs["generator"] = torch.Generator(device=device).manual_seed(seed)
+    if kwargs.get("stop_strings"):
+        kwargs["tokenizer"] = tokenizer
+    return kwargs
+
+
+def engine_stats(engine) -> dict:
+    """The gauges `/metrics` shows, read from the engine."""
+    pool = engine.pool
+    return dict(running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
+                kv_blocks_used=pool.num_blocks - pool.num_free, kv_blocks_total=pool.num_blocks,
+                adapters_resident=len(engine.model.bank.slot_of))
+
+
+class LocalEngine:
+    """A `LoRazorEngine` in this process, driven through its background thread."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.engine.model.adapter_names)
+
+    alive = True  # its thread ends a failed step's requests and goes on
+
+    def start(self) -> None:
+        """Nothing to start: the thread starts with the first call."""
+
+    async def generate(self, request_id: str, kwargs: dict, arrival_time: float | None = None):
+        """The request's outputs (an async iterator); a bad request raises here, before it is queued."""
+        engine = self.engine
+        prepared = engine.prepare_request(request_id=request_id,
+                                          **engine_arguments(kwargs, engine.model.device, self.tokenizer))
+        return engine.background.stream(prepared, arrival_time)
+
+    async def register_adapter(self, name: str, path: str) -> None:
+        await self.engine.background.call(lambda: self.engine.model.register_adapter(name, path))
+
+    async def unregister_adapter(self, name: str) -> None:
+        await self.engine.background.call(lambda: self.engine.model.unregister_adapter(name))
+
+    async def stats(self) -> dict:
+        return engine_stats(self.engine)
+
+    async def shutdown(self) -> int:
+        """Abort every unfinished request (their streams end with "abort"), stop the thread;
+        returns how many were aborted."""
+        background = self.engine.background
+        aborted = await background.call(background.abort_all)
+        background.stop(abort=False)
+        return aborted
