@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,11 +46,13 @@ def _environment(device) -> str:
     import torch
     import transformers
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    commit = os.environ.get("LORAZOR_COMMIT", "")[:7]  # the GPU machine's copy of the tree has no .git
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
     return (f"commit {commit}; torch {torch.__version__}, transformers {transformers.__version__}, "
             f"peft {peft.__version__}; {device.type}")
 
