@@ -83,18 +83,18 @@ def _validation(task, n=12):
 
 def test_testbed_curve_and_saved_policy(testbed, tmp_path):
     model, tokenizer, tasks = testbed
-    gen = dict(max_new_tokens=tasks["mcq"].max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+    gen = dict(max_new_tokens=tasks["sql"].max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
-    data = ValidationSet(*_validation(tasks["mcq"]), gen)
-    policy, curves = calibrate_profiled(model, tokenizer, {"mcq": data}, min_skip=0.5, lengths=(0, 1, 2), batch_size=5)
-    curve = curves["mcq"]
+    data = ValidationSet(*_validation(tasks["sql"]), gen)
+    policy, curves = calibrate_profiled(model, tokenizer, {"sql": data}, min_skip=0.5, lengths=(0, 1, 2), batch_size=5)
+    curve = curves["sql"]
     assert [p.k for p in curve] == [None, 0, 1, 2]
     full, prefill_only = curve[0], curve[1]
     assert full.skip_fraction == 0.0 and prefill_only.skip_fraction == 1.0
-    # The mcq adapter matters (the backbone alone scores far lower) and the chosen k honours the rule.
-    backbone = evaluate_release(model, tokenizer, None, *_validation(tasks["mcq"]), **gen)
+    # The sql adapter matters (the backbone alone scores far lower) and the chosen k honours the rule.
+    backbone = evaluate_release(model, tokenizer, None, *_validation(tasks["sql"]), **gen)
     assert full.accuracy >= backbone.accuracy + 0.3
-    chosen = next(p for p in curve if p.k == policy.lengths["mcq"])
+    chosen = next(p for p in curve if p.k == policy.lengths["sql"])
     assert chosen.skip_fraction >= 0.5
     assert chosen.accuracy == max(p.accuracy for p in curve if p.skip_fraction >= 0.5)
     # A release length the curve measured reproduces through the saved, reloaded policy.
@@ -103,7 +103,7 @@ def test_testbed_curve_and_saved_policy(testbed, tmp_path):
     save_release_policy(policy, tmp_path)
     loaded = load_release_policy(tmp_path)
     assert loaded.lengths == policy.lengths
-    again = evaluate_release(model, tokenizer, "mcq", *_validation(tasks["mcq"]), k=loaded.lengths["mcq"], **gen)
+    again = evaluate_release(model, tokenizer, "sql", *_validation(tasks["sql"]), k=loaded.lengths["sql"], **gen)
     assert again == chosen
     assert tokenizer.padding_side == "left"
 
@@ -115,9 +115,9 @@ def test_unknown_adapter_and_empty_prompts(testbed):
     with pytest.raises(KeyError, match="unknown adapter 'law'"):
         profile_release_lengths(model, tokenizer, "law", ["x"], lambda t, i: True)
     with pytest.raises(ValueError, match="prompts is empty"):
-        evaluate_release(model, tokenizer, "mcq", [], lambda t, i: True)
+        evaluate_release(model, tokenizer, "sql", [], lambda t, i: True)
     with pytest.raises(ValueError, match="release lengths must be ints"):
-        profile_release_lengths(model, tokenizer, "mcq", ["x"], lambda t, i: True, lengths=(1, -2))
+        profile_release_lengths(model, tokenizer, "sql", ["x"], lambda t, i: True, lengths=(1, -2))
     torch.manual_seed(0)
 
 
@@ -165,39 +165,39 @@ def test_risk_head_with_one_label_only():
 
 def test_paired_continuations_label_what_release_breaks(testbed):
     model, tokenizer, tasks = testbed
-    prompts, score = _validation(tasks["mcq"], n=10)
-    gen = dict(max_new_tokens=tasks["mcq"].max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+    prompts, score = _validation(tasks["sql"], n=10)
+    gen = dict(max_new_tokens=tasks["sql"].max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
-    ex = collect_release_examples(model, tokenizer, "mcq", ValidationSet(prompts, score, gen), positions=(0, 1, 5))
+    ex = collect_release_examples(model, tokenizer, "sql", ValidationSet(prompts, score, gen), positions=(0, 1, 5))
     assert ex.hidden.shape == (len(ex.risky), model.model.config.hidden_size)
-    assert set(ex.position.tolist()) <= {0, 1} and 0 in ex.position.tolist()  # mcq answers end before step 5
-    # Re-derive every label from two independent generations.
-    for t in (0, 1):
+    assert set(ex.position.tolist()) == {0, 1, 5}  # sql answers run for tens of tokens
+    # Re-derive the labels from two independent generations.
+    for t in (0, 5):
         rows = ex.position == t
-        on = [evaluate_release(model, tokenizer, "mcq", [prompts[i]], lambda a, _, i=i: score(a, i), None, **gen).accuracy
+        on = [evaluate_release(model, tokenizer, "sql", [prompts[i]], lambda a, _, i=i: score(a, i), None, **gen).accuracy
               for i in ex.request[rows].tolist()]
-        off = [evaluate_release(model, tokenizer, "mcq", [prompts[i]], lambda a, _, i=i: score(a, i), t, **gen).accuracy
+        off = [evaluate_release(model, tokenizer, "sql", [prompts[i]], lambda a, _, i=i: score(a, i), t, **gen).accuracy
                for i in ex.request[rows].tolist()]
         expected = [a == 1.0 and b == 0.0 for a, b in zip(on, off)]
         assert ex.risky[rows].tolist() == expected
-    assert bool(ex.risky.any()), "mcq released at step 0 must break some answers"
+    assert bool(ex.risky.any()), "sql released at step 0 must break some answers"
 
 
 def test_calibrate_learned_end_to_end(testbed, tmp_path):
     model, tokenizer, tasks = testbed
-    gen = dict(max_new_tokens=tasks["mcq"].max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+    gen = dict(max_new_tokens=tasks["sql"].max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
-    train_examples = tasks["mcq"].split("train")[:16]
+    train_examples = tasks["sql"].split("train")[:16]
     train = ValidationSet([ex["prompt"] for ex in train_examples],
-                          lambda a, i: tasks["mcq"].score(a, train_examples[i]), gen)
-    val = ValidationSet(*_validation(tasks["mcq"], n=10), gen)
-    policy, curves = calibrate_learned(model, tokenizer, {"mcq": train}, {"mcq": val}, min_skip=0.5,
+                          lambda a, i: tasks["sql"].score(a, train_examples[i]), gen)
+    val = ValidationSet(*_validation(tasks["sql"], n=10), gen)
+    policy, curves = calibrate_learned(model, tokenizer, {"sql": train}, {"sql": val}, min_skip=0.5,
                                        positions=(0, 1), quantiles=(0.25, 0.5, 0.75))
-    curve = curves["mcq"]
+    curve = curves["sql"]
     taus = [p.tau for p in curve]
     assert taus[0] == float("-inf") and taus[-1] == float("inf") and taus == sorted(taus)
     assert curve[0].skip_fraction == 0.0 and curve[-1].skip_fraction == 1.0
-    w, b, tau = policy.heads["mcq"]
+    w, b, tau = policy.heads["sql"]
     chosen = next(p for p in curve if p.tau == tau)
     assert chosen.skip_fraction >= 0.5
     assert chosen.accuracy == max(p.accuracy for p in curve if p.skip_fraction >= 0.5)
@@ -205,11 +205,11 @@ def test_calibrate_learned_end_to_end(testbed, tmp_path):
 
     save_release_policy(policy, tmp_path)
     loaded = load_release_policy(tmp_path)
-    lw, lb, ltau = loaded.heads["mcq"]
+    lw, lb, ltau = loaded.heads["sql"]
     torch.testing.assert_close(lw, w.float()) and None
     assert abs(lb - b) < 1e-6 and ltau == tau
     with pytest.raises(ValueError, match="same adapters"):
-        calibrate_learned(model, tokenizer, {"mcq": train}, {"sql": val}, min_skip=0.5)
+        calibrate_learned(model, tokenizer, {"sql": train}, {"math": val}, min_skip=0.5)
 
 
 def test_cli_forwards_to_the_testbed_tools(capsys):

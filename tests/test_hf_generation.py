@@ -248,15 +248,15 @@ def testbed():
 
 
 def prompts_of(tasks):
-    return [tasks["sql"].split("test")[0]["prompt"], tasks["explain"].split("test")[1]["prompt"],
+    return [tasks["sql"].split("test")[0]["prompt"], tasks["science"].split("test")[1]["prompt"],
             tasks["math"].split("test")[2]["prompt"]]
 
 
 def test_stop_strings_match_hf(testbed):
     model, oracle, tokenizer, tasks = testbed
-    prompts, rows = prompts_of(tasks), ["sql", "explain", None]
+    prompts, rows = prompts_of(tasks), ["sql", "science", None]
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id, stop_strings=[" FROM", "e "],
+    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id, stop_strings=[" FROM", "e ", "Step 3"],
               tokenizer=tokenizer)
     with torch.no_grad():
         want = oracle.generate(**enc, adapter_names=peft_names(rows), **kw)
@@ -290,7 +290,7 @@ def test_text_streamer_prints_what_hf_prints(testbed, capsys):
 
 def test_generate_text_returns_hf_new_text(testbed):
     model, oracle, tokenizer, tasks = testbed
-    prompts, rows = prompts_of(tasks), ["sql", "explain", "math"]
+    prompts, rows = prompts_of(tasks), ["sql", "science", "math"]
     texts = model.generate_text(prompts, rows, tokenizer=tokenizer, max_new_tokens=30, do_sample=False)
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():

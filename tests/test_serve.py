@@ -175,7 +175,7 @@ def test_models_and_adapter_load_unload_round_trip(served):
     from lorazor.testbed import ASSETS
 
     c = client(served)
-    assert {m.id for m in c.models.list().data} == {"testbed", "math", "sql", "mcq", "explain"}
+    assert {m.id for m in c.models.list().data} == {"testbed", "math", "sql", "medqa", "science"}
     r = httpx.post(f"{served['url']}/v1/load_lora_adapter", json={"lora_name": "sql2",
                                                                    "lora_path": str(ASSETS / "adapters" / "sql")})
     assert r.status_code == 200, r.text
@@ -223,9 +223,9 @@ def test_adapters_load_and_unload_while_streams_run(served):
         async with httpx.AsyncClient(base_url=served["url"], timeout=60) as h:
             codes = []
             for i in range(3):
-                body = {"lora_name": f"mcq{i}", "lora_path": str(ASSETS / "adapters" / "mcq")}
+                body = {"lora_name": f"medqa{i}", "lora_path": str(ASSETS / "adapters" / "medqa")}
                 codes.append((await h.post("/v1/load_lora_adapter", json=body)).status_code)
-                codes.append((await h.post("/v1/unload_lora_adapter", json={"lora_name": f"mcq{i}"})).status_code)
+                codes.append((await h.post("/v1/unload_lora_adapter", json={"lora_name": f"medqa{i}"})).status_code)
             return codes
 
     (codes,), got = asyncio.run(stream_all(served, prompts, adapters, 16, churn()))
@@ -275,7 +275,7 @@ def idle(served) -> bool:
 
 
 def test_a_client_that_disconnects_frees_its_blocks(served):
-    body = {"model": "explain", "prompt": served["tasks"]["explain"].split("test")[0]["prompt"], "max_tokens": 100,
+    body = {"model": "math", "prompt": served["tasks"]["math"].split("test")[0]["prompt"], "max_tokens": 100,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{served['url']}/v1/completions", json=body) as r:
         for _ in r.iter_lines():

@@ -19,9 +19,9 @@ def test_safe_cutoff_is_the_first_k_from_which_every_later_k_stays_correct():
 def test_paper_tables_run_end_to_end_in_limit_mode(tmp_path):
     from lorazor.testbed.paper import main
 
-    main(["--out", str(tmp_path), "--limit", "6", "--train-limit", "6", "--tasks", "mcq,sql", "--batch", "6"])
+    main(["--out", str(tmp_path), "--limit", "6", "--train-limit", "6", "--tasks", "science,sql", "--batch", "6"])
     data = json.loads((tmp_path / "paper_tables.json").read_text())
-    assert [r["task"] for r in data["tasks"]] == ["mcq", "sql"]
+    assert [r["task"] for r in data["tasks"]] == ["science", "sql"]
     for r in data["tasks"]:
         assert 0 <= r["full"] <= 1 and 0 <= r["backbone"] <= 1
         assert sorted(int(k) for k in r["curve"]) == list(LENGTHS)
@@ -30,7 +30,7 @@ def test_paper_tables_run_end_to_end_in_limit_mode(tmp_path):
         assert all(c is None or c in LENGTHS for c in r["cutoffs"])
         assert r["curve"]["0"]["skip"] == 1.0  # releasing before the first decode step skips every decode call
     text = (tmp_path / "paper_tables.md").read_text()
-    assert "## Table 1" in text and "## Table 4" in text and "| mcq |" in text
+    assert "## Table 1" in text and "## Table 4" in text and "| science |" in text
     assert data["meta"]["stage_seconds"] and "lorazor.testbed.paper" in data["meta"]["command"]
 
 

@@ -2,8 +2,9 @@
 
     peft_model, tokenizer, tasks = lorazor.testbed.load()
 
-Tasks and evaluators (`make_tasks`) are plain code; the weights come from `lorazor.testbed.train`
-and live in `assets/` (backbone, tokenizer, PEFT adapters named after the tasks).
+Tasks and evaluators (`make_tasks`: math, sql, medqa, science) are plain code; the weights come
+from `lorazor.testbed.train` and live in `assets/` (backbone, tokenizer, PEFT adapters named after
+the tasks). `lorazor.testbed.tasks` holds the earlier character-level testbed's tasks (v1).
 """
 
 from __future__ import annotations
@@ -11,18 +12,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .tasks import Task, make_tasks
+from .tasks import Task
+from .v2 import make_tasks
 
 ASSETS = Path(__file__).parent / "assets"
 
 
 def tasks_of_version(version) -> dict[str, Task]:
-    """The tasks of testbed `version` (1: shipped; 2: in progress)."""
+    """The tasks of testbed `version` (2: shipped; 1: the earlier character-level testbed)."""
     if str(version) == "2":
-        from .v2 import make_tasks as make_v2_tasks
+        return make_tasks()
+    from .tasks import make_tasks as make_v1_tasks
 
-        return make_v2_tasks()
-    return make_tasks()
+    return make_v1_tasks()
 
 
 def tasks_for(root: Path) -> dict[str, Task]:
@@ -42,7 +44,7 @@ def load_tokenizer(assets: str | Path | None = None):
 
 def load(assets: str | Path | None = None):
     """(PeftModel with the four task adapters, tokenizer, {name: Task}), on the CPU in float32.
-    The tasks are those of the testbed version that trained the weights (v1, or v2 in progress).
+    The tasks are those of the testbed version that trained the weights (v2 for the shipped ones).
 
     Raises:
         FileNotFoundError: the weights are not in `assets` (train them with
