@@ -19,8 +19,8 @@ ROOT = Path(__file__).parent.parent
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
                                if p.name != "serving.md")
 READER_HAS = ["peft_model", "tokenizer", "prompts", "batch", "input_ids", "mask", "ids", "ids_a", "ids_b", "ids_c",
-              "model", "x", "lora_a", "lora_b", "scaling", "row_slot", "run_matches", "sql_prompts", "sql_refs", "mcq_prompts",
-              "mcq_refs", "tasks"]
+              "model", "x", "lora_a", "lora_b", "scaling", "row_slot", "run_matches", "sql_prompts", "sql_refs", "medqa_prompts",
+              "medqa_refs", "tasks"]
 
 
 def python_blocks(page: str) -> list[str]:
@@ -34,10 +34,10 @@ def workdir(tmp_path_factory):
     from lorazor.testbed import ASSETS
 
     root = tmp_path_factory.mktemp("reader")
-    for name in ("math", "sql", "mcq", "explain"):
+    for name in ("math", "sql", "medqa", "science"):
         shutil.copytree(ASSETS / "adapters" / name, root / "adapters" / name)
     shutil.copytree(ASSETS / "adapters" / "sql", root / "adapters" / "legal")
-    shutil.copytree(ASSETS / "adapters" / "mcq", root / "adapters" / "tax")
+    shutil.copytree(ASSETS / "adapters" / "medqa", root / "adapters" / "tax")
     shutil.copytree(ASSETS / "backbone", root / "models" / "base")
     for name in ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json"):
         if (ASSETS / "tokenizer" / name).exists():
@@ -48,15 +48,15 @@ def workdir(tmp_path_factory):
 def reader_namespace() -> dict:
     from lorazor import LoRazorModel, ProfiledRelease, save_release_policy
     from lorazor.testbed import load
-    from lorazor.testbed.sql import build_database, same_result
+    from lorazor.testbed.sql import same_result
+    from lorazor.testbed.v2.tasks import task_database
 
     peft_model, tokenizer, tasks = load()
-    prompts = [tasks[n].split("test")[0]["prompt"] for n in ("math", "sql", "mcq", "math")]
+    prompts = [tasks[n].split("test")[0]["prompt"] for n in ("math", "sql", "medqa", "math")]
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    db = build_database()
     sql = tasks["sql"].split("validation")[:3]
-    mcq = tasks["mcq"].split("validation")[:3]
+    medqa = tasks["medqa"].split("validation")[:3]
     g = torch.Generator().manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     save_release_policy(ProfiledRelease({"math": 8, "sql": 2}), "adapters/")
@@ -70,8 +70,8 @@ def reader_namespace() -> dict:
         lora_b=torch.randn(3, 16, 48, generator=g).to(dev).transpose(1, 2), scaling=torch.rand(3, generator=g).to(dev),
         row_slot=torch.tensor([0, 2, -1, 1, 0, 2], dtype=torch.int32, device=dev),
         sql_prompts=[ex["prompt"] for ex in sql], sql_refs=[ex["reference"] for ex in sql],
-        run_matches=lambda answer, ref: same_result(db, answer.strip().split("\n")[0], ref),
-        mcq_prompts=[ex["prompt"] for ex in mcq], mcq_refs=[ex["answer"] for ex in mcq],
+        run_matches=lambda answer, ref: same_result(task_database(), answer.strip().split("\n")[0], ref.strip()),
+        medqa_prompts=[ex["prompt"] for ex in medqa], medqa_refs=[ex["answer"] for ex in medqa],
     )
     ns["model"] = LoRazorModel.from_peft(load()[0])
     return ns

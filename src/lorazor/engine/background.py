@@ -22,14 +22,12 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import logging
 import threading
 
 import torch
 
 from .request import RequestOutput
 
-log = logging.getLogger("lorazor.engine")
 
 
 def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -109,7 +107,7 @@ class BackgroundLoop:
     # ---- on the engine's thread ------------------------------------------------------------------
     def abort_all(self) -> int:
         """Abort every unfinished request and end their streams (call it on the engine's thread)."""
-        outputs = [self.engine.abort(request_id) for request_id in list(self.engine.requests)]
+        outputs = self.engine.abort_all()
         self._deliver(outputs)
         return len(outputs)
 
@@ -134,12 +132,7 @@ class BackgroundLoop:
             if stopping:
                 return
             if engine.has_unfinished():
-                try:
-                    outputs = engine.step()
-                except Exception:  # a failed step must not hang every stream: end them all
-                    log.exception("engine step failed: aborting every request")
-                    outputs = [engine.abort(request_id) for request_id in list(engine.requests)]
-                self._deliver(outputs)
+                self._deliver(engine.step_or_abort_all())
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to its stream's queue: one callback per event loop per step."""

@@ -17,7 +17,9 @@ CUDA graph (`graphs.py`, `mixed_graphs.py`); on the CPU everything runs the pure
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+
 import torch
 
 from ..generate import _float_scores, next_tokens
@@ -42,6 +44,8 @@ DEFAULT_MAX_MODEL_LEN = 4096
 GPU_HEADROOM_BYTES = 3 << 30
 # Waiting requests whose adapters are loaded ahead, while the step before their admission runs.
 PREFETCH_LOOKAHEAD = 8
+
+log = logging.getLogger("lorazor.engine")
 
 
 class LoRazorEngine:
@@ -234,6 +238,19 @@ class LoRazorEngine:
         request = self.requests[request_id]
         self._finish(request, "abort")
         return request.report([])
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every unfinished request; returns their final outputs."""
+        return [self.abort(request_id) for request_id in list(self.requests)]
+
+    def step_or_abort_all(self) -> list[RequestOutput]:
+        """`step()` for servers: a step that raises is logged and aborts every request, so no
+        stream waits forever on it."""
+        try:
+            return self.step()
+        except Exception:
+            log.exception("engine step failed: aborting every request")
+            return self.abort_all()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import multiprocessing
 import pickle
 import signal
@@ -31,7 +30,6 @@ from ..engine.background import merge
 from ..engine.request import RequestOutput
 from .engines import REQUEST_ERRORS, engine_arguments, engine_stats
 
-log = logging.getLogger("lorazor.serve")
 
 
 class EngineDeadError(RuntimeError):
@@ -102,16 +100,12 @@ def engine_main(factory, inbox, outbox) -> None:
                     except Exception as err:  # handed to the caller
                         outbox.send(("reply", number, False, _picklable(err), list(model.adapter_names)))
                 elif kind == "stop":
-                    outputs = [engine.abort(rid) for rid in list(engine.requests)]
+                    outputs = engine.abort_all()
                     outbox.send(("out", [pack(o) for o in outputs]))
                     outbox.send(("stopped", len(outputs)))
                     return
             if engine.has_unfinished():
-                try:
-                    outputs = engine.step()
-                except Exception:  # a failed step must not hang every stream: end them all
-                    log.exception("engine step failed: aborting every request")
-                    outputs = [engine.abort(rid) for rid in list(engine.requests)]
+                outputs = engine.step_or_abort_all()
                 if outputs:
                     outbox.send(("out", [pack(o) for o in outputs]))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
