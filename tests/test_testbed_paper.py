@@ -1,6 +1,7 @@
 """The paper-tables command (`python -m lorazor.testbed.paper`): its cutoff rule, and a quick run
 end to end on the shipped testbed."""
 
+import importlib.util
 import json
 
 from lorazor.testbed.paper import LENGTHS, safe_cutoffs
@@ -19,7 +20,8 @@ def test_safe_cutoff_is_the_first_k_from_which_every_later_k_stays_correct():
 def test_paper_tables_run_end_to_end_in_limit_mode(tmp_path):
     from lorazor.testbed.paper import main
 
-    main(["--out", str(tmp_path), "--limit", "6", "--train-limit", "6", "--tasks", "science,sql", "--batch", "6"])
+    main(["--out", str(tmp_path), "--limit", "6", "--train-limit", "6", "--tasks", "science,sql", "--batch", "6",
+          "--docs", str(tmp_path / "docs")])
     data = json.loads((tmp_path / "paper_tables.json").read_text())
     assert [r["task"] for r in data["tasks"]] == ["science", "sql"]
     for r in data["tasks"]:
@@ -32,6 +34,10 @@ def test_paper_tables_run_end_to_end_in_limit_mode(tmp_path):
     text = (tmp_path / "paper_tables.md").read_text()
     assert "## Table 1" in text and "## Table 4" in text and "| science |" in text
     assert data["meta"]["stage_seconds"] and "lorazor.testbed.paper" in data["meta"]["command"]
+    figures = sorted(p.name for p in tmp_path.glob("fig*.png"))
+    assert sorted(p.name for p in (tmp_path / "docs").glob("*.png")) == figures
+    if importlib.util.find_spec("matplotlib"):
+        assert figures == ["fig13_pareto.png", "fig14_cutoffs.png", "fig2_release_step.png"]
 
 
 def test_bad_counts_are_refused_naming_the_value(capsys):

@@ -1,6 +1,6 @@
 """The paper's accuracy results on the testbed, from its weights: Tables 1, 4 and 6, Figs 2, 13, 14.
 
-    python -m lorazor.testbed.paper --out benchmarks/results/testbed_paper [--assets DIR] [--device cuda]
+    python -m lorazor.testbed.paper --out benchmarks/results/testbed_paper --docs docs/img/testbed [--assets DIR] [--device cuda]
     python -m lorazor.testbed.paper --out /tmp/paper --limit 8 --train-limit 8     # a quick run (CI)
 
 Per task, on the splits the paper uses them for:
@@ -12,13 +12,15 @@ Per task, on the splits the paper uses them for:
     learned P25 / P50 / P75 (thresholds at >= 25 / 50 / 75% validation skip), each with its
     realized test skip (Table 6);
   - Table 4: profiled and learned, each at the most validation skip within 2 points of full LoRA.
-Writes `paper_tables.md/.json`, `fig2_release_step.png`, `fig13_pareto.png`, `fig14_cutoffs.png`.
+Writes `paper_tables.md/.json`, `fig2_release_step.png`, `fig13_pareto.png`, `fig14_cutoffs.png`
+(the figures need matplotlib), and with `--docs DIR` copies the figures there too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -194,6 +196,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tasks", default=None, help="comma-separated tasks (default: all)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--docs", type=Path, default=None, help="also copy the figures here (the docs read docs/img/testbed)")
     args = ap.parse_args(argv)
     for flag in ("limit", "train_limit", "batch"):
         value = getattr(args, flag)
@@ -217,6 +220,10 @@ def main(argv=None) -> None:
     text = render(results, meta)
     (args.out / "paper_tables.md").write_text(text)
     plot(results, args.out)
+    if args.docs is not None:
+        args.docs.mkdir(parents=True, exist_ok=True)
+        for figure in sorted(args.out.glob("fig*.png")):
+            shutil.copy(figure, args.docs / figure.name)
     print(text)
 
 
