@@ -340,6 +340,9 @@ def test_a_dead_engine_process_gets_503_and_health_says_so():
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
+    with pytest.raises(RuntimeError, match="already served an app"):  # its process ended with the app
+        with TestClient(build_app(engine, load_tokenizer(), model_name="testbed")):
+            pass
 
 
 def test_the_app_shortens_the_thread_switch_interval_while_it_runs():

@@ -157,7 +157,13 @@ class EngineProcess:
         return self._dead is None and self.process.is_alive()
 
     def start(self) -> None:
-        """Bind to the running event loop and start receiving (the app's startup)."""
+        """Bind to the running event loop and start receiving (the app's startup).
+
+        Raises:
+            RuntimeError: it already served an app (its engine process ends with that app).
+        """
+        if self._loop is not None:
+            raise RuntimeError("this EngineProcess already served an app; start a new one for another")
         self._loop = asyncio.get_running_loop()
         self._stopped = self._loop.create_future()
         self._reader = threading.Thread(target=self._read, name="lorazor-engine-reader", daemon=True)
