@@ -29,7 +29,6 @@ import torch
 from .request import RequestOutput
 
 
-
 def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """One output for two consecutive ones of a request: the newer state, with both steps' tokens."""
     return dataclasses.replace(newer, new_token_ids=older.new_token_ids + newer.new_token_ids)

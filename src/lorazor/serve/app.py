@@ -29,8 +29,10 @@ log = logging.getLogger("lorazor.serve")
 
 
 # How often (seconds) Python hands its thread lock between threads while the server runs. At the
-# default 5 ms, each time the engine's thread waits on the GPU it can then wait up to 5 ms more for
-# the lock while the event loop writes streams: an H200 run slowed the engine's steps 2.7x that way.
+# default 5 ms, an engine on a thread of this process (`LocalEngine`) can wait up to 5 ms for the
+# lock after each GPU wait while the event loop writes streams. On the H200 the shorter interval cut
+# that engine's TPOT at 100 req/s from 46 to 31 ms, though not its knee (0.55x); `EngineProcess`
+# avoids the contention altogether.
 SWITCH_INTERVAL_S = 0.0005
 
 

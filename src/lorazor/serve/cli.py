@@ -45,6 +45,17 @@ def adapter_paths(args: argparse.Namespace) -> dict[str, str]:
     return adapters
 
 
+def load_tokenizer(args: argparse.Namespace):
+    """The served model's tokenizer: the testbed's, or the one beside `--model`."""
+    if args.testbed:
+        from lorazor.testbed import load_tokenizer as testbed_tokenizer
+
+        return testbed_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(args.model)
+
+
 def build_engine(args: argparse.Namespace):
     """(engine, tokenizer) for parsed arguments, step graphs captured (in the engine's process)."""
     from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
@@ -56,15 +67,11 @@ def build_engine(args: argparse.Namespace):
     if args.testbed:
         from lorazor.testbed import load
 
-        peft_model, tokenizer, _ = load()
-        model = LoRazorModel.from_peft(peft_model, config)
+        model = LoRazorModel.from_peft(load()[0], config)
         for name, path in adapters.items():
             model.register_adapter(name, path)
     else:
-        from transformers import AutoTokenizer
-
         model = LoRazorModel.from_pretrained(args.model, adapters=adapters, config=config)
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
     engine = LoRazorEngine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
@@ -74,7 +81,7 @@ def build_engine(args: argparse.Namespace):
     if captured:
         logging.getLogger("lorazor.serve").info("captured %d step graphs in %.1f s", captured,
                                                 time.perf_counter() - start)
-    return engine, tokenizer
+    return engine, load_tokenizer(args)
 
 
 def build(args: argparse.Namespace):
@@ -91,15 +98,7 @@ def build(args: argparse.Namespace):
     if args.in_process:
         engine, tokenizer = build_engine(args)
     else:
-        engine = EngineProcess(functools.partial(build_engine, args))
-        if args.testbed:
-            from lorazor.testbed import load_tokenizer
-
-            tokenizer = load_tokenizer()
-        else:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        engine, tokenizer = EngineProcess(functools.partial(build_engine, args)), load_tokenizer(args)
     template = args.chat_template.read_text() if args.chat_template else None
     return build_app(engine, tokenizer, model_name=name, chat_template=template), name
 

@@ -31,7 +31,6 @@ from ..engine.request import RequestOutput
 from .engines import REQUEST_ERRORS, engine_arguments, engine_stats
 
 
-
 class EngineDeadError(RuntimeError):
     """The engine process has exited: nothing more can be served."""
 

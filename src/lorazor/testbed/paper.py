@@ -86,6 +86,7 @@ def run_task(model, tokenizer, name, task, args, timings: dict) -> dict:
         full, _ = policy_outcomes(model, tokenizer, name, test, ProfiledRelease({name: None}), b)
         backbone, _ = policy_outcomes(model, tokenizer, None, test, None, b)
         by_k = {k: policy_outcomes(model, tokenizer, name, test, ProfiledRelease({name: k}), b) for k in LENGTHS}
+        by_tau = {}  # several rows often choose one threshold: run it on the test split once
 
         def on_test(point):
             if point is None:
@@ -93,7 +94,10 @@ def run_task(model, tokenizer, name, task, args, timings: dict) -> dict:
             if point.tau is None:
                 acc, skip = (full, 0.0) if point.k is None else by_k[point.k]
             else:
-                acc, skip = policy_outcomes(model, tokenizer, name, test, LearnedRelease({name: (w, bias, point.tau)}), b)
+                if point.tau not in by_tau:
+                    by_tau[point.tau] = policy_outcomes(model, tokenizer, name, test,
+                                                        LearnedRelease({name: (w, bias, point.tau)}), b)
+                acc, skip = by_tau[point.tau]
             return dict(k=point.k, tau=point.tau, val_accuracy=point.accuracy, val_skip=point.skip_fraction,
                         accuracy=sum(acc) / len(acc), skip=skip)
 
