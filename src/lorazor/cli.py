@@ -138,7 +138,10 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lorazor import __version__
+
     parser = argparse.ArgumentParser(prog="lorazor", description="Many LoRA adapters, one backbone, one batch.")
+    parser.add_argument("--version", action="version", version=f"lorazor {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="one mixed-adapter batch on a tiny model, checked against PEFT")
     p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])

@@ -2,8 +2,9 @@
 
 A folder holds `adapter_config.json` and `adapter_model.safetensors` (or PEFT's older
 `adapter_model.bin`, read with `torch.load(weights_only=True)`: tensors only). Registration reads
-the JSON and the safetensors header (names and shapes, no data), so a bad folder is refused before
-any weights move. Tensor keys are PEFT's (`base_model.model.<module>.lora_A.weight`); modules are
+the JSON and the safetensors header (names, shapes and dtypes, no data; a `.bin` file has no
+header, so its tensors are read and checked then), so a bad folder is refused before any weights
+move and a load between two engine steps finds nothing new to fail on. Tensor keys are PEFT's (`base_model.model.<module>.lora_A.weight`); modules are
 named as in the Hugging Face model (`model.layers.0.self_attn.q_proj`).
 """
 
@@ -23,6 +24,8 @@ LEGACY_FILE = "adapter_model.bin"
 # Adapter names become folder names (release policies are saved per adapter) and model names in a
 # server: letters, digits, '_', '-' and '.', not starting with '.', no path separators.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+# The largest `adapter_config.json` read (PEFT's are a few KiB); larger ones are refused unread.
+MAX_CONFIG_BYTES = 1 << 20
 # Config fields whose PEFT feature LoRazor cannot batch per row: (field, is set, why).
 REFUSED_FEATURES = (
     ("use_dora", bool, "DoRA, which LoRazor does not support"),
@@ -85,7 +88,7 @@ class AdapterSource:
     Attributes:
         name, path: the adapter and its folder.
         config: the parsed `adapter_config.json`.
-        shapes: module -> (A shape, B shape), from the safetensors header (None for `.bin`).
+        shapes: module -> (A shape, B shape), from the safetensors header or the `.bin` tensors.
         max_rank: the largest rank over its modules.
     """
 
@@ -126,10 +129,15 @@ def _read_config(name: str, folder: Path) -> dict:
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise AdapterError(f"adapter {name!r}: {folder} has no {CONFIG_FILE} (not a PEFT adapter folder)")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(f"adapter {name!r}: {path} is {path.stat().st_size} bytes, more than the "
+                           f"{MAX_CONFIG_BYTES} an adapter config may have")
     try:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise AdapterError(f"adapter {name!r}: {path} is not valid JSON ({err})") from err
+    except RecursionError as err:  # nested deeper than Python's parser goes
+        raise AdapterError(f"adapter {name!r}: {path} is nested too deeply to be an adapter config") from err
     if not isinstance(cfg, dict):
         raise AdapterError(f"adapter {name!r}: {path} must hold a JSON object, got a {type(cfg).__name__}")
     check_lora_config(name, cfg)
@@ -144,10 +152,20 @@ def _header_shapes(name: str, path: Path) -> dict:
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+            slices = {key: f.get_slice(key) for key in f.keys()}
+            shapes = {key: tuple(s.get_shape()) for key, s in slices.items()}
+            dtypes = {key: s.get_dtype() for key, s in slices.items()}
     except Exception as err:  # safetensors raises its own error types for a corrupt header
         raise AdapterError(f"adapter {name!r}: {path} is not a valid safetensors file ({err})") from err
+    bad = {key: dtype for key, dtype in dtypes.items() if dtype not in SAFE_FLOAT_DTYPES}
+    if bad:
+        key, dtype = next(iter(bad.items()))
+        raise AdapterError(f"adapter {name!r}: tensor {key!r} in {path} has dtype {dtype}, not a floating type")
     return _pair_shapes(name, shapes)
+
+
+# safetensors' names of the floating dtypes an adapter's weights may have.
+SAFE_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def _pair_shapes(name: str, shapes: dict) -> dict:
@@ -171,7 +189,10 @@ def read_adapter(name: str, path) -> AdapterSource:
     if (folder / SAFE_FILE).is_file():
         shapes = _header_shapes(name, folder / SAFE_FILE)
     elif (folder / LEGACY_FILE).is_file():
-        shapes = None
+        # No header to read: the tensors themselves are read (weights only) and checked now, so a
+        # bad file is refused at registration, never when a request first needs it.
+        tensors = _read_tensors(AdapterSource(name, folder, cfg, None, cfg["r"]))
+        shapes = _pair_shapes(name, {key: tuple(t.shape) for key, t in tensors.items()})
     else:
         raise AdapterError(f"adapter {name!r}: no {SAFE_FILE} or {LEGACY_FILE} in {folder}")
     ranks = [cfg["r"], *(cfg.get("rank_pattern") or {}).values()]
@@ -193,6 +214,10 @@ def _read_tensors(source: AdapterSource) -> dict[str, torch.Tensor]:
         raise AdapterError(f"adapter {source.name!r}: {bad} is not a valid {kind} file ({err})") from err
     if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise AdapterError(f"adapter {source.name!r}: {legacy} does not hold a dict of tensors")
+    for key, tensor in tensors.items():
+        if not isinstance(key, str) or not tensor.dtype.is_floating_point:
+            raise AdapterError(f"adapter {source.name!r}: tensor {key!r} in {legacy} has dtype {tensor.dtype}, "
+                               "not a floating type")
     return tensors
 
 

@@ -48,6 +48,10 @@ class _Entry:
     targets: tuple[str, ...]
 
 
+class SlotsFullError(AdapterError):
+    """Every GPU slot holds an adapter that the step in flight uses."""
+
+
 def _kinds(modules) -> tuple[str, ...]:
     return tuple(sorted({m.rsplit(".", 1)[-1] for m in modules}))
 
@@ -69,6 +73,9 @@ class AdapterRegistry:
         self._tick = 0
         self.loads = 0  # slot writes so far (for tests and benchmarks)
         self.in_use: Counter[str] = Counter()  # unfinished engine requests per adapter
+        # Adapters whose weights failed to load, with the reason: requests for them are refused
+        # until the adapter is unregistered (and registered again, fixed).
+        self.broken: dict[str, str] = {}
 
     # ---- registration ---------------------------------------------------------------------------
     def register(self, name: str, path, source: AdapterSource | None = None) -> AdapterStatus:
@@ -110,6 +117,31 @@ class AdapterRegistry:
             self.bank.clear(slot)
         del self.entries[name]
         self._host_lru.pop(name, None)
+        self.broken.pop(name, None)
+
+    def check_usable(self, name: str) -> None:
+        """Raise AdapterError when `name` is marked broken (its weights failed to load)."""
+        if name in self.broken:
+            raise AdapterError(f"adapter {name!r} failed to load and is out of service ({self.broken[name]}); "
+                               "unload it and load it again once its files are fixed")
+
+    def load_each(self, names, protected=()) -> dict[str, str]:
+        """`prefetch` one adapter at a time, so one whose weights fail to load does not stop the
+        others: each failure marks the adapter broken. Returns {name: reason} for the failures
+        (adapters already broken included, not retried)."""
+        failed = {name: self.broken[name] for name in names if name in self.broken}
+        for name in dict.fromkeys(names):
+            if name in failed or name in self.bank.slot_of:
+                continue
+            try:
+                self.prefetch([name], protected=set(protected) | set(names))
+            except SlotsFullError:  # a capacity question, not the adapter's fault
+                raise
+            except AdapterError as err:
+                failed[name] = self.broken[name] = str(err)
+            except (OSError, RuntimeError) as err:  # the folder changed or vanished since registration
+                failed[name] = self.broken[name] = f"{type(err).__name__}: {err}"
+        return failed
 
     # ---- residency ------------------------------------------------------------------------------
     def slots_for(self, adapter_ids, device: torch.device | None = None) -> torch.Tensor:
@@ -150,14 +182,15 @@ class AdapterRegistry:
             return free[0]
         candidates = [s for s, n in enumerate(self.bank.names) if n not in protected]
         if not candidates:
-            raise AdapterError(f"no GPU slot to load into: all max_loras={self.bank.num_slots} hold adapters in use")
+            raise SlotsFullError(f"no GPU slot to load into: all max_loras={self.bank.num_slots} hold adapters in use")
         return min(candidates, key=self._last_used.__getitem__)
 
     def _load(self, name: str, slot: int) -> None:
+        image = self._image(name)  # first: a load that fails leaves the slot's adapter in place
         old = self.bank.names[slot]
         if old is not None and self.entries[old].source is None:
             self.entries[old].image = self.bank.read(slot)  # no folder: keep it on the host
-        self.bank.write(slot, name, self._image(name))
+        self.bank.write(slot, name, image)
         self.loads += 1
         entry = self.entries[name]
         if entry.source is not None and name not in self._host_lru:

@@ -31,7 +31,9 @@ from .request import RequestOutput
 
 def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """One output for two consecutive ones of a request: the newer state, with both steps' tokens."""
-    return dataclasses.replace(newer, new_token_ids=older.new_token_ids + newer.new_token_ids)
+    logprobs = None if older.new_logprobs is None and newer.new_logprobs is None else (
+        (older.new_logprobs or []) + (newer.new_logprobs or []))
+    return dataclasses.replace(newer, new_token_ids=older.new_token_ids + newer.new_token_ids, new_logprobs=logprobs)
 
 
 class BackgroundLoop:

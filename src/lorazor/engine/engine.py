@@ -21,6 +21,7 @@ import logging
 import time
 
 import torch
+from transformers import LogitsProcessorList
 
 from ..generate import _float_scores, next_tokens
 from ..hf_generation import plan_generation, resolve_config
@@ -42,6 +43,8 @@ DEFAULT_CPU_BLOCKS = 256
 DEFAULT_MAX_MODEL_LEN = 4096
 # GPU memory left outside the KV pool when it is sized automatically: activations, graphs, logits.
 GPU_HEADROOM_BYTES = 3 << 30
+# The most top log-probabilities a request may ask for per token (OpenAI allows 20 on chat).
+MAX_LOGPROBS = 20
 # Waiting requests whose adapters are loaded ahead, while the step before their admission runs.
 PREFETCH_LOOKAHEAD = 8
 
@@ -169,27 +172,45 @@ class LoRazorEngine:
         prompt = self._check_prompt(prompt_ids)
         if adapter is not None and adapter not in self.model.registry.entries:
             raise KeyError(f"unknown adapter {adapter!r}; registered adapters: {self.model.adapter_names}")
+        if adapter is not None:
+            self.model.registry.check_usable(adapter)
         tokenizer = kwargs.pop("tokenizer", None)
+        logits_processor = kwargs.pop("logits_processor", None)
+        logprobs = kwargs.pop("logprobs", None)
+        vocab = self.model.model.get_input_embeddings().num_embeddings
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
+                                     or not 0 <= logprobs <= min(vocab, MAX_LOGPROBS)):
+            raise ValueError(f"logprobs must be None or an int in [0, {min(vocab, MAX_LOGPROBS)}], got {logprobs!r}")
         config, flags = resolve_config(self.model.model, generation_config, kwargs)
         if (config.num_return_sequences or 1) != 1:
             raise ValueError(f"num_return_sequences={config.num_return_sequences}: add one request per sequence")
         ids = torch.tensor([prompt], dtype=torch.long, device=self.model.device)
-        plan = plan_generation(self.model.model, config, flags, ids, torch.ones_like(ids), tokenizer=tokenizer)
+        plan = plan_generation(self.model.model, config, flags, ids, torch.ones_like(ids),
+                               logits_processor=logits_processor, tokenizer=tokenizer)
         if plan.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 for an engine request, got {plan.max_new_tokens}")
-        total = len(prompt) + plan.max_new_tokens
-        capacity = self.pool.num_blocks * self.pool.block_size
-        if total > capacity:
-            raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {plan.max_new_tokens} = {total} tokens "
-                             f"exceeds the KV pool ({self.pool.num_blocks} blocks x {self.pool.block_size})")
-        if total > self.max_model_len:
-            raise ValueError(f"prompt length {len(prompt)} + max_new_tokens {plan.max_new_tokens} = {total} tokens "
-                             f"exceeds max_model_len={self.max_model_len}")
+        self.check_length(len(prompt), plan.max_new_tokens)
         release_k, head = self._release_of(adapter, release)
         request = Request(request_id, prompt, adapter, plan, release_k, head, generator)
-        request.plain_greedy = (not plan.config.do_sample and len(plan.processors) == 0 and plan.stopping is None)
-        request.sampling = batchable(plan, generator)
+        request.logprobs = logprobs
+        request.logprob_processors = LogitsProcessorList(logits_processor or [])
+        # A request that reports log-probabilities is sampled on its own (`_sample`), where its scores are.
+        request.plain_greedy = (not plan.config.do_sample and len(plan.processors) == 0 and plan.stopping is None
+                                and logprobs is None)
+        request.sampling = batchable(plan, generator) if logprobs is None else None
         return request
+
+    def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise ValueError when a request of this size can never run: the model's length limit
+        first (the one a user can act on), then the KV pool."""
+        total = prompt_len + max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = {total} tokens "
+                             f"exceeds max_model_len={self.max_model_len}")
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if total > capacity:
+            raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = {total} tokens "
+                             f"exceeds the KV pool ({self.pool.num_blocks} blocks x {self.pool.block_size})")
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):
@@ -260,10 +281,17 @@ class LoRazorEngine:
         """Run one step; returns an output per request that got a token or finished in it."""
         with self.model.guard.hold("run an engine step"):
             chunks = self.scheduler.schedule()
+            now = time.monotonic()
+            for chunk in chunks:
+                if chunk.request.scheduled_time is None:
+                    chunk.request.scheduled_time = now
+            failed = self._load_adapters(chunks)
+            if failed:
+                chunks = [c for c in chunks if c.request.status is not Status.FINISHED]
             if not chunks:
-                if self.requests:
+                if self.requests and not failed:
                     raise RuntimeError(f"{len(self.requests)} requests wait but none can be scheduled")
-                return []
+                return failed
             if self.graphs is not None and self.graphs.grid != self.model.context.grid:
                 # `model.reconfigure(grid=...)` since the capture: the old graphs run the old kernels.
                 self.graphs = PagedDecodeGraphs(self.model, self.cache, self.scheduler.max_num_seqs,
@@ -276,7 +304,7 @@ class LoRazorEngine:
             rows = [i for i, c in enumerate(chunks) if c.request.status is Status.RUNNING
                     and c.request.num_computed >= len(c.request.tokens)]
             tokens = self._read_step(chunks, rows, logits, hidden)
-        outputs = []
+        outputs = failed
         now = time.monotonic()
         for i, token in zip(rows, tokens):
             request = chunks[i].request
@@ -286,8 +314,24 @@ class LoRazorEngine:
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
-            outputs.append(request.report([token]))
+            outputs.append(request.report([token], None if request.logprobs is None else [request.last_logprobs]))
         return outputs
+
+    def _load_adapters(self, chunks) -> list[RequestOutput]:
+        """Put the step's adapters in GPU slots. An adapter whose weights fail to load is marked
+        broken, and only the requests that use it end (finish reason "error", with the reason);
+        every other request of the step runs. Returns the ended requests' outputs."""
+        names = list(dict.fromkeys(c.request.adapter for c in chunks if c.request.adapter is not None))
+        failed = self.model.registry.load_each(names)
+        if not failed:
+            return []
+        for name, reason in failed.items():
+            log.error("adapter %r failed to load: %s; failing its requests", name, reason)
+        ended = [r for r in list(self.requests.values()) if r.adapter in failed]
+        for request in ended:
+            request.error = f"adapter {request.adapter!r} failed to load: {failed[request.adapter]}"
+            self._finish(request, "error")
+        return [request.report([]) for request in ended]
 
     def _prefetch_waiting(self, chunks) -> None:
         """Start loading the adapters of the next waiting requests into free or idle GPU slots, on
@@ -303,7 +347,8 @@ class LoRazorEngine:
             if name is not None and name not in busy and name not in wanted and len(wanted) < room:
                 wanted.append(name)
         if any(name not in registry.bank.slot_of for name in wanted):
-            registry.prefetch(wanted, protected=busy)
+            # A failing load marks its adapter broken; its requests end when they are scheduled.
+            registry.load_each(wanted, protected=busy)
 
     def _read_step(self, chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
         """The next token of each row in `rows`, and the learned heads' decisions for the next decode
@@ -342,9 +387,20 @@ class LoRazorEngine:
 
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
         seq = torch.tensor([request.tokens], dtype=torch.long, device=logits.device)
-        scores = request.plan.processors(seq, _float_scores(logits[None]))
+        raw = _float_scores(logits[None])
+        if request.logprobs is not None:
+            # As vLLM reports them: the model's distribution after the request's own processors
+            # (OpenAI's penalties and logit bias), before temperature and top-k/top-p.
+            adjusted = request.logprob_processors(seq, raw.clone()) if request.logprob_processors else raw.clone()
+            logprobs = torch.log_softmax(adjusted[0], dim=-1)
+        scores = request.plan.processors(seq, raw)
         request.last_scores = scores
-        return int(next_tokens(scores, request.plan.config.do_sample, request.generator)[0])
+        token = int(next_tokens(scores, request.plan.config.do_sample, request.generator)[0])
+        if request.logprobs is not None:
+            top = logprobs.topk(request.logprobs) if request.logprobs else None
+            request.last_logprobs = (float(logprobs[token]), [] if top is None else list(
+                zip(top.indices.tolist(), top.values.tolist())))
+        return token
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         if token in request.plan.eos:

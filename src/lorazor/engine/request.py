@@ -25,7 +25,8 @@ class RequestOutput:
         request_id: the request.
         new_token_ids: tokens generated in this step (empty for a prefill chunk that produced none).
         token_ids: every token generated so far.
-        finished: whether the request is done; finish_reason: "eos", "length", "stop" or "abort".
+        finished: whether the request is done; finish_reason: "eos", "length", "stop", "abort", or
+            "error" (it could not run: `error` says why, e.g. its adapter failed to load).
         release_step: the decode step at which it released its adapter (-1: never, or no adapter).
         decode_steps, lora_decode_steps: decode forwards run, and of those, with the adapter.
         arrival_time, first_token_time, finish_time: `time.monotonic()` stamps (None until reached).
@@ -42,6 +43,11 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    error: str | None = None
+    # Per new token, when the request asked for log-probabilities: (its logprob, [(token, logprob)]
+    # for the `logprobs` most likely tokens).
+    new_logprobs: list | None = None
+    scheduled_time: float | None = None  # when a step first ran it (queue time = this - arrival_time)
 
     @property
     def ttft(self) -> float | None:
@@ -77,6 +83,10 @@ class Request:
     table_row: int | None = None  # row of the engine's device block table while running
     table_synced: int = 0  # blocks of `block_table` already written to that row
     finish_reason: str | None = None
+    error: str | None = None  # why it ended with finish reason "error"
+    logprobs: int | None = None  # top log-probabilities reported per token (0: the chosen token's only)
+    logprob_processors: object = None  # processors whose output the log-probabilities describe
+    last_logprobs: tuple | None = None  # the last sampled token's (logprob, top list)
     last_scores: torch.Tensor | None = None  # the processed scores of the last sampled token
     # Greedy with no logits processor and no stopping criterion but EOS and length: sampled with the
     # whole step's other such rows in one argmax.
@@ -85,6 +95,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
+    scheduled_time: float | None = None
 
     def __post_init__(self):
         self.tokens: list[int] = list(self.prompt)  # prompt and generated tokens (kept in step)
@@ -103,11 +114,12 @@ class Request:
             return True
         return self.release_step < 0 or decode < self.release_step
 
-    def report(self, new_tokens: list[int]) -> RequestOutput:
+    def report(self, new_tokens: list[int], new_logprobs: list | None = None) -> RequestOutput:
         # As `LoRazorModel.generate` counts them: decode forwards of adapter rows, and of those the
         # ones before the release step.
         decode_steps = max(len(self.output) - 1, 0) if self.adapter is not None else 0
         lora_steps = decode_steps if self.release_step < 0 else min(self.release_step, decode_steps)
         return RequestOutput(self.request_id, new_tokens, list(self.output), self.status is Status.FINISHED,
                              self.finish_reason, self.release_step, decode_steps, lora_steps, self.arrival_time,
-                             self.first_token_time, self.finish_time)
+                             self.first_token_time, self.finish_time, self.error, new_logprobs,
+                             self.scheduled_time)

@@ -1,32 +1,34 @@
 """The OpenAI-compatible HTTP app over a `LoRazorEngine` (FastAPI, server-sent events for streams).
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
-`POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's shapes), `GET /health`,
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /v1/models/{id}`,
+`POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's shapes; off unless the operator
+enables runtime loading), `POST /tokenize`, `POST /detokenize`, `GET /version`, `GET /health`,
 `GET /metrics`. The request's `model` names an adapter, or the base model by its served name.
+Tokenizing and chat templates run on a worker thread, never on the event loop.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import sys
-import time
-import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
 
+from .. import __version__
 from ..adapters import AdapterError
-from .engine_process import EngineDeadError
-from .engines import REQUEST_ERRORS, LocalEngine
+from . import errors
+from .engines import LocalEngine
+from .guards import GuardMiddleware, ServerSettings, check_runtime_load
 from .metrics import ServerMetrics
-from .protocol import (FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, IncrementalText, LoadAdapterRequest,
-                       SamplingFields, UnloadAdapterRequest, generation_kwargs, stops_of, visible_text)
+from .protocol import (MAX_CHOICES, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, LoadAdapterRequest, TokenizeRequest,
+                       UnloadAdapterRequest)
+from .responses import Choice, Response as OpenAIResponse
+from .sampling import choice_seed, generation_kwargs
 
 log = logging.getLogger("lorazor.serve")
-
 
 # How often (seconds) Python hands its thread lock between threads while the server runs. At the
 # default 5 ms, an engine on a thread of this process (`LocalEngine`) can wait up to 5 ms for the
@@ -37,7 +39,8 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | None = None,
-              switch_interval: float | None = SWITCH_INTERVAL_S) -> FastAPI:
+              switch_interval: float | None = SWITCH_INTERVAL_S, settings: ServerSettings | None = None,
+              on_engine_dead=None) -> FastAPI:
     """The app serving `engine`, with `tokenizer` for text in and out.
 
     Args:
@@ -47,11 +50,24 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
         chat_template: a Jinja chat template for tokenizers without one (else chat requests get 400).
         switch_interval: `sys.setswitchinterval` while the app runs (restored at shutdown); None
             leaves Python's own.
+        settings: API key, runtime adapter loading and limits (`ServerSettings()`: no key, no
+            runtime loading).
+        on_engine_dead: called once the engine process has died (after every open stream got its
+            error event); `lorazor serve` stops the server and exits non-zero.
     """
     from ..engine.engine import LoRazorEngine
 
     if isinstance(engine, LoRazorEngine):
         engine = LocalEngine(engine, tokenizer)
+    settings = settings or ServerSettings()
+    metrics = ServerMetrics(model_name)
+
+    def engine_died():
+        log.error("the engine process died: answering 503 from now on")
+        if on_engine_dead is not None:
+            on_engine_dead()
+
+    engine.on_dead.append(engine_died)
 
     @asynccontextmanager
     async def lifespan(_):
@@ -66,23 +82,14 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
         aborted = await engine.shutdown()
         log.info("shutdown: aborted %d in-flight requests", aborted)
 
-    app = FastAPI(title="LoRazor", lifespan=lifespan)
-    metrics = ServerMetrics()
+    async def engine_alive(request: Request):
+        if not engine.alive and request.url.path not in ("/health", "/metrics"):
+            raise ApiError(503, "the engine process exited: the server cannot serve requests",
+                           kind="service_unavailable")
 
-    @app.exception_handler(ApiError)
-    async def api_error(_, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_, err: EngineDeadError):
-        return JSONResponse(ApiError(503, str(err), kind="service_unavailable").body(), status_code=503)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_, err: RequestValidationError):
-        first = err.errors()[0] if err.errors() else {}
-        loc = first.get("loc", ())
-        param = str(loc[1]) if len(loc) > 1 else None  # ("body", field, <union member>...)
-        return JSONResponse(ApiError(400, f"invalid request: {first.get('msg', err)}", param=param).body(), 400)
+    app = FastAPI(title="LoRazor", version=__version__, lifespan=lifespan, dependencies=[Depends(engine_alive)])
+    errors.install(app)
+    app.add_middleware(GuardMiddleware, settings=settings)
 
     def adapter_for(name: str) -> str | None:
         if name == model_name:
@@ -92,118 +99,111 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
                                 f"{engine.adapter_names}", kind="not_found_error", param="model")
         return name
 
-    def add_args(request: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> dict:
-        kwargs = generation_kwargs(request, tokenizer, max_tokens)
-        return dict(prompt_ids=prompt_ids, adapter=adapter_for(request.model), seed=request.seed, **kwargs)
-
-    async def deltas(stream, stops: list[str]):
-        """(visible text delta, RequestOutput) per step of one request's `stream` (several steps
-        when the client reads slower than they come); the last has `finished`."""
-        sent = ""
-        decoded = IncrementalText(tokenizer)
+    def checked_text(text: str, param: str) -> str:
         try:
-            async for out in stream:
-                text = visible_text(decoded.update(out.token_ids, out.finished), stops, out.finished)
-                if not text.startswith(sent):  # the final full decode differs from the increments
-                    text = sent
-                if len(text) > len(sent) or out.finished:
-                    yield text[len(sent):], out
-                    sent = text
-                if out.finished:
-                    metrics.observe(out)
-        finally:
-            await stream.aclose()  # a client that went away aborts its request
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as err:
+            raise ApiError(400, f"{param} is not valid Unicode: {err.reason} at character {err.start}",
+                           param=param) from err
+        if size > settings.max_prompt_bytes:
+            raise ApiError(400, f"{param} is {size} bytes, more than --max-prompt-bytes={settings.max_prompt_bytes}",
+                           param=param)
+        return text
 
-    def usage(prompt_ids, out) -> dict:
-        return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out.token_ids),
-                "total_tokens": len(prompt_ids) + len(out.token_ids)}
+    async def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        return await asyncio.to_thread(lambda: tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def extension(out) -> dict:
-        skip = 0.0 if out.decode_steps == 0 else 1.0 - out.lora_decode_steps / out.decode_steps
-        return {"release_step": out.release_step, "skip_fraction": skip}
-
-    async def respond(request: SamplingFields, prompt_ids: list[int], max_tokens, chat: bool):
-        args = add_args(request, prompt_ids, max_tokens)
-        stops = stops_of(request)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-
-        def choice(text, finish, delta: bool):
-            if not chat:
-                return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            key = "delta" if delta else "message"
-            return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish}
-
-        try:  # every check before anything is generated: a bad request gets a 4xx, never a broken stream
-            stream = await engine.generate(rid, args)
-        except REQUEST_ERRORS as err:
-            raise ApiError(400, str(err).strip('"')) from err
-        if not request.stream:
-            text, out = "", None
-            async for delta, out in deltas(stream, stops):
-                text += delta
-            return {"id": rid, "object": kind, "created": created, "model": request.model,
-                    "choices": [choice(text, FINISH_REASONS[out.finish_reason], False)],
-                    "usage": usage(prompt_ids, out), "lorazor": extension(out)}
-
-        async def events():
-            async for delta, out in deltas(stream, stops):
-                finish = FINISH_REASONS[out.finish_reason] if out.finished else None
-                body = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
-                        "model": request.model, "choices": [choice(delta, finish, True)]}
-                if out.finished:
-                    body["usage"] = usage(prompt_ids, out)
-                    body["lorazor"] = extension(out)
-                yield f"data: {json.dumps(body)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        prompt = request.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return await respond(request, list(prompt), request.max_tokens, chat=False)  # token ids
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ApiError(400, f"prompt holds {len(prompt)} strings: send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise ApiError(400, "prompt is empty", param="prompt")
-        return await respond(request, tokenizer(prompt)["input_ids"], request.max_tokens, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatRequest):
+    async def chat_prompt(messages, add_generation_prompt: bool = True) -> str:
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions, or start the "
                                 "server with --chat-template", param="messages")
-        messages = [m.model_dump() for m in request.messages]
-        text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                             tokenize=False)
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return await respond(request, prompt_ids, request.max_completion_tokens or request.max_tokens, chat=True)
+        plain = [{"role": m.role, "content": checked_text(m.text, "messages")} for m in messages]
+        if sum(len(m["content"].encode()) for m in plain) > settings.max_prompt_bytes:
+            raise ApiError(400, f"messages hold more than --max-prompt-bytes={settings.max_prompt_bytes} bytes",
+                           param="messages")
+        try:
+            return await asyncio.to_thread(tokenizer.apply_chat_template, plain, chat_template=template,
+                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as err:  # a template's own error (raise_exception, undefined names, ...)
+            raise ApiError(400, f"the chat template failed on these messages: {type(err).__name__}: {err}",
+                           param="messages") from err
+
+    def choices_for(request, prompts: list[tuple[list[int], str]], max_tokens, logprobs) -> list[Choice]:
+        adapter = adapter_for(request.model)
+        base = generation_kwargs(request, tokenizer, max_tokens, logprobs)
+        return [Choice(p * request.n + i, ids, dict(base, prompt_ids=ids, adapter=adapter,
+                                                    seed=choice_seed(request.seed, p * request.n + i)), echo)
+                for p, (ids, echo) in enumerate(prompts) for i in range(request.n)]
+
+    async def respond(request, choices: list[Choice], chat: bool, logprobs: int | None):
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        response = OpenAIResponse(engine, tokenizer, metrics, request.model, chat, request.stops, logprobs,
+                                  include_usage)
+        return await (response.streamed(choices) if request.stream else response.full(choices))
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        prompt = request.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        if len(prompt) * request.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompt)} prompts x n={request.n} choices is more than {MAX_CHOICES}", param="n")
+        prompts = []
+        for item in prompt:
+            if isinstance(item, str):
+                if not item:
+                    raise ApiError(400, "prompt is empty", param="prompt")
+                ids = await encode(checked_text(item, "prompt"))
+                prompts.append((ids, item if request.echo else ""))
+            else:
+                if not item:
+                    raise ApiError(400, "prompt holds an empty token list", param="prompt")
+                echo = tokenizer.decode(item, skip_special_tokens=True) if request.echo else ""
+                prompts.append((list(item), echo))
+        choices = choices_for(request, prompts, request.max_tokens, request.logprobs)
+        return await respond(request, choices, chat=False, logprobs=request.logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatRequest):
+        text = await chat_prompt(request.messages)
+        ids = await encode(text, add_special_tokens=False)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        choices = choices_for(request, [(ids, "")], request.max_completion_tokens or request.max_tokens, logprobs)
+        return await respond(request, choices, chat=True, logprobs=logprobs)
+
+    def model_card(name: str, parent: str | None) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "lorazor", "root": name, "parent": parent,
+                "max_model_len": engine.info["max_model_len"]}
 
     @app.get("/v1/models")
     async def models():
-        created = int(time.time())
-        data = [{"id": model_name, "object": "model", "created": created, "owned_by": "lorazor", "root": model_name,
-                 "parent": None}]
-        data += [{"id": name, "object": "model", "created": created, "owned_by": "lorazor", "root": name,
-                  "parent": model_name} for name in engine.adapter_names]
+        data = [model_card(model_name, None)] + [model_card(n, model_name) for n in engine.adapter_names]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        adapter_for(name)
+        return model_card(name, None if name == model_name else model_name)
 
     @app.post("/v1/load_lora_adapter")
     async def load_adapter(request: LoadAdapterRequest):
+        path = check_runtime_load(settings, request.lora_name, request.lora_path, engine.adapter_names, {model_name},
+                                  request.load_inplace)
         try:  # between two steps of the engine
-            await engine.register_adapter(request.lora_name, request.lora_path)
+            await engine.register_adapter(request.lora_name, path, request.load_inplace)
         except (AdapterError, ValueError, OSError) as err:
             raise ApiError(400, str(err), param="lora_path") from err
+        log.info("adapter %r registered from %s", request.lora_name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_adapter(request: UnloadAdapterRequest):
+        if not settings.enable_runtime_lora:
+            raise ApiError(403, "runtime adapter loading is disabled: start the server with --enable-runtime-lora",
+                           kind="permission_error")
         try:
             await engine.unregister_adapter(request.lora_name)
         except KeyError as err:
@@ -211,6 +211,30 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
         except AdapterError as err:
             raise ApiError(400, str(err), param="lora_name") from err
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        if request.model is not None:
+            adapter_for(request.model)
+        if request.messages is not None:
+            ids = await encode(await chat_prompt(request.messages, request.add_generation_prompt), False)
+        else:
+            ids = await encode(checked_text(request.prompt, "prompt"), request.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.info["max_model_len"], "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        if request.model is not None:
+            adapter_for(request.model)
+        vocab = engine.info["vocab_size"]
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"tokens holds id {bad[0]}, outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, request.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():  # 503 once the engine is gone, so a supervisor restarts the server

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
+import os
 import time
 from pathlib import Path
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# File descriptors kept out of `--limit-concurrency`'s default: the engine's pipes, model files, logs.
+RESERVED_FDS = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,16 +36,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the free GPU memory the KV pool takes when --num-kv-blocks is not given")
     p.add_argument("--in-process", action="store_true",
                    help="run the engine on a thread of the server's process (default: a process of its own)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH|JSON",
+                   help="adapters to register, as vLLM takes them: name=path, or "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    p.add_argument("--release-policy", type=Path, metavar="DIR",
+                   help="serve the StepTrim policies saved under DIR (one folder per adapter, as `lorazor "
+                        "calibrate` writes them) as every request's default; a request's `release` overrides")
+    s = p.add_argument_group("security and limits")
+    s.add_argument("--api-key", default=os.environ.get("LORAZOR_API_KEY"),
+                   help="clients must send 'Authorization: Bearer KEY' (default: $LORAZOR_API_KEY; none if unset)")
+    s.add_argument("--enable-runtime-lora", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: off)")
+    s.add_argument("--lora-root", type=Path, help="runtime loads only from folders under this one")
+    s.add_argument("--max-registered-loras", type=int, default=256,
+                   help="the most adapters registered at once (default: 256)")
+    s.add_argument("--max-prompt-bytes", type=int, default=1 << 20,
+                   help="the longest prompt in UTF-8 bytes (default: 1 MiB); request bodies up to 4x that")
+    s.add_argument("--limit-concurrency", type=int,
+                   help="open connections and requests at once before new ones get 503 (default: the open-file "
+                        f"limit less {RESERVED_FDS})")
+    s.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle keep-alive connection stays open")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a new connection may take to send its request head")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
 def adapter_paths(args: argparse.Namespace) -> dict[str, str]:
-    adapters = {}
-    for spec in args.adapter:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--adapter takes NAME=PATH, got {spec!r}")
+    """NAME -> PATH from `--adapter` and `--lora-modules` (name=path or vLLM's JSON form)."""
+    adapters: dict[str, str] = {}
+    specs = [("--adapter", spec) for spec in args.adapter] + [("--lora-modules", spec) for spec in args.lora_modules]
+    for flag, spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                entry = json.loads(spec)
+                name, path = entry["name"], entry["path"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise SystemExit(f'{flag} takes NAME=PATH or {{"name": ..., "path": ...}}, got {spec!r}') from err
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise SystemExit(f"{flag} takes NAME=PATH, got {spec!r}")
+        if name in adapters:
+            raise SystemExit(f"adapter {name!r} is given twice ({flag})")
         adapters[name] = path
     return adapters
 
@@ -58,12 +97,15 @@ def load_tokenizer(args: argparse.Namespace):
 
 def build_engine(args: argparse.Namespace):
     """(engine, tokenizer) for parsed arguments, step graphs captured (in the engine's process)."""
-    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
+    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel, load_release_policy
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    log = logging.getLogger("lorazor.serve")
     adapters = adapter_paths(args)
+    policy = load_release_policy(args.release_policy) if args.release_policy else None
     config = LoRazorConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                           max_cpu_loras=args.max_cpu_loras, dtype=args.dtype)
+                           max_cpu_loras=args.max_cpu_loras, dtype=args.dtype,
+                           release=policy.kind if policy is not None else "none")
     if args.testbed:
         from lorazor.testbed import load
 
@@ -72,6 +114,8 @@ def build_engine(args: argparse.Namespace):
             model.register_adapter(name, path)
     else:
         model = LoRazorModel.from_pretrained(args.model, adapters=adapters, config=config)
+    if policy is not None:
+        model.load_release_policy(args.release_policy)
     engine = LoRazorEngine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
@@ -79,12 +123,40 @@ def build_engine(args: argparse.Namespace):
     start = time.perf_counter()
     captured = engine.warm_up()
     if captured:
-        logging.getLogger("lorazor.serve").info("captured %d step graphs in %.1f s", captured,
-                                                time.perf_counter() - start)
+        log.info("captured %d step graphs in %.1f s", captured, time.perf_counter() - start)
+    log.info("engine ready: %s", describe(engine, policy))
     return engine, load_tokenizer(args)
 
 
-def build(args: argparse.Namespace):
+def describe(engine, policy) -> str:
+    """The served configuration in one line, for the startup log."""
+    model = engine.model
+    bank = model.bank
+    names = model.adapter_names
+    release = "none (per request only)" if policy is None else f"{policy.kind} for {sorted(_policy_adapters(policy))}"
+    return (f"device {model.device}, dtype {model.config.dtype or 'model default'}; {len(names)} adapters "
+            f"{names[:8]}{' ...' if len(names) > 8 else ''}; {bank.num_slots} GPU slots (max_loras), max rank "
+            f"{bank.r_max}; KV cache {engine.pool.num_blocks} blocks x {engine.pool.block_size} tokens; "
+            f"max_model_len {engine.max_model_len}; max_num_seqs {engine.scheduler.max_num_seqs}, "
+            f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}; release policy: {release}")
+
+
+def _policy_adapters(policy) -> list[str]:
+    return list(getattr(policy, "lengths", None) or getattr(policy, "heads", None) or [])
+
+
+def settings_of(args: argparse.Namespace):
+    from .guards import ServerSettings
+
+    try:
+        return ServerSettings(api_key=args.api_key or None, enable_runtime_lora=args.enable_runtime_lora,
+                              lora_root=args.lora_root, max_registered_loras=args.max_registered_loras,
+                              max_prompt_bytes=args.max_prompt_bytes)
+    except ValueError as err:
+        raise SystemExit(f"lorazor serve: {err}") from err
+
+
+def build(args: argparse.Namespace, on_engine_dead=None):
     """(app, served model name) for parsed arguments."""
     from .app import build_app
     from .engine_process import EngineProcess
@@ -94,20 +166,66 @@ def build(args: argparse.Namespace):
     if not args.testbed and not args.model:
         raise SystemExit("lorazor serve needs --model PATH_OR_ID or --testbed")
     adapter_paths(args)  # a malformed --adapter stops here, before any model loads
+    settings = settings_of(args)
+    if args.release_policy is not None and not args.release_policy.is_dir():
+        raise SystemExit(f"--release-policy {str(args.release_policy)!r} is not a folder")
     name = args.served_model_name or ("testbed" if args.testbed else args.model)
     if args.in_process:
         engine, tokenizer = build_engine(args)
     else:
         engine, tokenizer = EngineProcess(functools.partial(build_engine, args)), load_tokenizer(args)
     template = args.chat_template.read_text() if args.chat_template else None
-    return build_app(engine, tokenizer, model_name=name, chat_template=template), name
+    app = build_app(engine, tokenizer, model_name=name, chat_template=template, settings=settings,
+                    on_engine_dead=on_engine_dead)
+    return app, name
+
+
+def require_serve_extra() -> None:
+    """Stop with the install line when the `serve` extra is missing."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"lorazor serve needs the serve extra (missing: {', '.join(missing)}): "
+                         "pip install 'lorazor[serve]'")
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the server until it is stopped; returns 1 if it stopped because the engine died."""
+    require_serve_extra()
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    app, name = build(args)
-    logging.getLogger("lorazor.serve").info("serving %r on http://%s:%d/v1", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    from .guards import GuardedH11Protocol, RepeatFilter, raise_open_file_limit
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    log = logging.getLogger("lorazor.serve")
+    repeat = RepeatFilter()
+    for name in ("asyncio", "uvicorn.error"):
+        logging.getLogger(name).addFilter(repeat)
+    files = raise_open_file_limit()
+    limit = args.limit_concurrency or max(files - RESERVED_FDS, 16)
+    server: list = []
+    died: list = []
+
+    def engine_dead():
+        died.append(True)
+        if server:
+            server[0].should_exit = True
+
+    try:
+        app, name = build(args, on_engine_dead=engine_dead)
+    except RuntimeError as err:  # the engine failed to build: its reason, not a traceback of ours
+        raise SystemExit(f"lorazor serve: {err}") from err
+    protocol = type("HTTPProtocol", (GuardedH11Protocol,), {"HEADER_TIMEOUT_S": args.header_timeout})
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
+                            limit_concurrency=limit, timeout_keep_alive=args.timeout_keep_alive,
+                            timeout_graceful_shutdown=30)
+    server.append(uvicorn.Server(config))
+    log.info("serving %r on http://%s:%d/v1 (API key: %s; runtime adapter loading: %s; at most %d connections)",
+             name, args.host, args.port, "required" if args.api_key else "none",
+             "on" if args.enable_runtime_lora else "off", limit)
+    server[0].run()
+    if died:
+        log.error("exiting: the engine process died")
+        return 1
     return 0

@@ -28,7 +28,8 @@ import traceback
 
 from ..engine.background import merge
 from ..engine.request import RequestOutput
-from .engines import REQUEST_ERRORS, engine_arguments, engine_stats
+from .engines import REQUEST_ERRORS, engine_info, engine_stats, register
+from .sampling import engine_arguments
 
 
 class EngineDeadError(RuntimeError):
@@ -38,14 +39,14 @@ class EngineDeadError(RuntimeError):
 def pack(out: RequestOutput) -> tuple:
     """A step's output for the pipe: without `token_ids`, which the receiver rebuilds."""
     return (out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.release_step, out.decode_steps,
-            out.lora_decode_steps, out.arrival_time, out.first_token_time, out.finish_time)
+            out.lora_decode_steps, out.arrival_time, out.first_token_time, out.finish_time, out.error, out.new_logprobs,
+            out.scheduled_time)
 
 
 def unpack(row: tuple, tokens: list[int]) -> RequestOutput:
     """The output a row stands for; `tokens` (this request's tokens so far) grows by its new ones."""
-    rid, new, finished, reason, release, decode, lora, arrival, first, finish = row
-    tokens.extend(new)
-    return RequestOutput(rid, new, list(tokens), finished, reason, release, decode, lora, arrival, first, finish)
+    tokens.extend(row[1])
+    return RequestOutput(row[0], row[1], list(tokens), *row[2:])
 
 
 def _picklable(err: BaseException) -> BaseException:
@@ -71,8 +72,8 @@ def engine_main(factory, inbox, outbox) -> None:
     except BaseException:
         outbox.send(("failed", traceback.format_exc()))
         return
-    outbox.send(("ready", list(model.adapter_names)))
-    calls = {"register_adapter": model.register_adapter, "unregister_adapter": model.unregister_adapter,
+    outbox.send(("ready", list(model.adapter_names), engine_info(engine)))
+    calls = {"register_adapter": lambda *args: register(model, *args), "unregister_adapter": model.unregister_adapter,
              "stats": lambda: engine_stats(engine)}
     try:
         while True:
@@ -84,8 +85,7 @@ def engine_main(factory, inbox, outbox) -> None:
                 if kind == "add":
                     _, rid, kwargs, arrival = message
                     try:
-                        request = engine.prepare_request(request_id=rid,
-                                                         **engine_arguments(kwargs, model.device, tokenizer))
+                        request = engine.prepare_request(request_id=rid, **engine_arguments(kwargs, engine, tokenizer))
                         engine.queue_request(request, arrival)
                     except REQUEST_ERRORS as err:
                         outbox.send(("error", rid, str(err).strip('"')))
@@ -142,6 +142,7 @@ class EngineProcess:
             self.process.join(10)
             raise RuntimeError(f"building the engine failed in its process:\n{message[1]}")
         self.adapter_names: list[str] = message[1]
+        self.info: dict = message[2]
         self._send_lock = threading.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._replies: dict[int, asyncio.Future] = {}
@@ -150,6 +151,7 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         self._stopped: asyncio.Future | None = None
         self._dead: BaseException | None = None
+        self.on_dead: list = []  # callables run on the event loop once the engine process is gone
 
     @property
     def alive(self) -> bool:
@@ -225,6 +227,8 @@ class EngineProcess:
                     future.set_exception(self._dead)
             if not self._stopped.done():
                 self._stopped.set_result(0)
+            for callback in self.on_dead:
+                callback()
 
     async def _call(self, method: str, *args):
         number = next(self._numbers)
@@ -279,8 +283,8 @@ class EngineProcess:
         if self._dead is None:
             self._send(("abort", request_id))
 
-    async def register_adapter(self, name: str, path: str) -> None:
-        await self._call("register_adapter", name, path)
+    async def register_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        await self._call("register_adapter", name, path, replace)
 
     async def unregister_adapter(self, name: str) -> None:
         await self._call("unregister_adapter", name)

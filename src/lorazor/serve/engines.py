@@ -8,37 +8,42 @@
   runs; the default of `lorazor serve`.
 
 Both take requests as plain `add_request` keyword arguments (a `seed` instead of a generator, no
-tokenizer), so they can cross a pipe; `engine_arguments` turns them back where the engine runs.
+tokenizer), so they can cross a pipe; `sampling.engine_arguments` turns them back where the engine
+runs.
 """
 
 from __future__ import annotations
 
-import torch
-
 from ..adapters import AdapterError
+from .sampling import engine_arguments
 
 # What a bad request raises from `prepare_request`; the app answers them with 400.
 REQUEST_ERRORS = (ValueError, KeyError, TypeError, AdapterError, NotImplementedError)
 
 
-def engine_arguments(kwargs: dict, device, tokenizer) -> dict:
-    """`add_request` arguments from a request's plain ones: `seed` becomes a seeded generator on
-    the engine's device, and stop strings get the tokenizer that matches them to tokens."""
-    kwargs = dict(kwargs)
-    seed = kwargs.pop("seed", None)
-    if seed is not None:
-        kwargs["generator"] = torch.Generator(device=device).manual_seed(seed)
-    if kwargs.get("stop_strings"):
-        kwargs["tokenizer"] = tokenizer
-    return kwargs
-
-
 def engine_stats(engine) -> dict:
-    """The gauges `/metrics` shows, read from the engine."""
-    pool = engine.pool
-    return dict(running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
+    """What `/metrics` shows of the engine, read from it at each scrape."""
+    pool, scheduler = engine.pool, engine.scheduler
+    return dict(running=len(scheduler.running), waiting=len(scheduler.waiting),
                 kv_blocks_used=pool.num_blocks - pool.num_free, kv_blocks_total=pool.num_blocks,
-                adapters_resident=len(engine.model.bank.slot_of))
+                adapters_resident=len(engine.model.bank.slot_of), preemptions=scheduler.num_preemptions,
+                running_adapters=sorted({r.adapter for r in scheduler.running if r.adapter is not None}),
+                waiting_adapters=sorted({r.adapter for r in scheduler.waiting if r.adapter is not None}),
+                max_loras=engine.model.bank.num_slots)
+
+
+def engine_info(engine) -> dict:
+    """The engine's fixed settings the app needs (length limit for `/tokenize`, ...)."""
+    return dict(max_model_len=engine.max_model_len, max_loras=engine.model.bank.num_slots,
+                vocab_size=engine.model.model.get_input_embeddings().num_embeddings)
+
+
+def register(model, name: str, path: str, replace: bool = False) -> None:
+    """Register an adapter folder; with `replace`, in place of a registered adapter of that name
+    (refused while requests use it)."""
+    if replace and name in model.adapter_names:
+        model.unregister_adapter(name)
+    model.register_adapter(name, path)
 
 
 class LocalEngine:
@@ -46,6 +51,8 @@ class LocalEngine:
 
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer = engine, tokenizer
+        self.info = engine_info(engine)
+        self.on_dead: list = []  # never called: the engine lives as long as this process
 
     @property
     def adapter_names(self) -> list[str]:
@@ -59,12 +66,11 @@ class LocalEngine:
     async def generate(self, request_id: str, kwargs: dict, arrival_time: float | None = None):
         """The request's outputs (an async iterator); a bad request raises here, before it is queued."""
         engine = self.engine
-        prepared = engine.prepare_request(request_id=request_id,
-                                          **engine_arguments(kwargs, engine.model.device, self.tokenizer))
+        prepared = engine.prepare_request(request_id=request_id, **engine_arguments(kwargs, engine, self.tokenizer))
         return engine.background.stream(prepared, arrival_time)
 
-    async def register_adapter(self, name: str, path: str) -> None:
-        await self.engine.background.call(lambda: self.engine.model.register_adapter(name, path))
+    async def register_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        await self.engine.background.call(lambda: register(self.engine.model, name, path, replace))
 
     async def unregister_adapter(self, name: str) -> None:
         await self.engine.background.call(lambda: self.engine.model.unregister_adapter(name))

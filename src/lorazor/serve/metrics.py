@@ -1,43 +1,106 @@
-"""Prometheus metrics of a served engine (`GET /metrics`), in a registry of their own."""
+"""Prometheus metrics of a served engine (`GET /metrics`): vLLM's metric set under the `lorazor:` prefix.
+
+Names, suffixes and labels follow vLLM's (`vllm:num_requests_running` is `lorazor:num_requests_running`
+here), so dashboards and gateway routers that read vLLM's metrics read these with the prefix changed;
+`lorazor:lora_requests_info` carries the running and waiting adapters as vLLM's does. StepTrim adds
+`lorazor:lora_decode_steps_total` (decode steps that ran an adapter), `lorazor:adapter_decode_steps_total`
+(decode steps of adapter requests) and `lorazor:released_requests_total`; the share of decode LoRA
+skipped is `1 - lora_decode_steps / adapter_decode_steps`. docs/serving.md lists every metric.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import time
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import disable_created_metrics
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PREFIX = "lorazor:"
+
+# One sample per counter, as vLLM exposes them (no `_created` series).
+disable_created_metrics()
 
 
 class ServerMetrics:
-    """Running / waiting requests, KV blocks in use, adapters in GPU slots (set when scraped);
-    generated tokens and finished requests (counters; take `rate()` for tokens/s); TTFT and TPOT."""
+    """The metrics of one served model (`model_name` label on every series)."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self):
+    def __init__(self, model_name: str):
         self.registry = registry = CollectorRegistry()
-        self.gauges = {key: Gauge(f"lorazor_{metric}", text, registry=registry) for key, metric, text in (
-            ("running", "requests_running", "Requests running"), ("waiting", "requests_waiting", "Requests waiting"),
-            ("kv_blocks_used", "kv_blocks_used", "KV cache blocks in use"),
-            ("kv_blocks_total", "kv_blocks_total", "KV cache blocks"),
-            ("adapters_resident", "adapters_resident", "Adapters in GPU slots"))}
-        self.tokens = Counter("lorazor_generation_tokens", "Generated tokens", registry=registry)
-        self.finished = Counter("lorazor_requests_finished", "Finished requests", ["reason"], registry=registry)
-        self.ttft = Histogram("lorazor_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                              registry=registry)
-        self.tpot = Histogram("lorazor_time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=LATENCY_BUCKETS, registry=registry)
+        label = ["model_name"]
+        self.model_name = model_name
 
-    def observe(self, out) -> None:
-        """Record a finished request."""
-        self.tokens.inc(len(out.token_ids))
-        self.finished.labels(reason=out.finish_reason).inc()
-        if out.ttft is not None:
-            self.ttft.observe(out.ttft)
-        if out.tpot is not None:
-            self.tpot.observe(out.tpot)
+        def gauge(name, text, labels=()):
+            return Gauge(PREFIX + name, text, label + list(labels), registry=registry)
+
+        def counter(name, text, labels=()):
+            return Counter(PREFIX + name, text, label + list(labels), registry=registry)
+
+        def histogram(name, text):
+            return Histogram(PREFIX + name, text, label, buckets=LATENCY_BUCKETS, registry=registry)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent")
+        self.kv_blocks = gauge("kv_cache_blocks", "KV-cache blocks in the pool")
+        self.resident = gauge("lora_adapters_resident", "Adapters in GPU slots")
+        self.lora_info = gauge("lora_requests_info", "Running and waiting adapters (value: time of the scrape)",
+                               ["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        self.preemptions = counter("num_preemptions", "Preemptions (a request recomputed later)")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.success = counter("request_success", "Finished requests", ["finished_reason"])
+        self.lora_decode_steps = counter("lora_decode_steps", "Decode steps of adapter requests that ran the adapter")
+        self.adapter_decode_steps = counter("adapter_decode_steps", "Decode steps of adapter requests")
+        self.released = counter("released_requests", "Requests that released their adapter (StepTrim)")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first")
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.queue = histogram("request_queue_time_seconds", "Time from arrival to the first scheduled step")
+        self._preemptions_seen = 0
+        for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.lora_decode_steps,
+                       self.adapter_decode_steps, self.released, self.ttft, self.tpot, self.e2e, self.queue):
+            metric.labels(model_name)  # every series present from the start, at zero
+
+    def observe(self, out, prompt_tokens: int) -> None:
+        """Record a finished request (finished normally, aborted or failed)."""
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(len(out.token_ids))
+        self.success.labels(m, out.finish_reason or "abort").inc()
+        self.lora_decode_steps.labels(m).inc(out.lora_decode_steps)
+        self.adapter_decode_steps.labels(m).inc(out.decode_steps)
+        if out.release_step >= 0:
+            self.released.labels(m).inc()
+        for histogram, value in ((self.ttft, out.ttft), (self.tpot, out.tpot)):
+            if value is not None:
+                histogram.labels(m).observe(value)
+        if out.finish_time is not None:
+            self.e2e.labels(m).observe(out.finish_time - out.arrival_time)
+        if out.scheduled_time is not None:
+            self.queue.labels(m).observe(out.scheduled_time - out.arrival_time)
+
+    def observe_left(self, prompt_tokens: int, generated: int, arrival_time: float) -> None:
+        """Record a request whose client went away before it finished (counted as aborted)."""
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(generated)
+        self.success.labels(m, "abort").inc()
+        self.e2e.labels(m).observe(time.monotonic() - arrival_time)
 
     def render(self, stats: dict) -> bytes:
-        """The exposition text, with the gauges set from the engine's `stats` (`engine_stats`)."""
-        for key, gauge in self.gauges.items():
-            gauge.set(stats[key])
+        """The exposition text, with the gauges set from the engine's `stats` (`engines.engine_stats`)."""
+        m = self.model_name
+        self.running.labels(m).set(stats["running"])
+        self.waiting.labels(m).set(stats["waiting"])
+        self.kv_usage.labels(m).set(stats["kv_blocks_used"] / max(stats["kv_blocks_total"], 1))
+        self.kv_blocks.labels(m).set(stats["kv_blocks_total"])
+        self.resident.labels(m).set(stats["adapters_resident"])
+        self.lora_info.clear()
+        self.lora_info.labels(m, ",".join(stats["running_adapters"]), ",".join(stats["waiting_adapters"]),
+                              str(stats["max_loras"])).set(time.time())
+        self.preemptions.labels(m).inc(max(stats["preemptions"] - self._preemptions_seen, 0))
+        self._preemptions_seen = max(stats["preemptions"], self._preemptions_seen)
         return generate_latest(self.registry)

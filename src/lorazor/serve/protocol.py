@@ -1,59 +1,185 @@
-"""OpenAI request shapes accepted by `lorazor serve`, their mapping to engine arguments, and the text
-helpers (incremental decoding, stop sequences left out of the returned text, as OpenAI does)."""
+"""OpenAI request shapes accepted by `lorazor serve`, and the error body every failure is answered with.
+
+Every field a request may hold is declared here, with strict types (`true` is not 1, `"2"` is not 2).
+A field is either honoured or refused by name: an unknown field is a 400 naming it (as OpenAI's
+API answers "Unrecognized request argument"), and a known field LoRazor does not implement
+(`suffix`, `tools`, a `response_format` other than text, ...) is a 400 saying so.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 # OpenAI's default `max_tokens` for completions.
 DEFAULT_MAX_TOKENS = 16
+# torch.Generator takes seeds in [-2**63, 2**64).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+# Completions and choices one request may ask for (n x prompts), as a bound on the work it queues.
+MAX_CHOICES = 128
+# Stop sequences per request (OpenAI allows 4; vLLM more).
+MAX_STOPS = 16
+# OpenAI's bounds: `logprobs` on completions up to 5 (vLLM: 20), `top_logprobs` on chat up to 20.
+MAX_LOGPROBS = 20
+
+Number = StrictFloat | StrictInt
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions. Unknown fields are ignored, as OpenAI's API
-    does; known fields of the wrong type are a 400."""
+class FieldError(ValueError):
+    """A refusal that names the request field it is about (the error body's `param`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0, description="LoRazor extension (as vLLM's)")
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    n: int = Field(default=1, ge=1)
-    release: int | Literal["never"] | None = Field(default=None, description="LoRazor extension: StepTrim release")
-    logprobs: bool | int | None = None
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: StrictBool = False
+
+
+class SamplingFields(Strict):
+    """Fields shared by completions and chat completions (OpenAI's, and vLLM's extensions marked)."""
+
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[StrictStr, Number] | None = None
+    user: StrictStr | None = None  # OpenAI's end-user id: accepted, used for nothing
+    # vLLM's extensions
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    min_p: Number | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: Number | None = Field(default=None, gt=0.0)
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    ignore_eos: StrictBool = False
+    # LoRazor's extension: StepTrim release per request ("never", or after k decode steps)
+    release: StrictInt | Literal["never"] | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stops):
+            raise FieldError("stop", "stop sequences must be non-empty strings")
+        if len(stops) > MAX_STOPS:
+            raise FieldError("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or not -100 <= value <= 100:
+                raise FieldError("logit_bias", f"logit_bias maps token ids to values in [-100, 100]; got {key!r}: {value!r}")
+        if isinstance(self.release, int) and self.release < 0:
+            raise FieldError("release", f"release must be 'never' or an int >= 0, got {self.release}")
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class CompletionRequest(SamplingFields):
-    # Text, a one-element list of text, or token ids (as OpenAI's API and vLLM accept).
-    prompt: str | list[str] | list[int]
+    # Text, a list of texts, token ids, or a list of token-id lists (as OpenAI's API accepts).
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: StrictInt | None = Field(default=None, ge=1)
+    suffix: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _refuse(self):
+        if self.suffix:
+            raise FieldError("suffix", "suffix (insertion) is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise FieldError("best_of", f"best_of={self.best_of} is not supported: only best_of equal to n ({self.n})")
+        if self.echo and self.logprobs is not None:
+            raise FieldError("echo", "echo with logprobs would need the prompt's log-probabilities, which are not supported")
+        return self
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(Strict):
+    type: Literal["text"]
+    text: StrictStr
 
-    role: str
-    content: str
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"]
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Declared so that a request using them gets a clear refusal, not "unknown field".
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _refuse(self):
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise FieldError(name, f"{name} (function calling) is not supported")
+        if self.tool_choice not in (None, "none"):
+            raise FieldError("tool_choice", "tool_choice is not supported (function calling)")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise FieldError("response_format", f"response_format {self.response_format.get('type')!r} is not supported: only 'text'")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
 
 
-class LoadAdapterRequest(BaseModel):
-    lora_name: str
-    lora_path: str
+class TokenizeRequest(Strict):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError("prompt", "give exactly one of prompt and messages")
+        return self
 
 
-class UnloadAdapterRequest(BaseModel):
-    lora_name: str
+class DetokenizeRequest(Strict):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+class LoadAdapterRequest(Strict):
+    lora_name: StrictStr
+    lora_path: StrictStr
+    load_inplace: StrictBool = False  # vLLM's: replace an adapter of that name
+
+
+class UnloadAdapterRequest(Strict):
+    lora_name: StrictStr
+    lora_int_id: StrictInt | None = None  # vLLM's; accepted, the name decides
 
 
 class ApiError(Exception):
@@ -67,72 +193,8 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
-def stops_of(request: SamplingFields) -> list[str]:
-    return [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-
-
-def generation_kwargs(request: SamplingFields, tokenizer, max_tokens: int | None) -> dict:
-    """Engine `add_request` arguments for an OpenAI request (OpenAI semantics: temperature 0 is
-    greedy; no top-k unless `top_k` is given)."""
-    if request.n != 1:
-        raise ApiError(400, f"n={request.n} is not supported: send one request per completion", param="n")
-    if request.logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    temperature = 1.0 if request.temperature is None else request.temperature
-    kwargs = dict(max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, release=request.release)
-    if temperature == 0:
-        kwargs["do_sample"] = False
-    else:
-        kwargs.update(do_sample=True, temperature=temperature, top_p=request.top_p or 1.0, top_k=request.top_k or 0)
-    stops = stops_of(request)
-    if stops:
-        kwargs.update(stop_strings=stops)  # the engine matches them with its tokenizer
-    return kwargs
-
-
-def visible_text(text: str, stops: list[str], finished: bool) -> str:
-    """The part of `text` that can be sent: cut before a stop sequence, and while unfinished, held
-    back where a stop sequence may be starting."""
-    cut = min((text.find(s) for s in stops if s in text), default=-1)
-    if cut >= 0:
-        return text[:cut]
-    if finished or not stops:
-        return text
-    hold = max(len(s) for s in stops) - 1
-    return text[:max(len(text) - hold, 0)]
-
-
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
-
-
-class IncrementalText:
-    """The text of a growing list of generated tokens, decoded a few tokens at a time.
-
-    Decoding the whole output at every step costs O(length) per request and step; this decodes
-    only the tokens since the last complete character (as vLLM's incremental detokenizer does):
-    the text of tokens [prefix, read) is known, and the text of [prefix, end) minus it is new,
-    unless it ends in an incomplete character (U+FFFD), which waits for the next token.
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.text = ""
-        self._prefix = 0
-        self._read = 0
-
-    def update(self, token_ids: list[int], finished: bool = False) -> str:
-        """The full text so far. When `finished`, the whole output is decoded once, so the final
-        text is exactly the tokenizer's decode of all of it."""
-        if finished:
-            self.text = self._decode(token_ids)
-            return self.text
-        known = self._decode(token_ids[self._prefix:self._read])
-        new = self._decode(token_ids[self._prefix:])
-        if len(new) > len(known) and not new.endswith("\ufffd"):
-            self.text += new[len(known):]
-            self._prefix, self._read = self._read, len(token_ids)
-        return self.text
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+def error_kind(status: int) -> str:
+    """OpenAI's error type for an HTTP status."""
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")

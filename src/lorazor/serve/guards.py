@@ -1,0 +1,214 @@
+"""Who may use the server, and how much of it one client may take.
+
+- `ServerSettings`: the operator's choices (API key, runtime adapter loading, limits), from
+  `lorazor serve`'s flags or given to `build_app`.
+- `GuardMiddleware`: the API key on every route but `/health` and `/metrics`, and a cap on request
+  bodies, checked before a body is read, so a huge or unauthenticated request costs nothing.
+- `check_runtime_load`: runtime adapter loading only when enabled, from under `lora_root` when
+  given, at most `max_registered_loras` adapters, never under a reserved name.
+- `GuardedH11Protocol`: uvicorn's HTTP protocol with a header timeout, so connections that never
+  send a request are closed instead of holding a file descriptor for good.
+- `RepeatFilter`: a log line that repeats (e.g. "Too many open files" on every failed accept) is
+  written once, then at most once a minute with a count.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .protocol import ApiError
+
+# Routes open without the API key: probes and scrapers (as vLLM leaves them open).
+OPEN_ROUTES = ("/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the operator allows (defaults: the safe choice).
+
+    Attributes:
+        api_key: clients must send `Authorization: Bearer <api_key>`; None: no key.
+        enable_runtime_lora: allow `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+        lora_root: when set, runtime loads only from folders under it.
+        max_registered_loras: the most adapters registered at once (runtime loads beyond it: 400).
+        max_prompt_bytes: the longest prompt text (UTF-8 bytes, all chat messages together).
+        max_request_bytes: the largest request body; None: 4 x max_prompt_bytes + 64 KiB.
+    """
+
+    api_key: str | None = None
+    enable_runtime_lora: bool = False
+    lora_root: Path | None = None
+    max_registered_loras: int = 256
+    max_prompt_bytes: int = 1 << 20
+    max_request_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be a non-empty string or None")
+        for name in ("max_registered_loras", "max_prompt_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lora_root is not None:
+            root = Path(self.lora_root)
+            if not root.is_dir():
+                raise ValueError(f"lora_root {str(root)!r} is not a folder")
+            object.__setattr__(self, "lora_root", root.resolve())
+
+    @property
+    def body_limit(self) -> int:
+        return self.max_request_bytes or 4 * self.max_prompt_bytes + (64 << 10)
+
+
+def _send_error(status: int, message: str, kind: str):
+    body = json.dumps(ApiError(status, message, kind=kind).body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    return [{"type": "http.response.start", "status": status, "headers": headers},
+            {"type": "http.response.body", "body": body}]
+
+
+class GuardMiddleware:
+    """ASGI middleware: API key and body size, before the app (or FastAPI's body parsing) runs."""
+
+    def __init__(self, app, settings: ServerSettings):
+        self.app, self.settings = app, settings
+        self.key = settings.api_key.encode() if settings.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.key is not None and scope["path"] not in OPEN_ROUTES:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.key):
+                for message in _send_error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                           "authentication_error"):
+                    await send(message)
+                return
+        limit = self.settings.body_limit
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            for message in _send_error(413, f"request body is {int(length)} bytes, more than the {limit} this server "
+                                            "accepts (--max-prompt-bytes)", "invalid_request_error"):
+                await send(message)
+            return
+        seen = 0
+
+        async def counted():  # a body without Content-Length (chunked) is counted as it arrives
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise ApiError(413, f"request body is more than the {limit} bytes this server accepts "
+                                        "(--max-prompt-bytes)")
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+def check_runtime_load(settings: ServerSettings, name: str, path: str, registered: list[str], reserved: set[str],
+                       replace: bool) -> str:
+    """The folder to register for a runtime load request, or an ApiError. The same refusal is given
+    whether or not a path outside `lora_root` exists, so the endpoint cannot probe the file system."""
+    if not settings.enable_runtime_lora:
+        raise ApiError(403, "runtime adapter loading is disabled: start the server with --enable-runtime-lora",
+                       kind="permission_error")
+    if name in reserved:
+        raise ApiError(400, f"{name!r} is a reserved name (the served base model): choose another lora_name",
+                       param="lora_name")
+    if name not in registered and len(registered) >= settings.max_registered_loras:
+        raise ApiError(400, f"{len(registered)} adapters are registered, the most this server allows "
+                            f"(--max-registered-loras={settings.max_registered_loras}): unload one first",
+                       param="lora_name")
+    if name in registered and not replace:
+        raise ApiError(400, f"adapter {name!r} is already registered: unload it first, or pass load_inplace: true",
+                       param="lora_name")
+    if settings.lora_root is not None:
+        folder = os.path.realpath(path if os.path.isabs(path) else settings.lora_root / path)
+        if os.path.commonpath([folder, str(settings.lora_root)]) != str(settings.lora_root):
+            raise ApiError(403, "lora_path must be a folder under the server's --lora-root", kind="permission_error",
+                           param="lora_path")
+        return folder
+    return path
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
+    `HEADER_TIMEOUT_S` of opening (or of its last response): uvicorn itself times out only idle
+    connections that already had a response."""
+
+    HEADER_TIMEOUT_S = 10.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self._waiting_for = self.cycle
+        self._header_timer = self.loop.call_later(self.HEADER_TIMEOUT_S, self._header_timeout)
+
+    def _header_timeout(self) -> None:
+        if self.cycle is self._waiting_for and not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not self._waiting_for:  # a request head arrived
+            self._header_timer.cancel()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._header_timer.cancel()
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._header_timer.cancel()
+        super().connection_lost(exc)
+
+
+class RepeatFilter(logging.Filter):
+    """Let a repeated log message through once, then once per `every` seconds with a count."""
+
+    def __init__(self, every: float = 60.0):
+        super().__init__()
+        self.every = every
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "Too many open files" not in text and "out of system resource" not in text:
+            return True
+        key = text[:120]
+        now = time.monotonic()
+        last, count = self._last.get(key, (-self.every, 0))
+        if now - last < self.every:
+            self._last[key] = (last, count + 1)
+            return False
+        if count:
+            record.msg, record.args = f"{text} (repeated {count} times in the last {now - last:.0f} s)", ()
+        self._last[key] = (now, 0)
+        return True
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's open-file limit to its hard limit; returns the soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
