@@ -134,7 +134,8 @@ async def send_all(url: str, requests: list[dict], offsets, start: float) -> lis
             first = end = None
             tokens = 0
             body = dict(model=request["adapter"] or "base", prompt=request["prompt_ids"],
-                        max_tokens=request["max_new_tokens"], temperature=0, stream=True, release=request["release"])
+                        max_tokens=request["max_new_tokens"], temperature=0, stream=True, release=request["release"],
+                        stream_options={"include_usage": True})
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
@@ -144,7 +145,7 @@ async def send_all(url: str, requests: list[dict], offsets, start: float) -> lis
                     first = first or now
                     end = now
                     chunk = json.loads(line[6:])
-                    if "usage" in chunk:
+                    if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
             return sent, first, end, tokens
 

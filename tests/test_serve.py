@@ -65,6 +65,7 @@ def served(request):
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
     from lorazor.serve.engine_process import EngineProcess
+    from lorazor.serve.guards import ServerSettings
     from lorazor.testbed import load
 
     peft_model, tokenizer, tasks = load()
@@ -72,7 +73,8 @@ def served(request):
         engine, _ = build_engine(serve_args())
     else:
         engine = EngineProcess(functools.partial(build_engine, serve_args()))
-    app = build_app(engine, tokenizer, model_name="testbed", chat_template=TEMPLATE)
+    app = build_app(engine, tokenizer, model_name="testbed", chat_template=TEMPLATE,
+                    settings=ServerSettings(enable_runtime_lora=True))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -128,7 +130,7 @@ def test_token_id_prompts_equal_text_prompts(served):
 
 
 def test_incremental_text_equals_the_full_decode():
-    from lorazor.serve.protocol import IncrementalText
+    from lorazor.serve.text import IncrementalText
 
     class Bytes:  # a byte-level tokenizer: a character may span several tokens
         def decode(self, ids, skip_special_tokens=True):
@@ -241,7 +243,7 @@ def test_adapters_load_and_unload_while_streams_run(served):
     ({"model": "testbed", "prompt": "x", "max_tokens": 10**7}, 400, None),
     ({"model": "testbed", "prompt": "x " * 3000, "max_tokens": 2}, 400, None),
     ({"model": "testbed", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ({"model": "testbed", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "testbed", "prompt": "x", "n": 0}, 400, "n"),
     ({"model": "testbed", "prompt": "x", "release": "soon"}, 400, "release"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served, body, status, param):
@@ -264,14 +266,15 @@ def test_malformed_json_and_bad_adapter_paths(served, tmp_path):
 
 
 def metric(served, name) -> float:
+    """The value of the series `name` (its first sample, whatever its labels)."""
     text = httpx.get(f"{served['url']}/metrics").text
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith((name + " ", name + "{"))))
 
 
 def idle(served) -> bool:
     """No request running or waiting, and every KV block free (as `/metrics` says)."""
-    return all(metric(served, f"lorazor_{name}") == 0 for name in ("kv_blocks_used", "requests_running",
-                                                                  "requests_waiting"))
+    return all(metric(served, f"lorazor:{name}") == 0 for name in ("kv_cache_usage_perc", "num_requests_running",
+                                                                  "num_requests_waiting"))
 
 
 def test_a_client_that_disconnects_frees_its_blocks(served):
@@ -281,11 +284,12 @@ def test_a_client_that_disconnects_frees_its_blocks(served):
         for _ in r.iter_lines():
             break  # read the first event, then hang up
     deadline = time.monotonic() + 10
-    while metric(served, "lorazor_kv_blocks_used") and time.monotonic() < deadline:
+    while metric(served, "lorazor:kv_cache_usage_perc") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert idle(served)
     text = httpx.get(f"{served['url']}/metrics").text
-    assert "lorazor_time_to_first_token_seconds_count" in text and "lorazor_generation_tokens_total" in text
+    assert "lorazor:time_to_first_token_seconds_count" in text and "lorazor:generation_tokens_total" in text
+    assert 'lorazor:request_success_total{finished_reason="abort"' in text  # the client that left is counted
 
 
 def test_lorazor_serve_testbed_command_starts_serves_and_shuts_down():
