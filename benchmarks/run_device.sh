@@ -3,7 +3,8 @@
 # device call returns few files). On the GPU machine, from the repository root:
 #   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh gpu-tests kernels e2e-quick
 # Steps:
-#   gpu-tests        every test on the GPU, in 5 parallel shards (bf16 kernels, graph replay = eager, compile)
+#   gpu-tests        every test on the GPU, in $SHARDS parallel shards (default 10, $SHARD_TIMEOUT s each,
+#                    default 540; bf16 kernels, graph replay = eager, compile); check every shard's summary
 #   kernels          bench_kernels.py: every grid mode per layer against the memory floor (Llama, Mistral shapes)
 #   kernels-sweep    the same with a search over launch parameters; writes tuned_kernel_config.json
 #   e2e-quick        bench_e2e.py: backbone vs `exact` at 1 and 128 adapters, CUDA graphs and compiled
@@ -37,10 +38,11 @@ for step in "$@"; do
   start=$(date +%s)
   case $step in
     gpu-tests) python3 -m pytest tests --collect-only -q -p no:cacheprovider | grep :: > "$W/all_ids.txt"
-               for i in 0 1 2 3 4; do
-                 awk -v i=$i 'NR % 5 == i' "$W/all_ids.txt" > "$W/ids_$i.txt"
+               n=${SHARDS:-10}
+               for i in $(seq 0 $((n - 1))); do
+                 awk -v i=$i -v n=$n 'NR % n == i' "$W/all_ids.txt" > "$W/ids_$i.txt"
                  # Test ids hold spaces (parametrized messages): pass them to pytest whole, not through the shell.
-                 timeout 400 python3 -c "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + ['-q', '-p', 'no:cacheprovider']))" \
+                 timeout ${SHARD_TIMEOUT:-540} python3 -c "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + ['-q', '-p', 'no:cacheprovider']))" \
                    "$W/ids_$i.txt" > "$W/tests_shard$i.log" 2>&1 &
                done
                wait ;;

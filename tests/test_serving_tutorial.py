@@ -26,8 +26,10 @@ def test_serving_tutorial_commands_run(tmp_path):
     bash = [b.replace("8000", str(port)) for b in blocks("bash")]
     start, commands = bash[0].strip(), bash[1:]
     assert start.startswith("lorazor serve --testbed")
-    proc = subprocess.Popen(start.split(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # `python -m lorazor`: the command as written, without needing `lorazor` on PATH; a session of its
+    # own, so the server and its engine process are stopped together, also when the test fails.
+    proc = subprocess.Popen([sys.executable, "-m", *start.split()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}")
         for block in commands:
@@ -41,5 +43,27 @@ def test_serving_tutorial_commands_run(tmp_path):
             assert done.returncode == 0, (code, done.stderr)
             assert done.stdout.strip()
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=30)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def test_the_flag_table_states_the_commands_defaults():
+    """Every flag of `lorazor serve` is in the page's table, and a default written as code there is
+    the parser's own."""
+    import argparse
+
+    from lorazor.serve.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(--[a-z-]+)[^`]*` \| ([^|]*) \|", PAGE.read_text(), re.M)}
+    flags = {a.option_strings[0]: a.default for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert set(rows) == set(flags), set(rows) ^ set(flags)
+    for flag, default in flags.items():
+        written = re.fullmatch(r"`([^`]*)`", rows[flag].strip())
+        if written:
+            assert written.group(1) == str(default), (flag, written.group(1), default)
