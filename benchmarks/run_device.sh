@@ -23,7 +23,7 @@
 #                    (needs fastapi, uvicorn, pydantic: carry their wheels as .whl/, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
 set -u
-export PYTHONPATH=$PWD/src:$PWD/kernels PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 W=${WORK:-$OUT/work}  # WORK=/tmp/work: only all.tgz (and the testbed parts) come back, at most 8 files
 rm -rf "$W"  # only this call's files come back (so run every step of a call in one invocation)
