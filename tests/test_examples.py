@@ -46,8 +46,12 @@ def test_serving_benchmark_runs_on_the_cpu(tmp_path, model):
     model, token-id text, the engine benchmark's setup)."""
     import json
 
+    pytest.importorskip("uvicorn")  # the `serve` extra
+    pytest.importorskip("fastapi")
     root = EXAMPLES.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels"), str(root / "benchmarks")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root / "src"), str(root / "kernels"),
+                                                                     str(root / "benchmarks"),
+                                                                     os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_serving.py"), model, "--rates", "3,6",
                            "--seconds", "1.5", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                           env=env)

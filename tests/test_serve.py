@@ -30,7 +30,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, seconds: float = 60) -> None:
+def wait_healthy(url: str, seconds: float = 180) -> None:
     """Poll `url/health` until it answers 200 (bounded in time)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
