@@ -39,11 +39,32 @@ for step in "$@"; do
   case $step in
     gpu-tests) python3 -m pytest tests --collect-only -q -p no:cacheprovider | grep :: > "$W/all_ids.txt"
                n=${SHARDS:-10}
+               # Whole files per shard, the largest first onto the emptiest shard, so a module's fixtures
+               # (a served engine) are built once per shard: pytest collects a module once per test id
+               # given. Only a file larger than a shard's share is split into runs of test ids.
+               python3 - "$W" "$n" <<'PY'
+import collections, sys
+w, n = sys.argv[1], int(sys.argv[2])
+by_file = collections.defaultdict(list)
+for line in open(f"{w}/all_ids.txt"):
+    by_file[line.split("::")[0]].append(line.rstrip("\n"))
+share = -(-sum(map(len, by_file.values())) // n)
+units = []  # (test count, pytest arguments)
+for f, ids in by_file.items():
+    units += [(len(ids), [f])] if len(ids) <= share else [(len(ids[i:i + share]), ids[i:i + share])
+                                                         for i in range(0, len(ids), share)]
+shards = [[0, []] for _ in range(n)]
+for count, args in sorted(units, key=lambda u: -u[0]):
+    shard = min(shards, key=lambda s: s[0])
+    shard[0] += count
+    shard[1] += args
+for i, (_, args) in enumerate(shards):
+    open(f"{w}/args_{i}.txt", "w").write("\n".join(args) + "\n")
+PY
                for i in $(seq 0 $((n - 1))); do
-                 awk -v i=$i -v n=$n 'NR % n == i' "$W/all_ids.txt" > "$W/ids_$i.txt"
-                 # Test ids hold spaces (parametrized messages): pass them to pytest whole, not through the shell.
+                 # Arguments hold spaces (parametrized ids): pass them to pytest whole, not through the shell.
                  timeout ${SHARD_TIMEOUT:-540} python3 -c "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + ['-q', '-p', 'no:cacheprovider']))" \
-                   "$W/ids_$i.txt" > "$W/tests_shard$i.log" 2>&1 &
+                   "$W/args_$i.txt" > "$W/tests_shard$i.log" 2>&1 &
                done
                wait ;;
     kernels) timeout 300 python3 benchmarks/bench_kernels.py --out "$W" > "$W/kernels.log" 2>&1 ;;

@@ -33,7 +33,7 @@ def test_serving_tutorial_commands_run(tmp_path):
     try:
         wait_healthy(f"http://127.0.0.1:{port}")
         for block in commands:
-            done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], capture_output=True, text=True, timeout=120)
+            done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, (block, done.stderr)
             assert done.stdout.strip(), block
             assert '"error"' not in done.stdout, (block, done.stdout)
