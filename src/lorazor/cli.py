@@ -20,7 +20,8 @@ NEXT_STEPS = """
 What ran: one batch mixing four adapters and the backbone, decoded by LoRazor and by PEFT (the
 reference), then again with StepTrim releasing adapters after a few decode steps.
 Try next:
-  lorazor serve --testbed                  the same model behind an OpenAI-compatible API (docs/serving.md)
+  lorazor serve --testbed                  the same model behind an OpenAI-compatible API (docs/serving.md;
+                                           needs the serve extra: pip install "lorazor[serve]")
   lorazor demo --random --arch qwen2       a random tiny model of another architecture
   docs/quickstart.md                       your own PeftModel or adapter folders (docs/adapters.md)"""
 
