@@ -88,6 +88,7 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
                            kind="service_unavailable")
 
     app = FastAPI(title="LoRazor", version=__version__, lifespan=lifespan, dependencies=[Depends(engine_alive)])
+    app.state.engine, app.state.metrics = engine, metrics  # for hosts that embed the app (lorazor.ray)
     errors.install(app)
     app.add_middleware(GuardMiddleware, settings=settings)
 

@@ -61,6 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a new connection may take to send its request head")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    r = p.add_argument_group("replicas on Ray Serve (the ray extra)")
+    r.add_argument("--replicas", type=int, default=0,
+                   help="run this many engine replicas on Ray Serve behind one endpoint (default: 0, no Ray)")
+    r.add_argument("--num-gpus-per-replica", type=float, default=0.0, help="GPUs each replica takes (default: 0)")
+    r.add_argument("--num-cpus-per-replica", type=float, default=1.0, help="CPUs each replica takes (default: 1)")
+    r.add_argument("--max-adapters-per-replica", type=int,
+                   help="adapters a replica is routed as holding (default: --max-loras, else every adapter)")
+    r.add_argument("--no-affinity", action="store_true",
+                   help="route requests to any replica, ignoring which adapters it holds")
+    r.add_argument("--ray-metrics-port", type=int, default=8080,
+                   help="port of Ray's Prometheus export of every replica's metrics (default: 8080)")
 
 
 def adapter_paths(args: argparse.Namespace) -> dict[str, str]:
@@ -193,6 +204,10 @@ def require_serve_extra() -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the server until it is stopped; returns 1 if it stopped because the engine died."""
     require_serve_extra()
+    if args.replicas:
+        from lorazor.ray import run_local
+
+        return run_local(args)
     import uvicorn
 
     from .guards import GuardedH11Protocol, RepeatFilter, raise_open_file_limit

@@ -60,6 +60,7 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token")
         self.queue = histogram("request_queue_time_seconds", "Time from arrival to the first scheduled step")
         self._preemptions_seen = 0
+        self.mirror = None  # another recorder of finished requests (Ray's metrics, in lorazor.ray)
         for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.lora_decode_steps,
                        self.adapter_decode_steps, self.released, self.ttft, self.tpot, self.e2e, self.queue):
             metric.labels(model_name)  # every series present from the start, at zero
@@ -81,6 +82,8 @@ class ServerMetrics:
             self.e2e.labels(m).observe(out.finish_time - out.arrival_time)
         if out.scheduled_time is not None:
             self.queue.labels(m).observe(out.scheduled_time - out.arrival_time)
+        if self.mirror is not None:
+            self.mirror.observe(out, prompt_tokens)
 
     def observe_left(self, prompt_tokens: int, generated: int, arrival_time: float) -> None:
         """Record a request whose client went away before it finished (counted as aborted)."""
@@ -89,6 +92,8 @@ class ServerMetrics:
         self.generation_tokens.labels(m).inc(generated)
         self.success.labels(m, "abort").inc()
         self.e2e.labels(m).observe(time.monotonic() - arrival_time)
+        if self.mirror is not None:
+            self.mirror.observe_left(prompt_tokens, generated, arrival_time)
 
     def render(self, stats: dict) -> bytes:
         """The exposition text, with the gauges set from the engine's `stats` (`engines.engine_stats`)."""

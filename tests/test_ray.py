@@ -1,0 +1,183 @@
+"""`lorazor serve --replicas 2` on Ray Serve, on the CPU with the shipped testbed: one OpenAI endpoint,
+requests routed to the replica that holds their adapter, and a replica that dies fails only its own
+requests.
+
+The module starts the real command (Ray in that process, bound to 127.0.0.1; two replicas, their
+engines on a thread of each replica for a faster start on CI) in a session of its own, stopped with
+its whole process group, also on failure. The test process joins the same local Ray instance to
+find and kill a replica.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from lorazor.ray import LOOPBACK_ONLY_ENV
+
+os.environ.update(LOOPBACK_ONLY_ENV)  # before ray is imported: this process joins the instance on 127.0.0.1
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from test_serve import free_port, wait_healthy  # noqa: E402
+
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from lorazor import LoRazorModel
+    from lorazor.testbed import load
+
+    port, metrics_port = free_port(), free_port()
+    tmp = tmp_path_factory.mktemp("ray")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": str(tmp), "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_metrics_report_interval_ms": "1000"}
+    log = open(tmp / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "lorazor", "serve", "--testbed", "--replicas", "2", "--in-process",
+                             "--max-adapters-per-replica", "2", "--port", str(port), "--ray-metrics-port",
+                             str(metrics_port)], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 300)
+        peft_model, tokenizer, tasks = load()
+        yield dict(url=url, proc=proc, tmp=tmp, metrics=f"http://127.0.0.1:{metrics_port}/metrics",
+                   model=LoRazorModel.from_peft(peft_model), tokenizer=tokenizer, tasks=tasks)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+        log.close()
+
+
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def prompt_of(cluster, task, i=0):
+    return cluster["tasks"][task].split("test")[i]["prompt"]
+
+
+def offline(cluster, prompts, adapters, n=NEW):
+    return cluster["model"].generate_text(prompts, adapters, tokenizer=cluster["tokenizer"], max_new_tokens=n,
+                                          do_sample=False)
+
+
+def replica_of(cluster, model, prompt="Tom has 3 apples") -> str:
+    r = httpx.post(f"{cluster['url']}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2,
+                                                             "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.headers["x-lorazor-replica"]
+
+
+def test_every_process_of_the_server_listens_on_loopback_only(cluster):
+    import psutil
+
+    group = os.getpgid(cluster["proc"].pid)
+    listening = set()
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) != group:
+                continue
+            listening |= {c.laddr.ip for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        except (psutil.Error, ProcessLookupError):
+            continue
+    assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
+
+
+def test_completions_and_streams_equal_offline_greedy_for_four_adapters(cluster):
+    tasks = list(cluster["tasks"])
+    prompts = [prompt_of(cluster, t) for t in tasks] + [prompt_of(cluster, "math", 1)]
+    adapters = tasks + [None]
+    want = offline(cluster, prompts, adapters)
+    c = client(cluster)
+    for prompt, adapter, text in zip(prompts, adapters, want):
+        r = c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=NEW, temperature=0)
+        assert r.choices[0].text == text
+        stream = c.completions.create(model=adapter or "testbed", prompt=prompt, max_tokens=NEW, temperature=0,
+                                      stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == text
+
+
+def test_an_adapters_requests_stay_on_one_replica_and_both_replicas_serve(cluster):
+    seen = Counter(replica_of(cluster, "sql") for _ in range(40))
+    assert seen.most_common(1)[0][1] >= 36, seen  # >= 90% on the replica that holds sql
+    backbone = {replica_of(cluster, "testbed") for _ in range(20)}
+    assert len(backbone | set(seen)) == 2  # both replicas serve
+
+
+def test_a_killed_replica_fails_its_requests_and_the_other_serves(cluster):
+    import ray
+
+    victim = replica_of(cluster, "medqa")
+    stream = client(cluster).completions.create(model="medqa", prompt=prompt_of(cluster, "medqa"), max_tokens=400,
+                                                temperature=0, stream=True, extra_body={"min_tokens": 400})
+    os.environ["RAY_TMPDIR"] = str(cluster["tmp"])
+    ray.init(address="auto", namespace="serve", configure_logging=False, log_to_driver=False)
+    try:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if "LoRazorReplica" in a["name"] and victim in a["name"]]
+        assert names, ray.util.list_named_actors(all_namespaces=True)
+        start = time.monotonic()
+        with pytest.raises(openai.APIError) as caught:
+            for i, _ in enumerate(stream):
+                if i == 2:
+                    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=False)
+        assert not isinstance(caught.value, openai.APIConnectionError)
+        assert time.monotonic() - start < 60
+    finally:
+        ray.shutdown()
+    # Later requests (this adapter's too) are served by the survivor while the victim restarts.
+    prompt = prompt_of(cluster, "medqa", 1)
+    want = offline(cluster, [prompt], ["medqa"])[0]
+    deadline = time.monotonic() + 60
+    served = None
+    while time.monotonic() < deadline:
+        r = httpx.post(f"{cluster['url']}/v1/completions", json={"model": "medqa", "prompt": prompt,
+                                                                 "max_tokens": NEW, "temperature": 0}, timeout=60)
+        if r.status_code == 200:
+            served = r
+            break
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        time.sleep(0.5)
+    assert served is not None and served.json()["choices"][0]["text"] == want
+    assert served.headers["x-lorazor-replica"] != victim
+
+
+def test_every_replicas_metrics_reach_rays_export(cluster):
+    replica_of(cluster, "math")
+    deadline = time.monotonic() + 60
+    text = ""
+    while time.monotonic() < deadline:
+        try:
+            text = httpx.get(cluster["metrics"], timeout=10).text
+        except httpx.HTTPError:
+            text = ""
+        if "ray_lorazor_request_success" in text:
+            break
+        time.sleep(1)
+    lines = [line for line in text.splitlines() if line.startswith("ray_lorazor_request_success")]
+    assert lines and all('replica="' in line for line in lines), text[-2000:]
+
+
+def test_build_app_takes_a_config_files_arguments():
+    from lorazor.ray import build_app
+    from lorazor.ray.deployment import serve_args
+
+    args = serve_args({"testbed": True, "replicas": 3, "max-loras": 2, "adapter": ["a=/x", "b=/y"],
+                       "lora_modules": ["c=/z"]})
+    assert args.replicas == 3 and args.max_loras == 2 and args.adapter == ["a=/x", "b=/y"]
+    assert args.lora_modules == ["c=/z"]
+    with pytest.raises(ValueError, match="unknown lorazor serve argument 'frobnicate'"):
+        serve_args({"frobnicate": 1})
+    app = build_app({"testbed": True, "replicas": 2})
+    assert type(app).__name__ == "Application"
