@@ -187,8 +187,14 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4, help="client processes sending the HTTP requests")
     ap.add_argument("--engine", choices=["process", "thread"], default="process",
                     help="where the HTTP server's engine runs (process: lorazor serve's default)")
+    ap.add_argument("--replicas", type=int, default=0,
+                    help="instead: lorazor serve --testbed --replicas N on Ray, adapter affinity on vs off "
+                         "(serving_replicas.py; the first rate only)")
+    ap.add_argument("--max-loras", type=int, default=2, help="with --replicas: GPU slots per replica")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.replicas:
+        return replicas_main(args, t0)
     engine, tokenizer, names, vocab = build(args)
     rates = [float(x) for x in args.rates.split(",")]
     workload = wl.build(4 * int(max(rates) * args.seconds * 1.5 / 4 + 4), vocab)
@@ -243,6 +249,25 @@ def main() -> None:
     lines += ["", f"Knee (offered req/s where P90 TTFT crosses {args.ttft_slo:g} s; + = not crossed by the highest "
                   f"rate): in process {shown['in_process']}, HTTP {shown['http']}, ratio {ratio:.2f} (target >= 0.90)."]
     write_results(args.out, "serving", rows, meta, "\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def replicas_main(args, t0: float) -> None:
+    import serving_replicas
+
+    rows = serving_replicas.main(args)
+    meta = dict(environment(), replicas=args.replicas, max_loras=args.max_loras, seconds=args.seconds,
+                clients=args.clients, total_s=time.perf_counter() - t0)
+    lines = [f"# Adapter affinity on Ray Serve ({args.replicas} replicas of the testbed, CPU)", "",
+             f"commit {meta['commit']}, {meta.get('gpu', 'CPU')}, torch {meta['torch']}; {rows[0]['adapters']} adapters "
+             f"used uniformly, {args.max_loras} GPU slots per replica, {rows[0]['requests']} requests at "
+             f"{rows[0]['rate']:g} req/s", "",
+             "| affinity | adapter loads | loads per request | achieved req/s | TTFT p50 | TTFT p90 |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {'on' if r['affinity'] else 'off'} | {r['adapter_loads']:.0f} | {r['loads_per_request']:.2f} "
+                     f"| {r['achieved_req_s']:.1f} | {r['ttft_p50']:.3f} | {r['ttft_p90']:.3f} |")
+    write_results(args.out, "serving_replicas", rows, meta, "\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 

@@ -181,3 +181,22 @@ def test_build_app_takes_a_config_files_arguments():
         serve_args({"frobnicate": 1})
     app = build_app({"testbed": True, "replicas": 2})
     assert type(app).__name__ == "Application"
+
+
+def test_the_documented_serve_config_is_valid_and_builds():
+    """docs/scaling.md's YAML: a valid Serve config whose `args` build the application."""
+    import re
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from lorazor.ray import build_app
+
+    page = (Path(__file__).parent.parent / "docs" / "scaling.md").read_text()
+    config = yaml.safe_load(re.search(r"```yaml\n(.*?)```", page, re.S).group(1))
+    ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") else \
+        ServeDeploySchema.parse_obj(config)
+    application = config["applications"][0]
+    assert application["import_path"] == "lorazor.ray:build_app"
+    assert type(build_app(application["args"])).__name__ == "Application"

@@ -112,6 +112,7 @@ class LoRazorEngine:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, model.bank.num_slots,
                                    on_free=self.tables.release)
         self.requests: dict[str, Request] = {}
+        self._loads_at_start = model.registry.loads
         self._ids = itertools.count()
         self._background: BackgroundLoop | None = None
 
@@ -275,6 +276,12 @@ class LoRazorEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def adapter_loads(self) -> int:
+        """Adapter weights copied into GPU slots since this engine was built (requests' loads and
+        prefetches; loads while the model was built do not count)."""
+        return self.model.registry.loads - self._loads_at_start
 
     # ---- steps ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

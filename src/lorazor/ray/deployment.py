@@ -32,7 +32,9 @@ from .asgi import Lifespan, call
 log = logging.getLogger("lorazor.ray")
 REPLICA_HEADER = b"x-lorazor-replica"
 # Seconds between two reads of a replica's engine gauges for Ray's metrics export.
-GAUGE_PERIOD_S = 5.0
+GAUGE_PERIOD_S = 2.0
+# Requests the router relays at once (it only forwards; the replicas bound the real work).
+ROUTER_MAX_ONGOING = 4096
 # Response headers the router does not copy (its own response sets them).
 HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 
@@ -94,6 +96,7 @@ class RayMetricsMirror:
         self.running = metrics.Gauge("lorazor_num_requests_running", "Requests running", tags)
         self.waiting = metrics.Gauge("lorazor_num_requests_waiting", "Requests waiting", tags)
         self.kv = metrics.Gauge("lorazor_kv_cache_usage_perc", "KV-cache usage", tags)
+        self.loads = metrics.Gauge("lorazor_lora_adapter_loads", "Adapter loads into GPU slots so far", tags)
 
     def observe(self, out, prompt_tokens: int) -> None:
         self.finished.inc(1, {**self.tags, "finished_reason": out.finish_reason or "abort"})
@@ -112,6 +115,7 @@ class RayMetricsMirror:
         self.running.set(stats["running"], self.tags)
         self.waiting.set(stats["waiting"], self.tags)
         self.kv.set(stats["kv_blocks_used"] / max(stats["kv_blocks_total"], 1), self.tags)
+        self.loads.set(stats["adapter_loads"], self.tags)
 
 
 class LoRazorReplicaBase:
@@ -252,12 +256,16 @@ def build_app(options: dict | argparse.Namespace) -> serve.Application:
 
     adapters = adapter_paths(args)
     per_replica = args.max_adapters_per_replica or args.max_loras or max(len(adapters), 4 if args.testbed else 1)
-    replica = replica_deployment(per_replica).options(
-        num_replicas=args.replicas, ray_actor_options={"num_gpus": args.num_gpus_per_replica,
-                                                       "num_cpus": args.num_cpus_per_replica})
+    # Serve's default of 5 ongoing requests per replica would cap a continuous-batching engine far
+    # below its batch: let each replica take twice its batch (the rest waits in its scheduler).
+    options = dict(ray_actor_options={"num_gpus": args.num_gpus_per_replica, "num_cpus": args.num_cpus_per_replica},
+                   max_ongoing_requests=2 * args.max_num_seqs)
+    if args.replicas:  # else Serve's default, or the config file's num_replicas / autoscaling_config
+        options["num_replicas"] = args.replicas
+    replica = replica_deployment(per_replica).options(**options)
     name = args.served_model_name or ("testbed" if args.testbed else args.model)
     # Only `lorazor serve`'s own arguments travel to the replicas (not the top-level command's).
     dests = {a.dest for a in serve_parser()._actions if a.dest != "help"}
     own = argparse.Namespace(**{k: v for k, v in vars(args).items() if k in dests})
-    return LoRazorRouter.options(ray_actor_options={"num_cpus": 0}).bind(
+    return LoRazorRouter.options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=ROUTER_MAX_ONGOING).bind(
         replica.bind(own), name, not args.no_affinity)

@@ -27,6 +27,7 @@ def engine_stats(engine) -> dict:
     return dict(running=len(scheduler.running), waiting=len(scheduler.waiting),
                 kv_blocks_used=pool.num_blocks - pool.num_free, kv_blocks_total=pool.num_blocks,
                 adapters_resident=len(engine.model.bank.slot_of), preemptions=scheduler.num_preemptions,
+                adapter_loads=engine.adapter_loads,
                 running_adapters=sorted({r.adapter for r in scheduler.running if r.adapter is not None}),
                 waiting_adapters=sorted({r.adapter for r in scheduler.waiting if r.adapter is not None}),
                 max_loras=engine.model.bank.num_slots)

@@ -49,6 +49,7 @@ class ServerMetrics:
         self.lora_info = gauge("lora_requests_info", "Running and waiting adapters (value: time of the scrape)",
                                ["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         self.preemptions = counter("num_preemptions", "Preemptions (a request recomputed later)")
+        self.adapter_loads = counter("lora_adapter_loads", "Adapter weights copied into a GPU slot")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.success = counter("request_success", "Finished requests", ["finished_reason"])
@@ -59,9 +60,9 @@ class ServerMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token")
         self.queue = histogram("request_queue_time_seconds", "Time from arrival to the first scheduled step")
-        self._preemptions_seen = 0
+        self._seen = {"preemptions": 0, "adapter_loads": 0}  # engine counters already added
         self.mirror = None  # another recorder of finished requests (Ray's metrics, in lorazor.ray)
-        for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens, self.lora_decode_steps,
+        for metric in (self.preemptions, self.adapter_loads, self.prompt_tokens, self.generation_tokens, self.lora_decode_steps,
                        self.adapter_decode_steps, self.released, self.ttft, self.tpot, self.e2e, self.queue):
             metric.labels(model_name)  # every series present from the start, at zero
 
@@ -106,6 +107,7 @@ class ServerMetrics:
         self.lora_info.clear()
         self.lora_info.labels(m, ",".join(stats["running_adapters"]), ",".join(stats["waiting_adapters"]),
                               str(stats["max_loras"])).set(time.time())
-        self.preemptions.labels(m).inc(max(stats["preemptions"] - self._preemptions_seen, 0))
-        self._preemptions_seen = max(stats["preemptions"], self._preemptions_seen)
+        for key, counter in (("preemptions", self.preemptions), ("adapter_loads", self.adapter_loads)):
+            counter.labels(m).inc(max(stats[key] - self._seen[key], 0))
+            self._seen[key] = max(stats[key], self._seen[key])
         return generate_latest(self.registry)
