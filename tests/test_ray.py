@@ -9,11 +9,11 @@ find and kill a replica.
 """
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +25,9 @@ pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
 from test_serve import free_port, wait_healthy  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+from serving_replicas import stop  # noqa: E402
 
 NEW = 10
 
@@ -49,13 +52,7 @@ def cluster(tmp_path_factory):
         yield dict(url=url, proc=proc, tmp=tmp, metrics=f"http://127.0.0.1:{metrics_port}/metrics",
                    model=LoRazorModel.from_peft(peft_model), tokenizer=tokenizer, tasks=tasks)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+        stop(proc)  # SIGINT to its process group, SIGKILL if it outlives 60 s
         log.close()
 
 
@@ -186,7 +183,6 @@ def test_build_app_takes_a_config_files_arguments():
 def test_the_documented_serve_config_is_valid_and_builds():
     """docs/scaling.md's YAML: a valid Serve config whose `args` build the application."""
     import re
-    from pathlib import Path
 
     import yaml
     from ray.serve.schema import ServeDeploySchema
