@@ -295,8 +295,10 @@ def test_a_client_that_disconnects_frees_its_blocks(served):
 def test_lorazor_serve_testbed_command_starts_serves_and_shuts_down():
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Its own session: the server and its engine process are stopped together, also on failure.
     proc = subprocess.Popen([sys.executable, "-m", "lorazor.cli", "serve", "--testbed", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
@@ -305,8 +307,12 @@ def test_lorazor_serve_testbed_command_starts_serves_and_shuts_down():
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
         assert "lorazor" in r.json() and "release_step" in r.json()["lorazor"]
     finally:
-        proc.send_signal(signal.SIGINT)
-        log, _ = proc.communicate(timeout=30)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            log, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
     assert "shutdown: aborted 0 in-flight requests" in log, log[-2000:]
 
 
