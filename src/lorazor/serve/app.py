@@ -10,8 +10,10 @@ Tokenizing and chat templates run on a worker thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -61,6 +63,12 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
         engine = LocalEngine(engine, tokenizer)
     settings = settings or ServerSettings()
     metrics = ServerMetrics(model_name)
+    # One worker thread for the tokenizer: off the event loop, and never two calls into one
+    # tokenizer at once (HF's fast tokenizers can refuse concurrent use: "Already borrowed").
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lorazor-tokenizer")
+
+    async def off_loop(fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, functools.partial(fn, *args, **kwargs))
 
     def engine_died():
         log.error("the engine process died: answering 503 from now on")
@@ -80,6 +88,7 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
         finally:
             sys.setswitchinterval(before)
         aborted = await engine.shutdown()
+        tokenizing.shutdown(wait=False)
         log.info("shutdown: aborted %d in-flight requests", aborted)
 
     async def engine_alive(request: Request):
@@ -112,7 +121,7 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
         return text
 
     async def encode(text: str, add_special_tokens: bool = True) -> list[int]:
-        return await asyncio.to_thread(lambda: tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return (await off_loop(tokenizer, text, add_special_tokens=add_special_tokens))["input_ids"]
 
     async def chat_prompt(messages, add_generation_prompt: bool = True) -> str:
         template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -124,8 +133,8 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
             raise ApiError(400, f"messages hold more than --max-prompt-bytes={settings.max_prompt_bytes} bytes",
                            param="messages")
         try:
-            return await asyncio.to_thread(tokenizer.apply_chat_template, plain, chat_template=template,
-                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+            return await off_loop(tokenizer.apply_chat_template, plain, chat_template=template,
+                                  add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as err:  # a template's own error (raise_exception, undefined names, ...)
             raise ApiError(400, f"the chat template failed on these messages: {type(err).__name__}: {err}",
                            param="messages") from err
@@ -231,7 +240,7 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
             raise ApiError(400, f"tokens holds id {bad[0]}, outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": await asyncio.to_thread(tokenizer.decode, request.tokens)}
+        return {"prompt": await off_loop(tokenizer.decode, request.tokens)}
 
     @app.get("/version")
     async def version():
