@@ -9,8 +9,6 @@ find and kill a replica.
 """
 
 import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,10 +22,7 @@ os.environ.update(LOOPBACK_ONLY_ENV)  # before ray is imported: this process joi
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from test_serve import free_port, wait_healthy  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-from serving_replicas import stop  # noqa: E402
+from test_serve import free_port, start_serve_command, stop_process_group, wait_healthy  # noqa: E402
 
 NEW = 10
 
@@ -42,9 +37,8 @@ def cluster(tmp_path_factory):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": str(tmp), "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_metrics_report_interval_ms": "1000"}
     log = open(tmp / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "lorazor", "serve", "--testbed", "--replicas", "2", "--in-process",
-                             "--max-adapters-per-replica", "2", "--port", str(port), "--ray-metrics-port",
-                             str(metrics_port)], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = start_serve_command("--testbed", "--replicas", "2", "--in-process", "--max-adapters-per-replica", "2",
+                               "--port", str(port), "--ray-metrics-port", str(metrics_port), stdout=log, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, 300)
@@ -52,7 +46,7 @@ def cluster(tmp_path_factory):
         yield dict(url=url, proc=proc, tmp=tmp, metrics=f"http://127.0.0.1:{metrics_port}/metrics",
                    model=LoRazorModel.from_peft(peft_model), tokenizer=tokenizer, tasks=tasks)
     finally:
-        stop(proc)  # SIGINT to its process group, SIGKILL if it outlives 60 s
+        stop_process_group(proc)
         log.close()
 
 

@@ -43,6 +43,33 @@ def wait_healthy(url: str, seconds: float = 180) -> None:
     raise TimeoutError(f"no server at {url} after {seconds} s")
 
 
+def start_serve_command(*args, stdout=subprocess.PIPE, env=None) -> subprocess.Popen:
+    """`python -m lorazor serve *args` in a session of its own, so the server and every process it
+    starts (its engine, Ray) stop together (`stop_process_group`)."""
+    return subprocess.Popen([sys.executable, "-m", "lorazor", "serve", *args], stdout=stdout, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            start_new_session=True)
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """SIGINT to the command's process group, SIGKILL if it outlives `timeout` s; its output."""
+    def signal_group(sig):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # every process of the group has exited
+            pass
+
+    if proc.poll() is None:
+        signal_group(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        signal_group(signal.SIGKILL)
+        out, _ = proc.communicate()
+    signal_group(signal.SIGKILL)  # children left behind by a server that exited
+    return out or ""
+
+
 def serve_args(*extra):
     """`lorazor serve` arguments for the testbed, parsed as the command parses them."""
     import argparse
@@ -294,11 +321,7 @@ def test_a_client_that_disconnects_frees_its_blocks(served):
 
 def test_lorazor_serve_testbed_command_starts_serves_and_shuts_down():
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # Its own session: the server and its engine process are stopped together, also on failure.
-    proc = subprocess.Popen([sys.executable, "-m", "lorazor.cli", "serve", "--testbed", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = start_serve_command("--testbed", "--port", str(port))
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
@@ -307,12 +330,7 @@ def test_lorazor_serve_testbed_command_starts_serves_and_shuts_down():
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
         assert "lorazor" in r.json() and "release_step" in r.json()["lorazor"]
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            log, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
+        log = stop_process_group(proc, timeout=30)
     assert "shutdown: aborted 0 in-flight requests" in log, log[-2000:]
     assert "engine ready: device cpu" in log and "max_model_len 1024" in log  # the startup configuration log
 

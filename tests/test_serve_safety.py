@@ -11,7 +11,6 @@ import functools
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +24,8 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_serve import TEMPLATE, free_port, serve_args, wait_healthy  # noqa: E402
+from test_serve import (TEMPLATE, free_port, serve_args, start_serve_command, stop_process_group,  # noqa: E402
+                        wait_healthy)
 
 KEY = "sk-test-key"
 
@@ -342,10 +342,7 @@ def test_a_dead_engine_ends_streams_with_an_error_and_the_server_exits_nonzero()
     import psutil
 
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "lorazor", "serve", "--testbed", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = start_serve_command("--testbed", "--port", str(port))
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 120)
@@ -362,9 +359,7 @@ def test_a_dead_engine_ends_streams_with_an_error_and_the_server_exits_nonzero()
         code = proc.wait(timeout=60)
         assert code == 1
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate(timeout=30)
+        log = stop_process_group(proc, timeout=30)
     assert "engine process died" in log, log[-2000:]
 
 

@@ -1,8 +1,6 @@
 """docs/serving.md runs as written: the server from its start command, then every bash and python block."""
 
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +18,14 @@ def blocks(kind: str) -> list[str]:
 
 
 def test_serving_tutorial_commands_run(tmp_path):
-    from test_serve import free_port, wait_healthy
+    from test_serve import free_port, start_serve_command, stop_process_group, wait_healthy
 
     port = free_port()
     bash = [b.replace("8000", str(port)) for b in blocks("bash")]
     start, commands = bash[0].strip(), bash[1:]
     assert start.startswith("lorazor serve --testbed")
-    # `python -m lorazor`: the command as written, without needing `lorazor` on PATH; a session of its
-    # own, so the server and its engine process are stopped together, also when the test fails.
-    proc = subprocess.Popen([sys.executable, "-m", *start.split()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    # `python -m lorazor`: the command as written, without needing `lorazor` on PATH.
+    proc = start_serve_command(*start.split()[2:])
     try:
         wait_healthy(f"http://127.0.0.1:{port}")
         for block in commands:
@@ -43,12 +39,7 @@ def test_serving_tutorial_commands_run(tmp_path):
             assert done.returncode == 0, (code, done.stderr)
             assert done.stdout.strip()
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        stop_process_group(proc, timeout=30)
 
 
 def test_the_flag_table_states_the_commands_defaults():

@@ -44,8 +44,6 @@ def serve_args(options: dict | argparse.Namespace) -> argparse.Namespace:
     `max_loras`) to values, validated by the command's own parser (a YAML config's `args`)."""
     if isinstance(options, argparse.Namespace):
         return options
-    from ..serve.cli import add_arguments
-
     parser = serve_parser()
     actions = {a.dest: a for a in parser._actions}
     argv = []
