@@ -141,7 +141,7 @@ def main() -> None:
     ks = wl.release_lengths(workload)
     meta = dict(environment(), part=args.part, requests=len(workload), release_k=ks,
                 planned_skip=wl.skip_fraction(workload, ks), graphs_captured=captured,
-                capture_s=engine.graphs.capture_seconds if engine.graphs else 0.0, setup_s=time.perf_counter() - t0,
+                capture_s=engine.graphs.total_capture_seconds if engine.graphs else 0.0, setup_s=time.perf_counter() - t0,
                 kv_blocks=engine.pool.num_blocks, ttft_slo=args.ttft_slo, **shape)
     print(json.dumps(meta), flush=True)
     (args.out / f"meta_{args.part}{args.tag}.json").write_text(json.dumps(meta, indent=2))

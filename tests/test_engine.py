@@ -273,7 +273,7 @@ def test_triton_paged_attention_engine_equals_peft():
     # The GPU path's kernels under the Triton interpreter: paged attention for decode tiles and
     # prefill tiles (the 40-token prompt's first chunk spans two tiles of 32), LoRA kernels.
     model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False, backend="triton", attention="triton"))
-    assert model._triton_attention and model.context.backend == "triton"
+    assert model.runner.triton_attention and model.context.backend == "triton"
     ps = [prompts(1, seed=22, base=40)[0]] + prompts(3, seed=21)
     adapters = ["med", "math", None, "sql"]
     eng = engine(model, max_num_batched_tokens=44, num_kv_blocks=40)
@@ -303,13 +303,13 @@ def test_engine_refuses_compile_and_too_long_requests(pair):
 def test_padded_packed_steps_equal_static_generate():
     # The GPU's graphed steps with prefill chunks, run eagerly under the Triton interpreter: tokens
     # padded to a bucket of 256, attention tiles padded with empty tiles, last-token indices.
-    from lorazor.engine.mixed_graphs import MixedStepGraphs
+    from lorazor.runner.paged_graphs import PackedStepGraphs
 
     model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False, backend="triton", attention="triton"))
     eng = engine(model, max_num_batched_tokens=44, num_kv_blocks=40)
 
     class PaddedOnly:  # decode-only steps eager, packed ones through the padded bucket
-        mixed = MixedStepGraphs(model, eng.cache, 44, 8, pool=None, capture=False)
+        packed = PackedStepGraphs(model.runner, eng.cache, 44, 8, pool=None, capture=False)
 
         def serves(self, batch):
             return False
@@ -320,7 +320,7 @@ def test_padded_packed_steps_equal_static_generate():
     adapters = ["med", "math", None, "sql", "math"]
     outs = eng.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=5, release=[None, 1][i % 2], **GEN)
                          for i, (p, a) in enumerate(zip(ps, adapters))])
-    assert PaddedOnly.mixed.buckets, "no packed step went through the padded path"
+    assert PaddedOnly.packed.buckets, "no packed step went through the padded path"
     for i, (p, a, o) in enumerate(zip(ps, adapters, outs)):
         ref = model.generate(torch.tensor([p], device=model.device), adapter_ids=[a], release=[[None, 1][i % 2]],
                              max_new_tokens=5, do_sample=False, **GEN)

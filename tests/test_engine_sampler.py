@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import EOS, PAD
 from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
-from lorazor.engine.sampler import batchable, sample, warp
+from lorazor.runner.sampling import batchable, sample, warp
 from lorazor.tiny import tiny_peft_model
 
 SETTINGS = [

@@ -114,12 +114,12 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
 @pytest.mark.parametrize("grid", ["exact", "two_class"])
 def test_triton_backend_matches_peft(grid, monkeypatch):
     """The Triton kernels (LoRA and decode attention; interpreter on CPU) inside the model give PEFT's tokens."""
-    import lorazor.attention
+    import lorazor.runner.attention as attention_module
 
     model, oracle = build_pair("llama", LoRazorConfig(backend="triton", grid=grid, attention="triton", cuda_graphs=False))
     calls = []
-    kernel = lorazor.attention.decode_attention
-    monkeypatch.setattr(lorazor.attention, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    kernel = attention_module.decode_attention
+    monkeypatch.setattr(attention_module, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     ids, mask = make_batch(5, 5, seed=6, pad_rows=(1,))
     adapters = ["math", "sql", None, "med", "sql"]
     ref = peft_generate(oracle, ids, mask, adapters, max_new_tokens=5)

@@ -31,7 +31,6 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
-    from lorazor.engine import runner
 
     base = build_base("llama-3.2-3b")
     base.generation_config.eos_token_id = None
@@ -52,7 +51,7 @@ def main() -> None:
     from lorazor.engine import engine as engine_module
 
     phases = defaultdict(float)
-    original_prepare, original_run = runner.prepare, engine_module.run_step
+    original_prepare, original_run = engine_module.prepare, engine.runner.run_paged_step
     kinds = defaultdict(list)
 
     def timed_prepare(*a, **k):
@@ -61,16 +60,16 @@ def main() -> None:
         phases["prepare"] += time.perf_counter() - t
         return out
 
-    def timed_run(model_, cache, tables, chunks, graphs):
+    def timed_run(cache, inputs, block_tables, graphs):
         t = time.perf_counter()
-        out = original_run(model_, cache, tables, chunks, graphs)
+        out = original_run(cache, inputs, block_tables, graphs)
         torch.cuda.synchronize()
-        tokens = sum(c.num_tokens for c in chunks)
-        kinds["decode" if tokens == len(chunks) else "mixed"].append((time.perf_counter() - t, tokens))
+        tokens = len(inputs.ids)
+        kinds["decode" if inputs.decode_only else "mixed"].append((time.perf_counter() - t, tokens))
         return out
 
-    runner.prepare = timed_prepare
-    engine_module.run_step = timed_run
+    engine_module.prepare = timed_prepare
+    engine.runner.run_paged_step = timed_run
     profiled = 0
     steps = []
     start = time.perf_counter()

@@ -17,6 +17,8 @@ from transformers.utils import ModelOutput
 
 from .hf_generation import GenerationPlan
 from .policies.base import ReleasePolicy, ReleaseState
+from .runner.release import decode_counts
+from .runner.sampling import float_scores, next_tokens
 
 # Check "all rows finished" on the host once every this many steps (one sync each, not per step).
 STOP_CHECK_EVERY = 16
@@ -60,20 +62,6 @@ class LoRazorOutput(ModelOutput):
                              lora_decode_steps=cut(self.lora_decode_steps))
 
 
-def next_tokens(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
-    if not do_sample:
-        return scores.argmax(-1)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-
-def _float_scores(logits: torch.Tensor) -> torch.Tensor:
-    """Float32 logits as a fresh normal tensor: processors may change it in place, and CUDA graphs
-    overwrite the logits buffer at the next replay."""
-    scores = logits.float()
-    return scores.clone() if scores is logits else scores
-
-
 def _grow(rows: torch.Tensor, batch: int, fill) -> torch.Tensor:
     """`rows` `[n]` extended to `[batch]` with `fill` (the bucket padding rows)."""
     if rows.shape[0] == batch:
@@ -94,7 +82,8 @@ def decode_loop(
     cache_len: int | None = None,
     real_rows: int | None = None,
 ) -> LoRazorOutput:
-    """Run prefill + decode for a validated, left-padded batch. See `LoRazorModel.generate`.
+    """Run prefill + decode for a validated, left-padded batch on `model.runner`. See
+    `LoRazorModel.generate`.
 
     `cache_len`: KV-cache length (>= T + max_new_tokens). `real_rows`: rows past this index are
     bucket padding: they never count as unfinished and are never streamed.
@@ -105,12 +94,13 @@ def decode_loop(
     device = input_ids.device
     eos, pad = plan.eos, plan.pad
     eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+    runner = model.runner
     state = ReleaseState.create(row_slot, release_overrides)
     if policy is not None:
         policy.bind(model.bank.names, model.bank.num_slots, device)
     # One host check per call: a batch without adapters skips LoRA entirely (no kernel launches),
     # and the number of distinct adapters bounds the exact grid.
-    model.context.begin_batch(row_slot)
+    runner.context.begin_batch(row_slot)
     # A streamer sees every step's tokens anyway (a sync each): stop exactly where HF stops.
     check_every = 1 if streamer is not None else STOP_CHECK_EVERY
 
@@ -119,19 +109,18 @@ def decode_loop(
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
     unfinished[real_rows:] = False
     gen_len = torch.zeros(B, dtype=torch.long, device=device)
-    lora_steps = torch.zeros(B, dtype=torch.long, device=device)
     done_at = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     next_pos = attention_mask.sum(-1)
     kept_scores, kept_logits = [], []
     if streamer is not None:
         streamer.put(input_ids[:real_rows].cpu())
 
-    cache = model.cache_for(B, cache_len or T + max_new_tokens, device)
-    state = model.begin_release(state, policy, cache)
-    hidden, logits = model.prefill(input_ids, attention_mask, cache, row_slot)
+    cache = runner.cache_for(B, cache_len or T + max_new_tokens, device)
+    state = runner.begin_release(state, policy, cache)
+    hidden, logits = runner.prefill(input_ids, attention_mask, cache, row_slot)
     for t in range(max_new_tokens):
         # Processors, sampling and criteria see the real rows only, never the bucket padding.
-        raw = _float_scores(logits[:real_rows])
+        raw = float_scores(logits[:real_rows])
         scores = plan.processors(tokens[:real_rows, : T + t], raw)
         tok = torch.where(unfinished, _grow(next_tokens(scores, plan.config.do_sample, generator), B, pad), pad)
         tokens[:, T + t] = tok
@@ -142,13 +131,9 @@ def decode_loop(
         if streamer is not None:
             streamer.put(tok[:real_rows].cpu())
         gen_len += unfinished.long()
-        if plan.stopping is not None:
-            newly = unfinished & _grow(plan.stopping(tokens[:real_rows, : T + t + 1], scores), B, False)
-        elif eos:
-            newly = unfinished & torch.isin(tok, eos_t)
-        else:
-            newly = None
-        if newly is not None:
+        stops = plan.finished_rows(tokens[:real_rows, : T + t + 1], tok[:real_rows], scores, eos_t)
+        if stops is not None:
+            newly = unfinished & _grow(stops, B, False)
             done_at.masked_fill_(newly, t)
             unfinished &= ~newly
         if t == max_new_tokens - 1:
@@ -160,21 +145,20 @@ def decode_loop(
             if not any_unfinished:
                 break
             if not any_active:
-                model.context.enabled = False
+                runner.context.enabled = False
         write_pos = torch.full((B,), T + t, dtype=torch.long, device=device)
-        hidden, logits, step_slot = model.run_decode_step(tok, next_pos, write_pos, cache, state, policy, t, hidden)
-        lora_steps += (step_slot >= 0) & unfinished
+        hidden, logits, _ = runner.run_decode_step(tok, next_pos, write_pos, cache, state, policy, t, hidden)
         next_pos = next_pos + 1
     if streamer is not None:
         streamer.end()
     # HF stops right after the step where every row finished.
     steps_run = min(max_new_tokens, int(done_at[:real_rows].max()) + 1) if max_new_tokens else 0
-    decode_steps = (gen_len - 1).clamp(min=0) * (row_slot >= 0)
-    lora_decode = torch.minimum(lora_steps, decode_steps)
+    # clone: with CUDA graphs the state is a static buffer that the next call overwrites.
+    release_steps = state.release_step.clone()
+    decode_steps, lora_decode = decode_counts(gen_len, release_steps, row_slot >= 0)
     return LoRazorOutput(
         sequences=tokens[:, : T + steps_run],
         scores=tuple(kept_scores[:steps_run]) if plan.output_scores else None,
         logits=tuple(kept_logits[:steps_run]) if plan.output_logits else None,
-        # clone: with CUDA graphs the state is a static buffer that the next call overwrites.
-        release_steps=state.release_step.clone(), decode_steps=decode_steps, lora_decode_steps=lora_decode,
+        release_steps=release_steps, decode_steps=decode_steps, lora_decode_steps=lora_decode,
     )

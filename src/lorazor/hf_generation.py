@@ -53,6 +53,31 @@ class GenerationPlan:
     output_scores: bool
     output_logits: bool
 
+    # ---- stop checks: the one place both decode paths ask whether a row is done ------------------
+    def finished_rows(self, tokens: torch.Tensor, token: torch.Tensor, scores: torch.Tensor,
+                      eos: torch.Tensor) -> torch.Tensor | None:
+        """`[B]` bool, on the device: rows whose sequence `tokens` `[B, t]` (ending with `token`)
+        stops here, by HF's criteria or EOS (`eos`: the ids as a device tensor); None when only the
+        length limit applies (the caller's loop ends there)."""
+        if self.stopping is not None:
+            return self.stopping(tokens, scores)
+        if self.eos:
+            return torch.isin(token, eos)
+        return None
+
+    def stop_reason(self, tokens: list[int], token: int, generated: int, scores: torch.Tensor | None) -> str | None:
+        """Why one request stops after `token`, its `generated`-th token ("eos", "length", "stop"
+        for HF's other criteria such as stop strings), or None. `tokens`: prompt and output so far."""
+        if token in self.eos:
+            return "eos"
+        if generated >= self.max_new_tokens:
+            return "length"
+        if self.stopping is not None:
+            seq = torch.tensor([tokens], dtype=torch.long, device=scores.device)
+            if bool(self.stopping(seq, scores)[0]):
+                return "stop"
+        return None
+
 
 def _call(fn, **kwargs):
     """Call a transformers helper with the keyword arguments its version accepts (5.17 and 5.24+)."""

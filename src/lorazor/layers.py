@@ -11,7 +11,7 @@ from lorazor_kernels import linear_lora_op
 from torch import nn
 
 from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
-from .step import StepContext
+from .runner.lora_context import StepContext
 
 
 def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,

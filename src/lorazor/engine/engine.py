@@ -8,10 +8,12 @@
     outputs = engine.generate([{"prompt_ids": ids, "adapter": "sql"}, ...])   # offline
 
 Requests join and leave at every step: a step packs the running requests' decode tokens and the
-next prefill chunks of new ones into one forward (`scheduler.py`, `runner.py`). Each request keeps
-its own sampling settings (HF's semantics, as in `LoRazorModel.generate`) and its own StepTrim
-state. On the GPU the attention reads the paged pool with a Triton kernel and every step replays a
-CUDA graph (`graphs.py`, `mixed_graphs.py`); on the CPU everything runs the pure-torch reference.
+next prefill chunks of new ones into one forward: `schedule -> runner.run_paged_step ->
+postprocess` (`scheduler.py`, `step_inputs.py`, then the model's `ModelRunner`, the runner
+`generate()` uses). Each request keeps its own sampling settings (HF's semantics, as in
+`LoRazorModel.generate`) and its own StepTrim policy, decided on the device as `generate()` decides.
+On the GPU the attention reads the paged pool with a Triton kernel and every step replays a CUDA
+graph (`runner/paged_graphs.py`); on the CPU everything runs the pure-torch reference.
 """
 
 from __future__ import annotations
@@ -23,19 +25,15 @@ import time
 import torch
 from transformers import LogitsProcessorList
 
-from ..generate import _float_scores, next_tokens
 from ..hf_generation import plan_generation, resolve_config
-from ..policies import NEVER, LearnedRelease, ProfiledRelease
-from ..policies.base import check_policy
+from ..policies.base import NEVER, ReleasePolicy, check_policy
+from ..runner.release import BoundPolicies, decide_for_requests
+from ..runner.sampling import batchable, float_scores, next_tokens, sample
 from .background import BackgroundLoop
 from .blocks import BlockPool
-from .graphs import PagedDecodeGraphs
-from .heads import HeadTable
-from .paged import PagedKVCache
 from .request import Request, RequestOutput, Status
-from .runner import BlockTables, run_step
-from .sampler import batchable, sample
 from .scheduler import Scheduler
+from .step_inputs import BlockTables, prepare
 
 # KV blocks on the CPU when `num_kv_blocks` is not given (on the GPU: `gpu_memory_utilization`).
 DEFAULT_CPU_BLOCKS = 256
@@ -80,35 +78,30 @@ class LoRazorEngine:
             raise ValueError("LoRazorEngine runs the decode step from CUDA graphs, not torch.compile: build the "
                              "model with LoRazorConfig(compile=False)")
         self.model = model
-        cfg = model.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dtype = model._lm_head.weight.dtype
+        runner = self.runner = model.runner
         if num_kv_blocks is None:
-            per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * dtype.itemsize
+            per_block = runner.kv_bytes_per_token() * block_size
             if model.device.type == "cuda":
                 free = torch.cuda.mem_get_info(model.device)[0] * gpu_memory_utilization - GPU_HEADROOM_BYTES
                 num_kv_blocks = max(int(free // per_block), 1)
             else:
                 num_kv_blocks = DEFAULT_CPU_BLOCKS
-        max_pos = getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+        max_pos = runner.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         if max_model_len is None:
             max_model_len = min(max_pos, DEFAULT_MAX_MODEL_LEN)
         elif max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
-        window = getattr(cfg, "sliding_window", None)
-        if window is not None and getattr(cfg, "use_sliding_window", True) and max_model_len > window:
+        window = runner.sliding_window
+        if window is not None and max_model_len > window:
             raise NotImplementedError(f"the engine's attention has no sliding window: max_model_len={max_model_len} "
                                       f"exceeds the model's sliding_window={window}; pass max_model_len<={window}")
         self.max_model_len = max_model_len
         self.pool = BlockPool(num_kv_blocks, block_size)
-        self.cache = PagedKVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads, head_dim,
-                                  cfg.num_attention_heads, dtype, model.device, use_kernel=model._triton_attention)
+        self.cache = runner.new_paged_cache(num_kv_blocks, block_size)
         self.tables = BlockTables(max_num_seqs, -(-max_model_len // block_size), num_kv_blocks, model.device)
-        # Graphs need device-built LoRA metadata and the Triton attention (the reference reads the
-        # tiles on the host).
-        self.graphs = (PagedDecodeGraphs(model, self.cache, max_num_seqs, max_num_batched_tokens)
-                       if model.uses_graphs and model.context.meta_on_device and self.cache.use_kernel else None)
-        self.heads = HeadTable(cfg.hidden_size, model.device)
+        self.graphs = runner.paged_graphs(self.cache, max_num_seqs, max_num_batched_tokens)
+        # Each release policy in use, bound to the adapters in the bank's slots.
+        self.policies = BoundPolicies(model.bank, model.device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, model.bank.num_slots,
                                    on_free=self.tables.release)
         self.requests: dict[str, Request] = {}
@@ -137,8 +130,10 @@ class LoRazorEngine:
             adapter: a registered adapter name, or None for the backbone.
             generation_config, kwargs: HF generation settings, as for `LoRazorModel.generate`
                 (`max_new_tokens`, `do_sample`, `temperature`, `eos_token_id`, `stop_strings` with
-                `tokenizer=`, ...). `num_return_sequences` must be 1.
-            release: None (the model's default policy), "never", or a release length k >= 0.
+                `tokenizer=`, ...). `num_return_sequences` must be 1. `release_policy=`: this
+                request's StepTrim policy (`ProfiledRelease`, `LearnedRelease` or your own
+                `ReleasePolicy`), instead of the model's default.
+            release: None (the policy decides), "never", or a release length k >= 0.
             request_id: a unique id; None: a fresh one.
             generator: a seeded `torch.Generator` for this request's sampling.
             arrival_time: when the request arrived (`time.monotonic()`), if before this call; TTFT
@@ -178,21 +173,21 @@ class LoRazorEngine:
         tokenizer = kwargs.pop("tokenizer", None)
         logits_processor = kwargs.pop("logits_processor", None)
         logprobs = kwargs.pop("logprobs", None)
-        vocab = self.model.model.get_input_embeddings().num_embeddings
+        policy = self._policy_of(adapter, release, kwargs.pop("release_policy", None))
+        vocab = self.runner.vocab_size
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
                                      or not 0 <= logprobs <= min(vocab, MAX_LOGPROBS)):
             raise ValueError(f"logprobs must be None or an int in [0, {min(vocab, MAX_LOGPROBS)}], got {logprobs!r}")
-        config, flags = resolve_config(self.model.model, generation_config, kwargs)
+        config, flags = resolve_config(self.runner.hf_model, generation_config, kwargs)
         if (config.num_return_sequences or 1) != 1:
             raise ValueError(f"num_return_sequences={config.num_return_sequences}: add one request per sequence")
         ids = torch.tensor([prompt], dtype=torch.long, device=self.model.device)
-        plan = plan_generation(self.model.model, config, flags, ids, torch.ones_like(ids),
+        plan = plan_generation(self.runner.hf_model, config, flags, ids, torch.ones_like(ids),
                                logits_processor=logits_processor, tokenizer=tokenizer)
         if plan.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 for an engine request, got {plan.max_new_tokens}")
         self.check_length(len(prompt), plan.max_new_tokens)
-        release_k, head = self._release_of(adapter, release)
-        request = Request(request_id, prompt, adapter, plan, release_k, head, generator)
+        request = Request(request_id, prompt, adapter, plan, policy, release, generator)
         request.logprobs = logprobs
         request.logprob_processors = LogitsProcessorList(logits_processor or [])
         # A request that reports log-probabilities is sampled on its own (`_sample`), where its scores are.
@@ -204,10 +199,8 @@ class LoRazorEngine:
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raise ValueError when a request of this size can never run: the model's length limit
         first (the one a user can act on), then the KV pool."""
+        self.runner.check_length(prompt_len, max_new_tokens, self.max_model_len, "max_model_len")
         total = prompt_len + max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = {total} tokens "
-                             f"exceeds max_model_len={self.max_model_len}")
         capacity = self.pool.num_blocks * self.pool.block_size
         if total > capacity:
             raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = {total} tokens "
@@ -224,34 +217,23 @@ class LoRazorEngine:
             raise TypeError("prompt_ids must be a list of token ids (ints) or a 1-D integer tensor")
         if not prompt_ids:
             raise ValueError("empty prompt: prompt_ids has no tokens")
-        vocab = self.model.model.get_input_embeddings().num_embeddings
+        vocab = self.runner.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_ids holds token id {bad[0]}, outside the vocabulary [0, {vocab})")
         return list(prompt_ids)
 
-    def _release_of(self, adapter: str | None, release):
-        """(fixed release length or None, learned head or None): the request's override, else the
-        model's default policy (`LoRazorConfig.release` with `load_release_policy`)."""
+    def _policy_of(self, adapter: str | None, release, policy) -> ReleasePolicy | None:
+        """The request's release policy: its own `release_policy`, else the model's default
+        (`LoRazorConfig.release` with `load_release_policy`); checked against the model here."""
         if release is not None and release != NEVER and (
                 not isinstance(release, int) or isinstance(release, bool) or release < 0):
             raise ValueError(f"release must be None, 'never' or an int >= 0, got {release!r}")
-        if release == NEVER or adapter is None:
-            return None, None
-        if release is not None:
-            return release, None
-        policy = self.model.release_policy if self.model.config.release != "none" else None
-        if policy is None:
-            return None, None
-        check_policy(policy, self.model.model.config.hidden_size, self.model.adapter_names)
-        if isinstance(policy, ProfiledRelease):
-            return policy.lengths.get(adapter), None
-        if isinstance(policy, LearnedRelease):
-            if adapter not in policy.heads:
-                return None, None
-            return None, self.heads.row_of(adapter, policy.heads[adapter])
-        raise NotImplementedError(f"the engine runs ProfiledRelease and LearnedRelease; {type(policy).__name__} is "
-                                  "not supported (pass release=k or 'never' per request)")
+        if policy is None and self.model.config.release != "none":
+            policy = self.model.release_policy
+        if policy is not None:
+            check_policy(policy, self.runner.hidden_size, self.model.adapter_names)
+        return None if adapter is None else policy
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request and free its KV blocks; returns its final output."""
@@ -299,11 +281,12 @@ class LoRazorEngine:
                 if self.requests and not failed:
                     raise RuntimeError(f"{len(self.requests)} requests wait but none can be scheduled")
                 return failed
-            if self.graphs is not None and self.graphs.grid != self.model.context.grid:
+            if self.graphs is not None and self.graphs.grid != self.runner.context.grid:
                 # `model.reconfigure(grid=...)` since the capture: the old graphs run the old kernels.
-                self.graphs = PagedDecodeGraphs(self.model, self.cache, self.scheduler.max_num_seqs,
-                                                self.scheduler.max_num_batched_tokens)
-            logits, hidden = run_step(self.model, self.cache, self.tables, chunks, self.graphs)
+                self.graphs = self.runner.paged_graphs(self.cache, self.scheduler.max_num_seqs,
+                                                       self.scheduler.max_num_batched_tokens)
+            inputs = prepare(self.model.registry, self.cache.block_size, self.tables, chunks)
+            logits, hidden = self.runner.run_paged_step(self.cache, inputs, self.tables.upload(), self.graphs)
             self._prefetch_waiting(chunks)
             for chunk in chunks:
                 chunk.request.num_computed += chunk.num_tokens
@@ -358,22 +341,30 @@ class LoRazorEngine:
             registry.load_each(wanted, protected=busy)
 
     def _read_step(self, chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
-        """The next token of each row in `rows`, and the learned heads' decisions for the next decode
-        forward. Plain greedy rows, rows with batchable sampling settings (`sampler.py`) and every
-        head run as batched device ops read back in one copy (the step's one host sync); other rows
-        then run HF's processors one request at a time."""
+        """The next token of each row in `rows`, and the release decisions for each one's next decode
+        forward. Plain greedy rows, rows with batchable sampling settings (`runner/sampling.py`) and
+        the decisions (`runner/release.py`) run as batched device ops read back in one copy (the
+        step's one host sync); other rows then run HF's processors one request at a time."""
         requests = [chunks[i].request for i in rows]
         plain = [j for j, r in enumerate(requests) if r.plain_greedy]
         sampled = [j for j, r in enumerate(requests) if r.sampling is not None]
-        heads = [j for j, r in enumerate(requests) if r.head is not None and r.release_step < 0]
+        # Grouped by policy (None: fixed lengths only); decode forward d = tokens generated so far.
+        groups: dict = {}
+        slot_of = self.model.bank.slot_of
+        for j, r in enumerate(requests):
+            if r.needs_decisions:
+                policy = None if r.release is not None else r.policy
+                groups.setdefault(policy, []).append((j, r, (rows[j], slot_of[r.adapter], len(r.output), r.release)))
+        deciding = [j for members in groups.values() for j, _, _ in members]
         pick = lambda tensor, js: tensor.index_select(0, torch.tensor([rows[j] for j in js], device=tensor.device))  # noqa: E731
         parts = []
         if plain:
             parts.append(pick(logits, plain).argmax(-1))
         if sampled:
             parts.append(sample(pick(logits, sampled), [requests[j].sampling for j in sampled]))
-        if heads:
-            parts.append(self.heads.keep(pick(hidden, heads), [requests[j].head for j in heads]).long())
+        if groups:
+            parts.append(decide_for_requests({p: [m[2] for m in members] for p, members in groups.items()}, hidden,
+                                             self.policies))
         values = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
         if values.is_cuda:  # wait for the GPU with the GIL released: a server's event loop runs meanwhile
             host = values.to("cpu", non_blocking=True)
@@ -385,7 +376,7 @@ class LoRazorEngine:
         tokens: list[int | None] = [None] * len(rows)
         for j, value in zip(plain + sampled, values):
             tokens[j] = value
-        for j, value in zip(heads, values[len(plain) + len(sampled):]):
+        for j, value in zip(deciding, values[len(plain) + len(sampled):]):
             requests[j].next_keep = bool(value)
         for j, request in enumerate(requests):
             if tokens[j] is None:
@@ -394,7 +385,7 @@ class LoRazorEngine:
 
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
         seq = torch.tensor([request.tokens], dtype=torch.long, device=logits.device)
-        raw = _float_scores(logits[None])
+        raw = float_scores(logits[None])
         if request.logprobs is not None:
             # As vLLM reports them: the model's distribution after the request's own processors
             # (OpenAI's penalties and logit bias), before temperature and top-k/top-p.
@@ -410,15 +401,7 @@ class LoRazorEngine:
         return token
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
-        if token in request.plan.eos:
-            return "eos"
-        if len(request.output) >= request.plan.max_new_tokens:
-            return "length"
-        if request.plan.stopping is not None:
-            seq = torch.tensor([request.tokens], dtype=torch.long, device=request.last_scores.device)
-            if bool(request.plan.stopping(seq, request.last_scores)[0]):
-                return "stop"
-        return None
+        return request.plan.stop_reason(request.tokens, token, len(request.output), request.last_scores)
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.remove(request)

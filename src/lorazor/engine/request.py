@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..hf_generation import GenerationPlan
+from ..policies.base import NEVER
+from ..runner.release import decode_counts
 
 
 class Status(enum.Enum):
@@ -70,8 +72,10 @@ class Request:
     prompt: list[int]
     adapter: str | None
     plan: GenerationPlan
-    release_k: int | None  # decode forwards that keep the adapter; None: no fixed length
-    head: int | None = None  # learned release: its row in the engine's head table, when no release_k
+    # StepTrim: the request's policy (its own or the model's default; None: none), and its own
+    # fixed release length (an int k, "never", or None: the policy decides).
+    policy: object = None
+    release: int | str | None = None
     generator: torch.Generator | None = None
     status: Status = Status.WAITING
     output: list[int] = field(default_factory=list)
@@ -79,7 +83,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     release_step: int = -1
     decided: int = 0  # decode forwards whose release decision is taken (a recompute replays them)
-    next_keep: bool = True  # the learned head's decision for the next decode forward (host copy)
+    next_keep: bool = True  # the device's decision for decode forward `decided` (read back per step)
     table_row: int | None = None  # row of the engine's device block table while running
     table_synced: int = 0  # blocks of `block_table` already written to that row
     finish_reason: str | None = None
@@ -104,6 +108,13 @@ class Request:
         self.output.append(token)
         self.tokens.append(token)
 
+    @property
+    def needs_decisions(self) -> bool:
+        """Whether its next decode forward needs a release decision (it holds its adapter and has a
+        policy or a fixed length)."""
+        return (self.adapter is not None and self.release_step < 0 and self.release != NEVER
+                and (self.policy is not None or self.release is not None))
+
     def uses_adapter_at(self, position: int) -> bool:
         """Whether the forward at `position` runs with the adapter: prefill always does; decode
         forward d (at position len(prompt) + d) does while d is before the release step."""
@@ -115,10 +126,7 @@ class Request:
         return self.release_step < 0 or decode < self.release_step
 
     def report(self, new_tokens: list[int], new_logprobs: list | None = None) -> RequestOutput:
-        # As `LoRazorModel.generate` counts them: decode forwards of adapter rows, and of those the
-        # ones before the release step.
-        decode_steps = max(len(self.output) - 1, 0) if self.adapter is not None else 0
-        lora_steps = decode_steps if self.release_step < 0 else min(self.release_step, decode_steps)
+        decode_steps, lora_steps = decode_counts(len(self.output), self.release_step, self.adapter is not None)
         return RequestOutput(self.request_id, new_tokens, list(self.output), self.status is Status.FINISHED,
                              self.finish_reason, self.release_step, decode_steps, lora_steps, self.arrival_time,
                              self.first_token_time, self.finish_time, self.error, new_logprobs,

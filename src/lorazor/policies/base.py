@@ -1,13 +1,14 @@
 """Release-policy interface and the one-way per-row release state (StepTrim, paper 3.2).
 
 A policy is called once per decode step, in the spirit of a `LogitsProcessor`, with the decode
-step index d, the final hidden state of each row (before the LM head) from the forward that just
+step index d (a `[B]` tensor in the engine, where each request is at its own step), the final hidden state of each row (before the LM head) from the forward that just
 ran, and the per-row state. It returns which rows may keep their adapter for decode forward d.
 Everything stays on the device: no host sync.
 
 Built-in policies are `graph_safe`: `keep` is torch ops on its arguments and on the per-slot tensors
 that `bind` puts in `self.bound`, and the step index may be a 0-d device tensor. The CUDA-graph
-runner then captures the decision inside the decode-step graph, reading static copies of `bound`.
+runner then captures the decision inside `generate()`'s decode-step graph, reading static copies of
+`bound`. The engine calls the same `keep` for every policy (`runner/release.py`).
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ class ReleasePolicy:
         self.bound: dict[str, torch.Tensor] = {}
 
     def bind(self, adapter_names: list[str | None], num_slots: int, device: torch.device) -> None:
-        """Called once per `generate` with the adapter in each slot (None: a free slot); build
-        per-slot tensors here. Adapters not in a slot are not in this batch."""
+        """Called once per `generate`, and by the engine whenever the adapters in the slots change,
+        with the adapter in each slot (None: a free slot); build per-slot tensors here. Adapters
+        not in a slot are not in this batch."""
 
     def adapter_names(self) -> list[str]:
         """The adapters this policy has settings for (checked against the registered ones)."""
@@ -134,8 +136,9 @@ class ReleasePolicy:
         """Rows `[B]` bool that keep their adapter for decode forward `step`.
 
         Args:
-            step: decode forward index d (0 is the first forward after prefill): an int, or a 0-d
-                device tensor inside a captured graph.
+            step: decode forward index d (0 is the first forward after prefill): an int, a 0-d
+                device tensor inside a captured graph, or a `[B]` tensor of each row's own index
+                (the engine's requests are at different steps). Write `keep` so it broadcasts.
             hidden: `[B, H]` final hidden state (before the LM head) of the forward that just ran.
             state: the per-row `ReleaseState` (read-only here).
         """
@@ -153,10 +156,3 @@ def check_policy(policy, hidden_size: int, registered: list[str]) -> None:
         raise KeyError(f"{type(policy).__name__} has settings for unknown adapters {unknown}; registered: {registered}")
     policy.check_hidden_size(hidden_size)
 
-
-def release_step(policy: ReleasePolicy | None, step: int | torch.Tensor, hidden: torch.Tensor | None,
-                 state: ReleaseState, compiled: bool = False) -> torch.Tensor:
-    """One StepTrim decision: ask the policy (if any), apply it one-way; returns the row -> slot map.
-    `compiled`: apply it through torch.compile (see `ReleaseState.advance`)."""
-    keep = policy.keep(step, hidden, state) if policy is not None else None
-    return state.advance(step, keep, compiled)

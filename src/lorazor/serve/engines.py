@@ -36,7 +36,7 @@ def engine_stats(engine) -> dict:
 def engine_info(engine) -> dict:
     """The engine's fixed settings the app needs (length limit for `/tokenize`, ...)."""
     return dict(max_model_len=engine.max_model_len, max_loras=engine.model.bank.num_slots,
-                vocab_size=engine.model.model.get_input_embeddings().num_embeddings)
+                vocab_size=engine.runner.vocab_size)
 
 
 def register(model, name: str, path: str, replace: bool = False) -> None:

@@ -94,7 +94,7 @@ def engine_arguments(kwargs: dict, engine, tokenizer) -> dict:
     penalties = kwargs.pop("openai_penalties", None)
     if penalties is not None:
         presence, frequency, bias = penalties
-        vocab = engine.model.model.get_input_embeddings().num_embeddings
+        vocab = engine.runner.vocab_size
         bad = [t for t in bias if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")

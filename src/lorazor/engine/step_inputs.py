@@ -1,17 +1,14 @@
-"""One engine step as tensors, run through the model's shared step machinery.
+"""One engine step as host lists, ready for the runner (`ModelRunner.run_paged_step`).
 
 Per scheduled token: its id, its position in its request, its LoRA slot (the request's adapter while
 the request holds it: prefill always, decode forward d while d is before the release step, -1
-after), and its flat position in the paged KV pool. The StepTrim decision for a decode forward is
-taken here, once per request and step, before the forward that it concerns.
+after), and its flat position in the paged KV pool. Block tables live in one persistent device
+table, one row per running request, rewritten only where a request gained blocks, so a step uploads
+a few small arrays.
 
-Two kinds of step, each run by the forward `generate()` also uses:
-- decode-only (every request computes one token): `LoRazorModel.decode_step`, the step `generate()`
-  decodes with; on the GPU replayed from a CUDA graph per batch bucket (`graphs.py`);
-- with prefill chunks: the packed forward `generate()` prefills with (`packed_forward`); on the GPU
-  padded to a token bucket and replayed from a CUDA graph (`mixed_graphs.py`).
-On the CPU both run eagerly. Block tables live in one persistent device table, one row per running request, rewritten only
-where a request gained blocks, so a step uploads a few small arrays.
+StepTrim: the decision for decode forward d is taken on the device at the end of the step that ran
+forward d - 1 (`runner/release.py`, the same `policy.keep` `generate()` calls) and read back with
+that step's tokens; `apply_release` turns it into the slot of the forward here.
 """
 
 from __future__ import annotations
@@ -21,15 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .paged import PAGED_KWARG, PagedKVCache, PagedStep
 from .scheduler import Chunk
 
 
-def decide_release(chunk: Chunk) -> None:
-    """StepTrim for the decode forwards in this chunk, each decided once, before it runs (a recomputed
-    request replays its decisions): a fixed length k keeps the adapter while d < k; a learned head
-    keeps it while w . h + b >= tau on the final hidden state of the forward before (evaluated on
-    the device in that step, `LoRazorEngine._read_step`)."""
+def apply_release(chunk: Chunk) -> None:
+    """The release decisions of the decode forwards in this chunk. Each forward is decided once,
+    before it runs; a recomputed request (after preemption) replays its earlier decisions through
+    `release_step`."""
     request = chunk.request
     if request.adapter is None or request.release_step >= 0:
         return
@@ -39,13 +34,7 @@ def decide_release(chunk: Chunk) -> None:
         if d < request.decided:
             continue
         request.decided = d + 1
-        if request.release_k is not None:
-            release = d >= request.release_k
-        elif request.head is not None:
-            release = not request.next_keep
-        else:
-            release = False
-        if release:
+        if not request.next_keep:
             request.release_step = d
             return
 
@@ -105,12 +94,13 @@ class StepInputs:
         return len(self.ids) == len(self.chunks)
 
 
-def prepare(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk]) -> StepInputs:
+def prepare(registry, block_size: int, tables: BlockTables, chunks: list[Chunk]) -> StepInputs:
+    """The step's host lists; loads the step's adapters that are not in GPU slots."""
     ids, positions, names, pool_positions, rows, last = [], [], [], [], [], []
-    page = cache.block_size
+    page = block_size
     for chunk in chunks:
         request = chunk.request
-        decide_release(chunk)
+        apply_release(chunk)
         row = tables.row_of(request)
         table, start = request.block_table, chunk.start
         # Plain Python on purpose: a step has up to max_num_batched_tokens tokens, and per-chunk
@@ -131,48 +121,7 @@ def prepare(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk]
         last.append(len(ids) - 1)
     # Loads the step's adapters that are not in GPU slots (before the forward that reads them).
     distinct = [n for n in dict.fromkeys(names) if n is not None]
-    model.registry.make_resident(distinct)
-    slot_of = model.bank.slot_of
+    registry.make_resident(distinct)
+    slot_of = registry.bank.slot_of
     slots = [-1 if n is None else slot_of[n] for n in names]
     return StepInputs(ids, positions, slots, pool_positions, rows, last, len(distinct))
-
-
-def packed_forward(model, cache: PagedKVCache, ids, positions, token_slot, last, logits_out=None):
-    """The packed forward `generate()` prefills with (`_decoder_forward`), over the paged pool
-    (`cache.step` set): returns (logits, hidden) at the packed indices `last`."""
-    hidden = model._decoder_forward(ids[None], positions[None], cache.packed_mask(ids.shape[0]), cache, token_slot,
-                                    1, **{PAGED_KWARG: cache})
-    with torch.inference_mode():
-        hidden = hidden[0].index_select(0, last)
-        return model._head(hidden, logits_out), hidden
-
-
-def run_step(model, cache: PagedKVCache, tables: BlockTables, chunks: list[Chunk], graphs=None):
-    """Forward the scheduled chunks; returns `[len(chunks), V]` logits and `[len(chunks), H]` final
-    hidden states at each chunk's last token (views of static buffers after a graph replay: read
-    them before the next step)."""
-    device = model.device
-    inputs = prepare(model, cache, tables, chunks)
-    # The host knows how many distinct adapters the step uses: no sync to bound the exact grid.
-    model.context.set_distinct(inputs.num_adapters)
-    block_tables = tables.upload()
-    if graphs is not None:
-        if inputs.decode_only and graphs.serves(len(chunks)):
-            return graphs.run(inputs, block_tables)
-        if not inputs.decode_only and graphs.mixed.serves(len(inputs.ids)):
-            return graphs.mixed.run(inputs, block_tables)
-    slot_mapping = torch.tensor(inputs.slot_mapping, dtype=torch.long, device=device)
-    step = PagedStep.build(cache, inputs.chunks, slot_mapping, block_tables, device)
-    cache.step = step
-    ids = torch.tensor(inputs.ids, dtype=torch.long, device=device)
-    positions = torch.tensor(inputs.positions, dtype=torch.long, device=device)
-    token_slot = torch.tensor(inputs.slots, dtype=torch.int32, device=device)
-    try:
-        if inputs.decode_only:
-            # The decode step `generate()` runs: one token per row.
-            hidden, logits = model.decode_step(ids, positions, step.slot_mapping, cache, token_slot)
-            return logits, hidden
-        last = torch.tensor(inputs.last, dtype=torch.long, device=device)
-        return packed_forward(model, cache, ids, positions, token_slot, last)
-    finally:
-        cache.step = None

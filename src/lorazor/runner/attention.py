@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lorazor_kernels import decode_attention_op as decode_attention
 
 from .kv_cache import KV_RANGE_KWARG
-from .engine.paged import PAGED_KWARG, paged_attention_forward
+from .paged_cache import PAGED_KWARG, paged_attention_forward
 
 ATTENTION_NAME = "lorazor"
 

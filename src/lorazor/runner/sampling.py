@@ -1,4 +1,9 @@
-"""Batched sampling for the engine: the common HF sampling settings of many requests in one pass.
+"""Picking next tokens from logits, for `generate()` and the engine.
+
+`next_tokens` is greedy or multinomial sampling on processed scores (HF's processors ran before);
+`float_scores` makes the fp32 copy processors may change in place.
+
+Batched sampling for the engine: the common HF sampling settings of many requests in one pass.
 
 HF applies a request's logits processors to its own scores, and the engine would then read each
 sampled token back on its own: one host sync per request and step. A request whose processors are
@@ -18,6 +23,20 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopPLogitsWarper)
 
 ORDER = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def next_tokens(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
+    if not do_sample:
+        return scores.argmax(-1)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def float_scores(logits: torch.Tensor) -> torch.Tensor:
+    """Float32 logits as a fresh normal tensor: processors may change it in place, and CUDA graphs
+    overwrite the logits buffer at the next replay."""
+    scores = logits.float()
+    return scores.clone() if scores is logits else scores
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys + self.values)
 
-    # ---- the interface LoRazorModel's decode step uses (shared with its own KVCache) ------------
+    # ---- the interface the runner's decode step uses (shared with the contiguous KVCache) --------
     def begin_decode(self, write_pos: torch.Tensor) -> torch.Tensor:
         """A one-token-per-row step writing row b at flat pool position `write_pos[b]`. The step's
         `PagedStep` must be set; returns the placeholder mask HF passes through untouched."""

@@ -1,0 +1,259 @@
+"""CUDA graphs of the engine's steps over the paged KV cache, on the runner's one graph base.
+
+- Decode-only steps (every scheduled request computes one token) run the runner's `decode_step`,
+  the step `generate()` replays, per batch bucket (`PagedDecodeGraphs`).
+- Steps that pack prefill chunks beside decode rows run the runner's `packed_forward` padded to a
+  token bucket (`PackedStepGraphs`). Eagerly such a step is bound by the host: measured on the H200
+  (Llama-3.2-3B shape, ~1,500 tokens), about 25 ms of GPU work behind about 70 ms of Python and
+  launches, plus a Triton compile whenever a new token count picks new launch constants.
+
+Everything that varies is data in a bucket's static buffers: token ids, positions, pool positions,
+adapter slots, block-table rows, attention tiles (padded with empty tiles) and the packed index of
+each request's last token; block tables are one persistent device table. Requests joining and
+leaving never trigger a recapture. Padding rows and tokens compute nothing anyone reads: they use
+no adapter and write and read only the pool's scratch block (their attention output is zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .graphs import TOKEN_BUCKET, StepGraphs, batch_bucket, token_bucket
+from .paged_cache import PagedKVCache, PagedStep, tile_columns
+
+
+@dataclass
+class _DecodeBucket:
+    inputs: torch.Tensor  # [5, B] int64 staging: tokens, positions, pool positions, slots, table rows
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    row_slot: torch.Tensor
+    step: PagedStep
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    graphs: dict = field(default_factory=dict)
+
+
+@dataclass
+class _PackedBucket:
+    tokens: int
+    decode_cap: int
+    prefill_cap: int
+    staging: torch.Tensor  # int64: ids, positions, pool positions, slots | tiles | last
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_slot: torch.Tensor
+    last: torch.Tensor
+    step: PagedStep
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    graphs: dict = field(default_factory=dict)
+
+
+class PackedStepGraphs(StepGraphs):
+    """Graphs of packed steps up to `max_tokens` tokens and `max_rows` requests.
+
+    Args:
+        runner: the `ModelRunner`. cache: the engine's `PagedKVCache`.
+        max_tokens: `max_num_batched_tokens`. max_rows: `max_num_seqs`.
+        pool: the CUDA graph memory pool (shared with the decode graphs).
+        capture: False runs the same padded step eagerly instead of replaying a graph.
+    """
+
+    def __init__(self, runner, cache: PagedKVCache, max_tokens: int, max_rows: int, pool=None, capture: bool = True):
+        super().__init__(runner, pool, capture)
+        self.cache = cache
+        self.max_bucket = token_bucket(max_tokens)
+        self.max_rows = max_rows
+
+    def serves(self, num_tokens: int) -> bool:
+        return token_bucket(num_tokens) <= self.max_bucket
+
+    def bucket_sizes(self) -> list[int]:
+        return list(range(TOKEN_BUCKET, self.max_bucket + 1, TOKEN_BUCKET))
+
+    def _bucket(self, tokens: int, block_tables: torch.Tensor) -> _PackedBucket:
+        if tokens not in self.buckets:
+            device = self.runner.device
+            decode_cap = min(self.max_rows, tokens)
+            prefill_cap = tokens // self.cache.block_q + min(self.max_rows, tokens)
+            staging = torch.zeros(4 * tokens + 4 * (decode_cap + prefill_cap) + self.max_rows, dtype=torch.long,
+                                  device=device)
+            ints = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
+            decode = tuple(ints(decode_cap) for _ in range(4))
+            prefill = tuple(ints(prefill_cap) for _ in range(4))
+            slot_mapping = torch.zeros(tokens, dtype=torch.long, device=device)
+            step = PagedStep(slot_mapping, block_tables, decode, prefill, self.cache.block_q, zero_fill=True)
+            self.buckets[tokens] = _PackedBucket(tokens, decode_cap, prefill_cap, staging,
+                                                 torch.zeros(tokens, dtype=torch.long, device=device),
+                                                 torch.zeros(tokens, dtype=torch.long, device=device), slot_mapping,
+                                                 ints(tokens),
+                                                 torch.zeros(self.max_rows, dtype=torch.long, device=device), step)
+        return self.buckets[tokens]
+
+    def _fill(self, bucket: _PackedBucket, inputs) -> None:
+        """One upload of the step's inputs into the bucket's buffers (padding where the step ends)."""
+        T, scratch_row = bucket.tokens, bucket.step.block_tables.shape[0] - 1
+        host = np.zeros(bucket.staging.shape[0], dtype=np.int64)
+        tok = host[:4 * T].reshape(4, T)
+        tok[2] = self.cache.scratch_block * self.cache.block_size
+        tok[3] = -1
+        decode, prefill = tile_columns(inputs.chunks, self.cache.block_q) if inputs else (([],) * 4, ([],) * 4)
+        offset = 4 * T
+        for columns, cap in ((decode, bucket.decode_cap), (prefill, bucket.prefill_cap)):
+            part = host[offset:offset + 4 * cap].reshape(4, cap)
+            part[0] = scratch_row  # empty tiles (count 0) of the scratch row: programs that exit at once
+            for i, column in enumerate(columns):
+                part[i, :len(column)] = column
+            offset += 4 * cap
+        if inputs is not None:
+            n = len(inputs.ids)
+            tok[0, :n], tok[1, :n], tok[2, :n], tok[3, :n] = inputs.ids, inputs.positions, inputs.slot_mapping, \
+                inputs.slots
+            host[offset:offset + len(inputs.last)] = inputs.last
+        bucket.staging.copy_(torch.from_numpy(host))
+        staged = bucket.staging[:4 * T].view(4, T)
+        for target, source in zip((bucket.ids, bucket.positions, bucket.slot_mapping, bucket.token_slot), staged):
+            target.copy_(source)
+        offset = 4 * T
+        for tiles, cap in ((bucket.step.decode_tiles, bucket.decode_cap),
+                           (bucket.step.prefill_tiles, bucket.prefill_cap)):
+            for target, source in zip(tiles, bucket.staging[offset:offset + 4 * cap].view(4, cap)):
+                target.copy_(source)
+            offset += 4 * cap
+        bucket.last.copy_(bucket.staging[offset:])
+
+    def run(self, inputs, block_tables: torch.Tensor):
+        """Replay the packed step for `inputs` (the engine's `StepInputs`); returns (logits, hidden) of
+        each request's last token, views of static buffers."""
+        bucket = self._bucket(token_bucket(len(inputs.ids)), block_tables)
+        self._fill(bucket, inputs)
+        self._replay(bucket)
+        rows = len(inputs.last)
+        return bucket.logits[:rows], bucket.hidden[:rows]
+
+    def _step_function(self, bucket: _PackedBucket, key):
+        """The step a graph of `bucket` holds: the runner's packed forward on the bucket's buffers."""
+        if bucket.logits is None:
+            bucket.hidden, bucket.logits = self.runner.new_step_outputs(self.max_rows)
+
+        def step():
+            self.cache.step = bucket.step
+            try:
+                _, hidden = self.runner.packed_forward(self.cache, bucket.ids, bucket.positions, bucket.token_slot,
+                                                       bucket.last, logits_out=bucket.logits)
+                bucket.hidden.copy_(hidden)
+            finally:
+                self.cache.step = None
+
+        return step
+
+
+class PagedDecodeGraphs(StepGraphs):
+    """Lazily captured step graphs of one engine: decode-only steps here, packed steps in `packed`.
+
+    Args:
+        runner: the `ModelRunner`.
+        cache: the engine's `PagedKVCache`.
+        max_batch: the most requests a step can hold (`max_num_seqs`).
+        max_tokens: the most tokens a step can hold (`max_num_batched_tokens`).
+    """
+
+    def __init__(self, runner, cache: PagedKVCache, max_batch: int, max_tokens: int):
+        super().__init__(runner)
+        self.cache = cache
+        self.grid = runner.context.grid  # graphs hold this grid's kernels: a new grid needs new graphs
+        self.max_bucket = batch_bucket(max_batch)
+        self.packed = PackedStepGraphs(runner, cache, max_tokens, max_batch, self.pool)
+
+    @property
+    def num_captures(self) -> int:
+        return self.captured + self.packed.captured
+
+    @property
+    def total_capture_seconds(self) -> float:
+        return self.capture_seconds + self.packed.capture_seconds
+
+    def serves(self, batch: int) -> bool:
+        return batch_bucket(batch) <= self.max_bucket
+
+    def _bucket(self, size: int, block_tables: torch.Tensor) -> _DecodeBucket:
+        if size not in self.buckets:
+            device = self.runner.device
+            inputs = torch.zeros(5, size, dtype=torch.long, device=device)
+            ints = lambda: torch.zeros(size, dtype=torch.int32, device=device)  # noqa: E731
+            rows, q_index, pos, ones = ints(), torch.arange(size, dtype=torch.int32, device=device), ints(), ints() + 1
+            empty = tuple(torch.zeros(0, dtype=torch.int32, device=device) for _ in range(4))
+            slot_mapping = torch.zeros(size, dtype=torch.long, device=device)
+            step = PagedStep(slot_mapping, block_tables, (rows, q_index, pos, ones), empty, self.cache.block_q)
+            hidden, logits = self.runner.new_step_outputs(size)
+            self.buckets[size] = _DecodeBucket(inputs, torch.zeros(size, dtype=torch.long, device=device),
+                                               torch.zeros(size, dtype=torch.long, device=device), slot_mapping,
+                                               ints(), step, hidden, logits)
+        return self.buckets[size]
+
+    def run(self, inputs, block_tables: torch.Tensor):
+        """Replay the step for `inputs` (a decode-only `StepInputs`); returns (logits `[n, V]`,
+        hidden `[n, H]`), views of the bucket's static outputs."""
+        n = len(inputs.ids)
+        bucket = self._bucket(batch_bucket(n), block_tables)
+        self._fill(bucket, inputs)
+        self._replay(bucket)
+        return bucket.logits[:n], bucket.hidden[:n]
+
+    def _fill(self, bucket: _DecodeBucket, inputs) -> None:
+        """Copy a step's inputs into the bucket's static buffers (one upload); rows past the step's
+        requests are padding: token 0 at position 0, writing and reading the scratch block."""
+        size = bucket.tokens.shape[0]
+        n = 0 if inputs is None else len(inputs.ids)
+        host = np.empty((5, size), dtype=np.int64)
+        host[:, n:] = np.array([[0], [0], [self.cache.scratch_block * self.cache.block_size], [-1],
+                                [bucket.step.block_tables.shape[0] - 1]])
+        if inputs is not None:
+            host[0, :n] = inputs.ids
+            host[1, :n] = inputs.positions
+            host[2, :n] = inputs.slot_mapping
+            host[3, :n] = inputs.slots
+            host[4, :n] = [row for row, _, _ in inputs.chunks]
+        bucket.inputs.copy_(torch.from_numpy(host))
+        rows, _, pos, _ = bucket.step.decode_tiles
+        for target, source in ((bucket.tokens, 0), (bucket.positions, 1), (bucket.slot_mapping, 2),
+                               (bucket.row_slot, 3), (rows, 4), (pos, 1)):
+            target.copy_(bucket.inputs[source])
+
+    def capture_all(self, block_tables: torch.Tensor, batch_sizes=None) -> int:
+        """Capture every graph a step can need up front (each batch bucket up to `max_num_seqs`, or
+        those of `batch_sizes`, and each token bucket of packed steps; each class of distinct
+        adapters, and backbone only), so serving never captures. Returns how many were captured."""
+        context = self.runner.context
+        saved = context.enabled, context.slot_bound
+        sizes = sorted({batch_bucket(b) for b in (batch_sizes or range(1, self.max_bucket + 1))})
+        keys = [(True, bound) for bound in context.slot_bound_classes()] + [(False, None)]
+        before = self.num_captures
+        try:
+            self.capture_sizes(sizes, keys, block_tables)
+            self.packed.capture_sizes(self.packed.bucket_sizes(), keys, block_tables)
+        finally:
+            context.enabled, context.slot_bound = saved
+        return self.num_captures - before
+
+    def _step_function(self, bucket: _DecodeBucket, key):
+        def step():
+            # Writes the same pool positions on every run: the warm-ups leave what one replay would.
+            self.cache.step = bucket.step
+            try:
+                hidden, _ = self.runner.decode_step(bucket.tokens, bucket.positions, bucket.slot_mapping, self.cache,
+                                                    bucket.row_slot, logits_out=bucket.logits)
+                bucket.hidden.copy_(hidden)
+            finally:
+                self.cache.step = None
+
+        return step
+
+    def num_graphs(self) -> int:
+        return super().num_graphs() + self.packed.num_graphs()
