@@ -10,7 +10,7 @@ import torch
 from lorazor_kernels import GRID_MODES
 
 BACKENDS = ("auto", "triton", "reference")
-RELEASE_MODES = ("none", "profiled", "learned")
+RELEASE_MODES = ("none", "profiled", "learned", "custom")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -22,7 +22,8 @@ class LoRazorConfig:
         grid: LoRA kernel grid mode: "exact" (default: a device-built tile table, no host sync),
             "full" (vLLM/Punica baseline), "active_rows" or "two_class" (the paper's GridTrim).
         release: default release policy when `generate` gets none: "none" (keep adapters to the
-            end), "profiled" or "learned" (loaded beside each adapter, see `lorazor.policies`).
+            end), "profiled" or "learned" (loaded beside each adapter, see `lorazor.policies`), or
+            "custom" (your own `ReleasePolicy`, set with `LoRazorModel.set_release_policy`).
         max_batch_size: the largest batch `generate` accepts (sizes buffers and graphs).
         max_loras: GPU adapter slots. More adapters than slots may be registered: slots are an
             LRU cache over them. None: one slot per adapter given at build time (at least 1).

@@ -16,7 +16,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from .adapters import AdapterBank, AdapterRegistry, AdapterStatus
 from .build import build_from_peft, build_from_pretrained
-from .config import LoRazorConfig
+from .config import RELEASE_MODES, LoRazorConfig
 from .generate import LoRazorOutput, decode_loop
 from .guard import ModelGuard
 from .hf_generation import GenerationPlan, plan_generation, resolve_config
@@ -165,6 +165,18 @@ class LoRazorModel(nn.Module):
         with self.guard.hold("load a release policy"):
             self.release_policy = policy
         return policy
+
+    def set_release_policy(self, policy: ReleasePolicy | None) -> None:
+        """Make `policy` (a `ProfiledRelease`, a `LearnedRelease` or your own `ReleasePolicy`) the
+        default of `generate()` and of every engine request without its own; None: no default.
+        Sets `config.release` to the policy's kind ("custom" for your own class)."""
+        if policy is not None:
+            check_policy(policy, self.model.config.hidden_size, self.adapter_names)
+        with self.guard.hold("set the release policy"):
+            kind = "none" if policy is None else getattr(policy, "kind", "custom")
+            self.config = dataclasses.replace(self.config, release=kind if kind in RELEASE_MODES else "custom")
+            self.runner.config = self.config
+            self.release_policy = policy
 
     def set_grid(self, grid: str) -> None:
         """Switch the LoRA kernels' grid mode (drops captured graphs, keeps the KV caches)."""

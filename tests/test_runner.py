@@ -1,0 +1,110 @@
+"""One runner under `generate()` and the engine: a user's own release policy decides the same way in
+both, and the engine and the caches reach the model only through the runner's public methods."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import EOS, PAD, build_pair
+from lorazor import LoRazorConfig, LoRazorEngine, ReleasePolicy
+
+GEN = dict(pad_token_id=PAD, eos_token_id=EOS)
+SRC = Path(__file__).resolve().parents[1] / "src" / "lorazor"
+ADAPTERS = ["math", "sql", "med", None, "math", "sql"]
+
+
+class StepOrNormRelease(ReleasePolicy):
+    """A user's own graph-safe policy: release after k decode forwards per adapter (per-slot tensor
+    from `bind`), or as soon as the hidden state is not finite (it reads the hidden state)."""
+
+    graph_safe = True
+
+    def __init__(self, lengths):
+        super().__init__()
+        self.lengths = lengths
+
+    def adapter_names(self):
+        return list(self.lengths)
+
+    def bind(self, adapter_names, num_slots, device):
+        k = torch.full((num_slots + 1,), 10**9, dtype=torch.long)
+        for slot, name in enumerate(adapter_names):
+            if name in self.lengths:
+                k[slot] = self.lengths[name]
+        self.bound = {"k": k.to(device)}
+
+    def keep(self, step, hidden, state):
+        # `step` is an int or 0-d tensor in generate() and a [B] tensor in the engine: broadcasts.
+        return (step < self.bound["k"][state.slot.long()]) & torch.isfinite(hidden.float()).all(-1)
+
+
+def prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def reference(model, prompt, adapter, policy, max_new_tokens):
+    return model.generate(torch.tensor([prompt], device=model.device), adapter_ids=[adapter], release_policy=policy,
+                          max_new_tokens=max_new_tokens, do_sample=False, **GEN)
+
+
+def check_custom_policy(model, policy, engine_kw):
+    ps = prompts(len(ADAPTERS), seed=31)
+    refs = [reference(model, p, a, policy, 9) for p, a in zip(ps, ADAPTERS)]
+    # Per request, and as the model's default (`set_release_policy`).
+    per_request = LoRazorEngine(model, **engine_kw).generate(
+        [dict(prompt_ids=p, adapter=a, release_policy=policy, max_new_tokens=9, **GEN) for p, a in zip(ps, ADAPTERS)])
+    model.set_release_policy(policy)
+    try:
+        by_default = LoRazorEngine(model, **engine_kw).generate(
+            [dict(prompt_ids=p, adapter=a, max_new_tokens=9, **GEN) for p, a in zip(ps, ADAPTERS)])
+        assert model.config.release == "custom"
+    finally:
+        model.set_release_policy(None)
+    for outs in (per_request, by_default):
+        for p, a, o, ref in zip(ps, ADAPTERS, outs, refs):
+            assert o.token_ids == ref.sequences[0, len(p):].tolist(), a
+            assert o.release_step == int(ref.release_steps[0]), a
+            assert (o.decode_steps, o.lora_decode_steps) == (int(ref.decode_steps[0]), int(ref.lora_decode_steps[0]))
+    steps = [o.release_step for o in per_request]
+    assert steps[:3] == [2, 0, -1] and steps[4] == 2, steps  # it really released, at each adapter's k
+
+
+def test_custom_policy_same_tokens_in_engine_and_generate():
+    model, _ = build_pair("llama", LoRazorConfig())
+    # A small pool and budget: preemptions replay the decisions.
+    check_custom_policy(model, StepOrNormRelease({"math": 2, "sql": 0}),
+                        dict(max_num_seqs=4, max_num_batched_tokens=8, num_kv_blocks=12, block_size=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_custom_policy_same_tokens_in_engine_and_generate_with_graphs(dtype):
+    model, _ = build_pair("llama", LoRazorConfig(cuda_graphs=True), dtype=dtype)
+    assert model.uses_graphs
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64, block_size=16)
+    assert LoRazorEngine(model, **kw).graphs is not None
+    check_custom_policy(model, StepOrNormRelease({"math": 2, "sql": 0}), kw)
+    assert model.graphs is not None and model.graphs.num_graphs() > 0  # generate() replayed graphs too
+
+
+def test_engine_and_server_use_only_the_runners_public_methods():
+    hits = []
+    for folder in ("engine", "serve", "ray"):
+        for path in (SRC / folder).glob("*.py"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"model\._", line):
+                    hits.append(f"{path.name}:{n}: {line.strip()}")
+    assert not hits, hits
+
+
+@pytest.mark.parametrize("folder", ["runner", "policies", "adapters"])
+def test_runner_and_caches_import_nothing_from_the_engine(folder):
+    for path in (SRC / folder).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = "." * node.level + (node.module or "")
+                assert "engine" not in target and "serve" not in target, f"{path.name} imports {target}"
