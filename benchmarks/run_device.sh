@@ -3,7 +3,7 @@
 # device call returns few files). On the GPU machine, from the repository root:
 #   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh gpu-tests kernels e2e-quick
 # Steps:
-#   gpu-tests        every test on the GPU, in $SHARDS parallel shards (default 10, $SHARD_TIMEOUT s each,
+#   gpu-tests        every test on the GPU, in $SHARDS parallel shards over the GPUs (default 10, $SHARD_TIMEOUT s each,
 #                    default 540; bf16 kernels, graph replay = eager, compile); check every shard's summary
 #   kernels          bench_kernels.py: every grid mode per layer against the memory floor (Llama, Mistral shapes)
 #   kernels-sweep    the same with a search over launch parameters; writes tuned_kernel_config.json
@@ -61,9 +61,11 @@ for count, args in sorted(units, key=lambda u: -u[0]):
 for i, (_, args) in enumerate(shards):
     open(f"{w}/args_{i}.txt", "w").write("\n".join(args) + "\n")
 PY
+               gpus=$(nvidia-smi -L | wc -l)
                for i in $(seq 0 $((n - 1))); do
                  # Arguments hold spaces (parametrized ids): pass them to pytest whole, not through the shell.
-                 timeout ${SHARD_TIMEOUT:-540} python3 -c "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + ['-q', '-p', 'no:cacheprovider']))" \
+                 # Shards spread over the machine's GPUs.
+                 CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout ${SHARD_TIMEOUT:-540} python3 -c "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + ['-q', '-p', 'no:cacheprovider']))" \
                    "$W/args_$i.txt" > "$W/tests_shard$i.log" 2>&1 &
                done
                wait ;;

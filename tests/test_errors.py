@@ -40,7 +40,7 @@ def test_negative_max_new_tokens(model):
 def test_input_longer_than_cache():
     model = build_pair("llama", LoRazorConfig(max_cache_len=8))[0]
     ids, mask = make_batch(1, 6)
-    with pytest.raises(ValueError, match="prompt length 6 \\+ max_new_tokens 5 exceeds max_cache_len=8"):
+    with pytest.raises(ValueError, match="prompt length 6 \\+ max_new_tokens 5 = 11 tokens exceeds max_cache_len=8"):
         model.generate(ids, attention_mask=mask, adapter_ids=["math"], max_new_tokens=5)
 
 
