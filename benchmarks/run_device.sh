@@ -4,7 +4,8 @@
 #   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh gpu-tests kernels e2e-quick
 # Steps:
 #   gpu-tests        every test on the GPU, in $SHARDS parallel shards over the GPUs (default 10, $SHARD_TIMEOUT s each,
-#                    default 540; bf16 kernels, graph replay = eager, compile); check every shard's summary
+#                    default 540; bf16 kernels, graph replay = eager, compile); check every shard's summary.
+#                    SHARD_PART=k/m runs shards i with i % m == k only: the whole suite over m calls
 #   kernels          bench_kernels.py: every grid mode per layer against the memory floor (Llama, Mistral shapes)
 #   kernels-sweep    the same with a search over launch parameters; writes tuned_kernel_config.json
 #   e2e-quick        bench_e2e.py: backbone vs `exact` at 1 and 128 adapters, CUDA graphs and compiled
@@ -62,7 +63,9 @@ for i, (_, args) in enumerate(shards):
     open(f"{w}/args_{i}.txt", "w").write("\n".join(args) + "\n")
 PY
                gpus=$(nvidia-smi -L | wc -l)
+               part=${SHARD_PART:-0/1}  # k/m: run only shards i with i % m == k (the suite over m calls)
                for i in $(seq 0 $((n - 1))); do
+                 [ $((i % ${part#*/})) -eq "${part%/*}" ] || continue
                  # Arguments hold spaces (parametrized ids): pass them to pytest whole, not through the shell.
                  # Shards spread over the machine's GPUs.
                  CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout ${SHARD_TIMEOUT:-540} python3 -c "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + ['-q', '-p', 'no:cacheprovider']))" \
