@@ -84,6 +84,9 @@ def test_page_code_blocks_run(page, workdir, monkeypatch):
     blocks = python_blocks(page)
     if not blocks:
         pytest.skip(f"{page} has no python blocks")
+    for extra in ("ray",):  # an optional extra a page's blocks import: skip where it is missing
+        if any(re.search(rf"^\s*(import|from) (lorazor\.)?{extra}\b", b, flags=re.M) for b in blocks):
+            pytest.importorskip(extra)
     monkeypatch.chdir(workdir)
     ns = reader_namespace()
     for i, block in enumerate(blocks):

@@ -198,7 +198,7 @@ def test_slot_bound_classes_serve_few_and_many_adapters_from_one_bank():
     # Both graphs write one shared logits buffer (allocated once, counted once as graph memory).
     bucket = next(iter(graph.graphs.buckets.values()))
     hidden, logits = bucket.hidden_out, bucket.logits_out
-    assert logits.shape == (32, graph._lm_head.weight.shape[0]) and graph.graphs.capture_bytes >= logits.nbytes
+    assert logits.shape == (32, graph.runner.lm_head.weight.shape[0]) and graph.graphs.capture_bytes >= logits.nbytes
     out = gen(graph, ids, mask, many)
     assert bucket.logits_out is logits and bucket.hidden_out is hidden
     assert torch.equal(out.sequences, gen(eager, ids, mask, many).sequences)
