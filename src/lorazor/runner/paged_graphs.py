@@ -25,6 +25,20 @@ from .graphs import TOKEN_BUCKET, StepGraphs, batch_bucket, token_bucket
 from .paged_cache import PagedKVCache, PagedStep, tile_columns
 
 
+def paged_step(cache: PagedKVCache, bucket, forward):
+    """The step a graph of `bucket` holds: `forward()` (returning the final hidden states) with the
+    bucket's attention metadata set on the cache, its hidden states into the bucket's buffer. It
+    writes the same pool positions on every run: the warm-ups leave what one replay would."""
+    def step():
+        cache.step = bucket.step
+        try:
+            bucket.hidden.copy_(forward())
+        finally:
+            cache.step = None
+
+    return step
+
+
 @dataclass
 class _DecodeBucket:
     inputs: torch.Tensor  # [5, B] int64 staging: tokens, positions, pool positions, slots, table rows
@@ -142,16 +156,8 @@ class PackedStepGraphs(StepGraphs):
         if bucket.logits is None:
             bucket.hidden, bucket.logits = self.runner.new_step_outputs(self.max_rows)
 
-        def step():
-            self.cache.step = bucket.step
-            try:
-                _, hidden = self.runner.packed_forward(self.cache, bucket.ids, bucket.positions, bucket.token_slot,
-                                                       bucket.last, logits_out=bucket.logits)
-                bucket.hidden.copy_(hidden)
-            finally:
-                self.cache.step = None
-
-        return step
+        return paged_step(self.cache, bucket, lambda: self.runner.packed_forward(
+            self.cache, bucket.ids, bucket.positions, bucket.token_slot, bucket.last, logits_out=bucket.logits)[1])
 
 
 class PagedDecodeGraphs(StepGraphs):
@@ -243,17 +249,9 @@ class PagedDecodeGraphs(StepGraphs):
         return self.num_captures - before
 
     def _step_function(self, bucket: _DecodeBucket, key):
-        def step():
-            # Writes the same pool positions on every run: the warm-ups leave what one replay would.
-            self.cache.step = bucket.step
-            try:
-                hidden, _ = self.runner.decode_step(bucket.tokens, bucket.positions, bucket.slot_mapping, self.cache,
-                                                    bucket.row_slot, logits_out=bucket.logits)
-                bucket.hidden.copy_(hidden)
-            finally:
-                self.cache.step = None
-
-        return step
+        return paged_step(self.cache, bucket, lambda: self.runner.decode_step(
+            bucket.tokens, bucket.positions, bucket.slot_mapping, self.cache, bucket.row_slot,
+            logits_out=bucket.logits)[0])
 
     def num_graphs(self) -> int:
         return super().num_graphs() + self.packed.num_graphs()
