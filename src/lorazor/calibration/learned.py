@@ -21,7 +21,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..policies import LearnedRelease, ProfiledRelease, ReleasePolicy
-from .profiled import ReleasePoint, ValidationSet, evaluate_policy, generate_answers, select_point
+from .profiled import ReleasePoint, ValidationSet, accuracy_of, generate_answers, select_point
+from .runs import run_cases
 
 if TYPE_CHECKING:
     from ..model import LoRazorModel
@@ -65,16 +66,22 @@ class _HiddenRecorder(ReleasePolicy):
 
 def collect_release_examples(
     model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str, data: ValidationSet,
-    positions: Sequence[int] = RELEASE_POSITIONS, batch_size: int = 64,
+    positions: Sequence[int] = RELEASE_POSITIONS, batch_size: int = 64, progress: bool = False,
 ) -> ReleaseExamples:
-    """Paired ON/OFF continuations of `adapter` on `data` (its training prompts), as labelled examples."""
+    """Paired ON/OFF continuations of `adapter` on `data` (its training prompts), as labelled examples.
+    They run through `generate()`, whose release policy sees each decode step's hidden states."""
     if adapter not in model.adapter_names:
         raise KeyError(f"unknown adapter {adapter!r}; loaded adapters: {model.adapter_names}")
     if not data.prompts:
         raise ValueError("prompts is empty: training the head needs prompts")
     hidden, risky, request, position = [], [], [], []
     never = ProfiledRelease({adapter: None})
-    for start in range(0, len(data.prompts), batch_size):
+    starts = range(0, len(data.prompts), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=f"{adapter}: paired continuations", unit="batch")
+    for start in starts:
         chunk = list(data.prompts[start : start + batch_size])
         recorder = _HiddenRecorder(positions)
         texts, out = generate_answers(model, tokenizer, adapter, chunk, data.generate_kwargs, recorder)
@@ -134,28 +141,34 @@ def calibrate_learned(
     model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, train: dict[str, ValidationSet],
     validation: dict[str, ValidationSet], max_accuracy_drop: float | None = None, min_skip: float | None = None,
     positions: Sequence[int] = RELEASE_POSITIONS, quantiles: Sequence[float] = THRESHOLD_QUANTILES,
-    l2: float = 0.1, batch_size: int = 64,
+    l2: float = 0.1, batch_size: int = 64, progress: bool = False,
 ) -> tuple[LearnedRelease, dict[str, list[ReleasePoint]]]:
-    """Train a head per adapter on `train`, pick its threshold on `validation` (`select_point`).
+    """Train a head per adapter on `train`, pick its threshold on `validation` (`select_point`);
+    every (adapter, threshold) runs on the engine in one continuous batch. `progress`: tqdm bars.
 
     Returns the frozen `LearnedRelease` and, per adapter, the validation curve over thresholds.
     """
     missing = sorted(set(train) ^ set(validation))
     if missing:
         raise ValueError(f"train and validation must name the same adapters; differing: {missing}")
-    heads, curves = {}, {}
+    trained, cases = {}, []
     with torch.inference_mode():
         for adapter in train:
-            examples = collect_release_examples(model, tokenizer, adapter, train[adapter], positions, batch_size)
+            examples = collect_release_examples(model, tokenizer, adapter, train[adapter], positions, batch_size,
+                                                progress)
             with torch.inference_mode(False):
                 w, b = train_risk_head(examples, l2)
             scores = examples.hidden @ w + b
             taus = sorted({float("-inf"), float("inf"), *torch.quantile(scores, torch.tensor(list(quantiles))).tolist()})
-            curve = []
-            for tau in taus:
-                accuracy, skip = evaluate_policy(model, tokenizer, adapter, validation[adapter],
-                                                 LearnedRelease({adapter: (w, b, tau)}), batch_size)
-                curve.append(ReleasePoint(None, accuracy, skip, tau=tau))
-            curves[adapter] = curve
-            heads[adapter] = (w, b, select_point(curve, max_accuracy_drop, min_skip).tau)
+            trained[adapter] = (w, b, taus)
+            cases += [(adapter, validation[adapter], LearnedRelease({adapter: (w, b, tau)})) for tau in taus]
+    results = run_cases(model, tokenizer, cases, batch_size, progress, desc="learned thresholds")
+    heads, curves = {}, {adapter: [] for adapter in train}
+    for (adapter, _, policy), (correct, skip) in zip(cases, results):
+        curves[adapter].append(ReleasePoint(None, accuracy_of(correct), skip, tau=policy.heads[adapter][2]))
+    for adapter, (w, b, _) in trained.items():
+        try:
+            heads[adapter] = (w, b, select_point(curves[adapter], max_accuracy_drop, min_skip).tau)
+        except ValueError as err:
+            raise ValueError(f"adapter {adapter!r}: {err}") from None
     return LearnedRelease(heads), curves

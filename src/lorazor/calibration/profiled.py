@@ -3,7 +3,8 @@ evaluation and selection pieces the learned calibration shares.
 
 For each adapter, generate its validation prompts once per candidate release length k (and once
 with the adapter kept to the end), score the answers, and keep (k, accuracy, decode LoRA calls
-skipped). Then pick k by a quality-efficiency criterion and freeze it:
+skipped). Every (adapter, k, prompt) runs on the engine in one continuous batch (`runs.py`). Then
+pick k by a quality-efficiency criterion and freeze it:
 
     curve = profile_release_lengths(model, tokenizer, "sql", prompts, score, max_new_tokens=64)
     k = select_release_length(curve, max_accuracy_drop=0.01)      # or min_skip=0.5 (the paper's setting)
@@ -24,6 +25,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..policies import ProfiledRelease, ReleasePolicy
+from .runs import run_cases
 
 if TYPE_CHECKING:
     from ..model import LoRazorModel
@@ -58,13 +60,13 @@ class ValidationSet:
     """One adapter's calibration data.
 
     Attributes:
-        prompts: validation prompts.
+        prompts: validation prompts (text, or token ids as the tokenizer would give them).
         score: `score(answer_text, prompt_index) -> bool`, the task's evaluator.
         generate_kwargs: this task's generation settings (`max_new_tokens`, `eos_token_id`, ...);
             they set how long answers run, so they belong to the task, not the calibration.
     """
 
-    prompts: Sequence[str]
+    prompts: Sequence[str | Sequence[int]]
     score: Callable[[str, int], bool]
     generate_kwargs: dict = field(default_factory=dict)
 
@@ -74,9 +76,11 @@ def generate_answers(
     generate_kwargs: dict, policy: ReleasePolicy | None = None, release: Sequence | None = None,
 ):
     """(answer texts, `LoRazorOutput`) of one batch of prompts on `adapter`, left-padded."""
+    from .runs import encode_prompt
+
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
-        enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+        enc = tokenizer.pad({"input_ids": [encode_prompt(tokenizer, p) for p in prompts]}, return_tensors="pt")
     finally:
         tokenizer.padding_side = side
     ids = enc["input_ids"].to(model.device)
@@ -87,24 +91,14 @@ def generate_answers(
 
 def policy_outcomes(
     model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str | None, data: ValidationSet,
-    policy: ReleasePolicy | None, batch_size: int = 64,
+    policy: ReleasePolicy | None, batch_size: int = 64, progress: bool = False,
 ) -> tuple[list[bool], float]:
     """(per-prompt correctness, decode skip) of `adapter` on `data` under a release `policy`
-    (None: model default). `adapter` None runs the backbone alone (skip fraction 1.0 by definition)."""
-    if not data.prompts:
-        raise ValueError("prompts is empty: calibration needs validation prompts")
+    (None: model default), on the engine with `batch_size` requests at once. `adapter` None runs
+    the backbone alone (skip fraction 1.0 by definition)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    correct, lora_calls, needed = [], 0, 0
-    for start in range(0, len(data.prompts), batch_size):
-        texts, out = generate_answers(model, tokenizer, adapter, data.prompts[start : start + batch_size],
-                                      data.generate_kwargs, policy)
-        correct += [bool(data.score(text, start + i)) for i, text in enumerate(texts)]
-        lora_calls += int(out.lora_decode_steps.sum())
-        needed += int(out.decode_steps.sum())
-    if adapter is None:
-        return correct, 1.0
-    return correct, (0.0 if needed == 0 else 1.0 - lora_calls / needed)
+    return run_cases(model, tokenizer, [(adapter, data, policy)], batch_size, progress)[0]
 
 
 def evaluate_policy(
@@ -113,7 +107,11 @@ def evaluate_policy(
 ) -> tuple[float, float]:
     """(accuracy, decode skip) of `adapter` on `data` under a release `policy` (`policy_outcomes`)."""
     correct, skip = policy_outcomes(model, tokenizer, adapter, data, policy, batch_size)
-    return sum(correct) / len(correct), skip
+    return accuracy_of(correct), skip
+
+
+def accuracy_of(correct: Sequence[bool]) -> float:
+    return sum(correct) / len(correct)
 
 
 def evaluate_release(
@@ -126,7 +124,7 @@ def evaluate_release(
         model: a `LoRazorModel`.
         tokenizer: its tokenizer (left padding is set for the call).
         adapter: adapter name; None runs the backbone alone (skip fraction 1.0 by definition).
-        prompts: validation prompts.
+        prompts: validation prompts (text, or token ids as the tokenizer would give them).
         score: `score(answer_text, prompt_index) -> bool`, the task's evaluator.
         k: release length; None keeps the adapter to the end.
         batch_size: prompts per `generate` call.
@@ -142,16 +140,32 @@ def evaluate_release(
 def profile_release_lengths(
     model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, adapter: str, prompts: Sequence[str],
     score: Callable[[str, int], bool], lengths: Sequence[int] = DEFAULT_RELEASE_LENGTHS, batch_size: int = 64,
-    **generate_kwargs: Any,
+    progress: bool = False, **generate_kwargs: Any,
 ) -> list[ReleasePoint]:
     """The release curve of one adapter: full LoRA (k=None) first, then each k in `lengths`."""
-    if adapter not in model.adapter_names:
-        raise KeyError(f"unknown adapter {adapter!r}; loaded adapters: {model.adapter_names}")
+    data = ValidationSet(prompts, score, generate_kwargs)
+    return profile_curves(model, tokenizer, {adapter: data}, lengths, batch_size, progress)[adapter]
+
+
+def profile_curves(
+    model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, validation: dict[str, ValidationSet],
+    lengths: Sequence[int] = DEFAULT_RELEASE_LENGTHS, batch_size: int = 64, progress: bool = False,
+) -> dict[str, list[ReleasePoint]]:
+    """Every adapter's release curve (full LoRA, then each k), all in one engine run."""
+    for adapter in validation:
+        if adapter not in model.adapter_names:
+            raise KeyError(f"unknown adapter {adapter!r}; loaded adapters: {model.adapter_names}")
     for k in lengths:
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ValueError(f"release lengths must be ints >= 0, got {k!r}")
-    return [evaluate_release(model, tokenizer, adapter, prompts, score, k, batch_size, **generate_kwargs)
-            for k in (None, *lengths)]
+    settings = [(adapter, k) for adapter in validation for k in (None, *lengths)]
+    # Explicit even for k=None ("never"), so a default policy of the model does not apply.
+    cases = [(adapter, validation[adapter], ProfiledRelease({adapter: k})) for adapter, k in settings]
+    results = run_cases(model, tokenizer, cases, batch_size, progress, desc="profiled release lengths")
+    curves: dict[str, list[ReleasePoint]] = {adapter: [] for adapter in validation}
+    for (adapter, k), (correct, skip) in zip(settings, results):
+        curves[adapter].append(ReleasePoint(k, accuracy_of(correct), skip))
+    return curves
 
 
 def _later_release(p: ReleasePoint) -> float:
@@ -226,15 +240,18 @@ def select_point(
 def calibrate_profiled(
     model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, validation: dict[str, ValidationSet], max_accuracy_drop: float | None = None,
     min_skip: float | None = None, lengths: Sequence[int] = DEFAULT_RELEASE_LENGTHS, batch_size: int = 64,
+    progress: bool = False,
 ) -> tuple[ProfiledRelease, dict[str, list[ReleasePoint]]]:
-    """Profile every adapter of `validation` and pick its k by one criterion (`select_release_length`).
+    """Profile every adapter of `validation` (one engine run for all) and pick its k by one
+    criterion (`select_release_length`). `progress`: a tqdm bar with an ETA.
 
     Returns the frozen `ProfiledRelease` and the curves it was chosen from.
     """
-    curves, lengths_of = {}, {}
-    with torch.inference_mode():
-        for adapter, data in validation.items():
-            curves[adapter] = profile_release_lengths(model, tokenizer, adapter, data.prompts, data.score, lengths,
-                                                      batch_size, **data.generate_kwargs)
-            lengths_of[adapter] = select_release_length(curves[adapter], max_accuracy_drop, min_skip)
+    curves = profile_curves(model, tokenizer, validation, lengths, batch_size, progress)
+    lengths_of = {}
+    for adapter, curve in curves.items():
+        try:
+            lengths_of[adapter] = select_release_length(curve, max_accuracy_drop, min_skip)
+        except ValueError as err:
+            raise ValueError(f"adapter {adapter!r}: {err}") from None
     return ProfiledRelease(lengths_of), curves
