@@ -2,8 +2,8 @@
 
     lorazor demo                 one mixed-adapter batch on the testbed, checked against PEFT
     lorazor serve ...            an OpenAI-compatible server (`lorazor serve --testbed` on the CPU)
-    lorazor calibrate ...        StepTrim calibration of the testbed adapters (`lorazor.testbed.calibrate`)
-    lorazor eval ...             testbed accuracy and release curves (`lorazor.testbed.evaluate`)
+    lorazor calibrate ...        StepTrim calibration of your adapters on your data (`lorazor.calibration.cli`)
+    lorazor eval ...             accuracy and decode skip of adapters under a policy folder (or none)
 """
 
 from __future__ import annotations
@@ -156,16 +156,14 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(p)
     p.set_defaults(func=serve)
-    # The testbed tools keep their own argument parsers: everything after the command goes to them.
-    tools = {"calibrate": "calibrate", "eval": "evaluate"}
-    sub.add_parser("calibrate", help="StepTrim calibration of the testbed adapters (see `lorazor calibrate -h`)")
-    sub.add_parser("eval", help="testbed accuracy and release curves (see `lorazor eval -h`)")
+    # Calibration keeps its own argument parser: everything after the command goes to it.
+    sub.add_parser("calibrate", help="StepTrim calibration of your adapters on your data (`lorazor calibrate -h`)")
+    sub.add_parser("eval", help="accuracy and decode skip under a policy folder (`lorazor eval -h`)")
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in tools:
-        import importlib
+    if argv and argv[0] in ("calibrate", "eval"):
+        from lorazor.calibration.cli import main as calibration_main
 
-        importlib.import_module(f"lorazor.testbed.{tools[argv[0]]}").main(argv[1:])
-        return 0
+        return calibration_main(argv[0], argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -27,10 +27,15 @@ def tasks_of_version(version) -> dict[str, Task]:
     return make_v1_tasks()
 
 
+def version_of(root: Path) -> str:
+    """The testbed version whose weights are in `root` (its `train_log.json` says; "1" without one)."""
+    log = Path(root) / "train_log.json"
+    return str(json.loads(log.read_text()).get("args", {}).get("version", "1") if log.exists() else "1")
+
+
 def tasks_for(root: Path) -> dict[str, Task]:
     """The tasks of the testbed version whose weights are in `root` (its `train_log.json` says)."""
-    log = root / "train_log.json"
-    return tasks_of_version(json.loads(log.read_text()).get("args", {}).get("version", "1") if log.exists() else "1")
+    return tasks_of_version(version_of(root))
 
 
 def load_tokenizer(assets: str | Path | None = None):

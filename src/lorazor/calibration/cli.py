@@ -1,0 +1,305 @@
+"""`lorazor calibrate` and `lorazor eval`: StepTrim for your own base model, adapters and data.
+
+    lorazor calibrate --model BASE --adapter sql=./sql-lora --adapter math=./math-lora \\
+        --data val.jsonl --metric exact_match --min-skip 0.5 --out policies/
+    lorazor eval --model BASE --adapter sql=./sql-lora --data test.jsonl --metric exact_match \\
+        --policy-dir policies/
+    lorazor calibrate --testbed --min-skip 0.5 --out policies/     # the shipped testbed, same path
+
+`calibrate` writes, per adapter, the files `load_release_policy` and `lorazor serve
+--release-policy DIR` read, and `calibration.json` / `calibration.md`: accuracy with the adapter to
+the end, at every release setting tried, the realized decode skip, and the chosen point and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+METRIC_HELP = ("exact_match, prefix_match, contains, regex:PATTERN, choice, python:MODULE:FUNCTION, "
+               "evaluate:NAME (see docs/steptrim.md)")
+
+
+class CalibrationError(SystemExit):
+    """A refusal: printed as one line and exit status 2."""
+
+    def __init__(self, message: str):
+        super().__init__(f"lorazor: error: {message}")
+        self.code = 2
+
+
+def add_common(ap: argparse.ArgumentParser) -> None:
+    src = ap.add_argument_group("model and adapters")
+    src.add_argument("--model", help="base model id or folder (Hugging Face)")
+    src.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                     help="a PEFT adapter folder to calibrate, under NAME (repeat for several)")
+    src.add_argument("--testbed", action="store_true",
+                     help="the shipped testbed: its backbone, its four adapters and its tasks' data")
+    src.add_argument("--tasks", help="with --testbed: comma-separated adapters (default: all four)")
+    src.add_argument("--assets", type=Path, help="with --testbed: another copy of its assets")
+    src.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    src.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu or cuda")
+    data = ap.add_argument_group("data")
+    data.add_argument("--data", help="jsonl, json, csv or parquet file, or a Hugging Face dataset id")
+    data.add_argument("--split", default="validation", help="the dataset split of a Hub --data (default validation)")
+    data.add_argument("--columns", help="FIELD=COLUMN pairs for other column names, e.g. prompt=question,reference=answer")
+    data.add_argument("--metric", help=METRIC_HELP)
+    data.add_argument("--max-new-tokens", type=int, default=128, help="answer length when rows do not say (128)")
+    data.add_argument("--limit", type=int, help="examples per adapter (default: all)")
+    ap.add_argument("--batch-size", type=int, default=64, help="requests the engine runs at once (64)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def parser(command: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"lorazor {command}")
+    add_common(ap)
+    if command == "calibrate":
+        ap.add_argument("--policy", choices=("profiled", "learned"), default="profiled")
+        rule = ap.add_mutually_exclusive_group()
+        rule.add_argument("--min-skip", help="operating points: the best validation accuracy among settings that "
+                          "skip at least this share of decode LoRA calls; several: 0.25,0.5,0.75")
+        rule.add_argument("--max-drop", type=float, help="the most skipping within this many accuracy points of the "
+                          "adapter kept to the end (2 = two points; below 1 it is a fraction: 0.02)")
+        ap.add_argument("--lengths", default="0,1,2,3,4,8,16,32,64", help="profiled: release lengths k to try")
+        ap.add_argument("--train-data", help="learned: the prompts heads train on (same format as --data)")
+        ap.add_argument("--train-split", default="train")
+        ap.add_argument("--train-limit", type=int, default=200, help="learned: training examples per adapter (200)")
+        ap.add_argument("--out", type=Path, required=True, help="folder for the policies and the report")
+    else:
+        ap.add_argument("--policy-dir", type=Path, help="policies saved by `lorazor calibrate` (default: none, "
+                        "every adapter to the end)")
+        ap.add_argument("--out", type=Path, help="also write eval.json here")
+    return ap
+
+
+def targets_of(args) -> list[dict]:
+    """The selection rules asked for: one dict of `select_point` arguments each."""
+    if args.max_drop is not None:
+        drop = args.max_drop / 100 if args.max_drop >= 1 else args.max_drop
+        if drop < 0:
+            raise CalibrationError(f"--max-drop must be >= 0, got {args.max_drop}")
+        return [dict(max_accuracy_drop=drop)]
+    try:
+        values = [float(v) for v in (args.min_skip or "0.5").split(",")]
+    except ValueError:
+        raise CalibrationError(f"--min-skip {args.min_skip!r}: give fractions such as 0.5 or 0.25,0.5,0.75") from None
+    bad = [v for v in values if not 0 <= v <= 1]
+    if bad:
+        raise CalibrationError(f"--min-skip values must be in [0, 1], got {bad}")
+    return [dict(min_skip=v) for v in values]
+
+
+def load_inputs(args):
+    """(model, tokenizer, validation sets, scorer spec, the data's adapters) from the arguments."""
+    import torch
+
+    from ..config import LoRazorConfig
+    from ..model import LoRazorModel
+    from .data import DataError, load_validation, parse_columns
+    from .metrics import resolve_metric
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    gen = {}
+    if not (args.model or args.adapter or args.data):
+        args.testbed = True  # `lorazor calibrate --min-skip 0.5 --out DIR`: the testbed, as before
+    if args.testbed:
+        from ..testbed import ASSETS, load, version_of
+        from ..testbed.export import TESTBED_METRIC, export_tasks
+
+        if args.model or args.adapter:
+            raise CalibrationError("--testbed brings its own model and adapters: leave out --model and --adapter")
+        peft_model, tokenizer, tasks = load(args.assets)
+        names = [n for n in (args.tasks.split(",") if args.tasks else tasks)]
+        unknown = sorted(set(names) - set(tasks))
+        if unknown:
+            raise CalibrationError(f"unknown tasks {unknown}; the testbed has {sorted(tasks)}")
+        folder = export_tasks(args.out_data, {n: tasks[n] for n in names}, version_of(args.assets or ASSETS))
+        args.data = args.data or str(folder / ("validation.jsonl" if args.command == "calibrate" else "test.jsonl"))
+        if getattr(args, "policy", None) == "learned":
+            args.train_data = args.train_data or str(folder / "train.jsonl")
+        args.metric = args.metric or TESTBED_METRIC
+        model = LoRazorModel.from_peft(peft_model.to(device), LoRazorConfig(dtype=args.dtype))
+        gen = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    else:
+        if not args.model or not args.adapter:
+            raise CalibrationError("give --model BASE and at least one --adapter NAME=PATH (or --testbed)")
+        adapters = {}
+        for spec in args.adapter:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise CalibrationError(f"--adapter {spec!r}: give NAME=PATH")
+            if not Path(path).is_dir():
+                raise CalibrationError(f"--adapter {spec!r}: {path!r} is not a folder")
+            adapters[name] = path
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        kw = dict(device_map=device) if device != "cpu" else {}
+        model = LoRazorModel.from_pretrained(args.model, adapters, LoRazorConfig(dtype=args.dtype), **kw)
+        names = list(adapters)
+        gen = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if not args.data or not args.metric:
+        raise CalibrationError("give --data (a file or a dataset id) and --metric (" + METRIC_HELP + ")")
+    try:
+        scorer = resolve_metric(args.metric)
+        columns = parse_columns(args.columns)
+
+        def read(source, split, limit):
+            sets = load_validation(source, names, scorer, args.metric, tokenizer, args.max_new_tokens, split, columns,
+                                   gen)
+            for data in sets.values():
+                data.prompts = list(data.prompts)[:limit]
+            return sets
+
+        validation = read(args.data, args.split, args.limit)
+        train = None
+        if getattr(args, "policy", None) == "learned":
+            if not args.train_data:
+                raise CalibrationError("--policy learned trains its heads on other prompts: give --train-data")
+            train = read(args.train_data, args.train_split, args.train_limit)
+    except (DataError, ValueError) as err:
+        raise CalibrationError(str(err)) from None
+    return model, tokenizer, validation, train
+
+
+def describe(point) -> str:
+    return f"tau={point.tau:.4g}" if point.tau is not None else ("k=never" if point.k is None else f"k={point.k}")
+
+
+def why(target: dict, point, full) -> str:
+    if "min_skip" in target:
+        return (f"the best validation accuracy among settings skipping >= {target['min_skip']:.0%} of decode "
+                f"LoRA calls ({point.accuracy:.1%}, {100 * (point.accuracy - full.accuracy):+.1f} points)")
+    return (f"the most skipping ({point.skip_fraction:.0%}) within {100 * target['max_accuracy_drop']:.1f} points "
+            f"of the adapter kept to the end")
+
+
+def write_report(out: Path, args, curves: dict, choices: dict, seconds: float, device) -> str:
+    """`calibration.json` + `calibration.md` in `out`; returns the Markdown."""
+    from ..testbed.calibrate import environment_line
+
+    given = " ".join(args.argv)
+    lines = [f"# StepTrim {args.policy} calibration", "", f"`lorazor calibrate {given}`", "",
+             "| adapter | setting | validation accuracy | vs kept to the end | decode LoRA skipped | chosen for |",
+             "|---|---|---|---|---|---|"]
+    report = {"command": f"lorazor calibrate {given}", "policy": args.policy, "seconds": round(seconds, 1),
+              "adapters": {}}
+    for name, curve in curves.items():
+        full = next(p for p in curve if p.is_full_lora)
+        for p in curve:
+            tags = [label for label, (point, _) in choices[name].items() if point is p]
+            lines.append(f"| {name} | {describe(p)} | {p.accuracy:.1%} | {100 * (p.accuracy - full.accuracy):+.1f} | "
+                         f"{p.skip_fraction:.0%} | {', '.join(tags)} |")
+        report["adapters"][name] = {
+            "kept_to_the_end": {"accuracy": full.accuracy},
+            "points": [dict(p.__dict__, setting=describe(p)) for p in curve],
+            "chosen": {label: dict(setting=describe(p), accuracy=p.accuracy, skip=p.skip_fraction, why=reason)
+                       for label, (p, reason) in choices[name].items()},
+        }
+    lines += ["", "Chosen, and why:", ""]
+    for name, picked in choices.items():
+        for label, (p, reason) in picked.items():
+            lines.append(f"- {name}, {label}: {describe(p)}: {reason}; realized skip {p.skip_fraction:.0%}.")
+    lines += ["", f"k=never / tau=-inf keep the adapter to the end. {environment_line(device)}; "
+              f"{time.strftime('%Y-%m-%d')}; took {seconds:.0f} s."]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calibration.json").write_text(json.dumps(report, indent=2))
+    text = "\n".join(lines) + "\n"
+    (out / "calibration.md").write_text(text)
+    return text
+
+
+def calibrate(argv: list[str]) -> int:
+    from ..calibration import calibrate_learned, calibrate_profiled, select_point
+    from ..policies import LearnedRelease, ProfiledRelease, save_release_policy
+
+    args = parser("calibrate").parse_args(argv)
+    args.command, args.argv = "calibrate", argv
+    args.out_data = args.out / "testbed_data"
+    targets = targets_of(args)
+    start = time.time()
+    model, tokenizer, validation, train = load_inputs(args)
+    progress = not args.no_progress
+    first = targets[0]
+    try:
+        lengths = [int(k) for k in args.lengths.split(",")]
+    except ValueError:
+        raise CalibrationError(f"--lengths {args.lengths!r}: give ints such as 0,1,2,4,8") from None
+    # The curves do not depend on the rule: compute them once, with the first rule, then select per rule.
+    rule = dict(first, min_skip=0.0) if "min_skip" in first else first
+    if args.policy == "profiled":
+        _, curves = calibrate_profiled(model, tokenizer, validation, **rule, lengths=lengths,
+                                       batch_size=args.batch_size, progress=progress)
+    else:
+        learned, curves = calibrate_learned(model, tokenizer, train, validation, **rule, batch_size=args.batch_size,
+                                            progress=progress)
+    choices, failures = {name: {} for name in curves}, []
+    for target in targets:
+        label = ", ".join(f"{k.replace('_accuracy', '').replace('_', '-')} {v:g}" for k, v in target.items())
+        for name, curve in curves.items():
+            full = next(p for p in curve if p.is_full_lora)
+            try:
+                point = select_point(curve, **target)
+            except ValueError:
+                best = max(curve, key=lambda p: p.skip_fraction)
+                failures.append(f"adapter {name!r}: no setting skips {target['min_skip']:.0%} of decode LoRA calls; "
+                                f"the most any reaches is {best.skip_fraction:.0%} ({describe(best)})")
+                continue
+            choices[name][label] = (point, why(target, point, full))
+    seconds = time.time() - start
+    print(write_report(args.out, args, curves, choices, seconds, model.device))
+    if failures:
+        raise CalibrationError("; ".join(failures) + f" (every curve is in {args.out / 'calibration.md'})")
+    for label in choices[next(iter(choices))]:
+        folder = args.out if len(targets) == 1 else args.out / label.replace(" ", "_")
+        if args.policy == "profiled":
+            policy = ProfiledRelease({name: picked[label][0].k for name, picked in choices.items()})
+        else:
+            policy = LearnedRelease({name: (*learned.heads[name][:2], picked[label][0].tau)
+                                     for name, picked in choices.items()})
+        save_release_policy(policy, folder)
+        print(f"policy ({label}) saved under {folder}/<adapter>/: `lorazor serve --release-policy {folder}`")
+    return 0
+
+
+def evaluate(argv: list[str]) -> int:
+    from ..calibration.runs import run_cases
+    from ..policies import load_release_policy
+
+    args = parser("eval").parse_args(argv)
+    args.command, args.argv = "eval", argv
+    args.out_data = (args.out or Path(".")) / "testbed_data"
+    model, tokenizer, validation, _ = load_inputs(args)
+    policy = None
+    if args.policy_dir is not None:
+        try:
+            policy = load_release_policy(args.policy_dir)
+        except (OSError, ValueError, KeyError) as err:
+            raise CalibrationError(f"--policy-dir {str(args.policy_dir)!r}: {err}") from None
+    cases = [(name, data, policy) for name, data in validation.items()]
+    if policy is None:
+        from ..policies import ProfiledRelease
+
+        cases = [(name, data, ProfiledRelease({name: None})) for name, data in validation.items()]
+    results = run_cases(model, tokenizer, cases, args.batch_size, not args.no_progress, desc="evaluation")
+    rows = {name: dict(accuracy=sum(c) / len(c), decode_lora_skipped=skip, examples=len(c))
+            for (name, _, _), (c, skip) in zip(cases, results)}
+    print(f"policy: {args.policy_dir or 'none (adapters kept to the end)'}")
+    print("| adapter | examples | accuracy | decode LoRA skipped |\n|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['examples']} | {r['accuracy']:.1%} | {r['decode_lora_skipped']:.0%} |")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "eval.json").write_text(json.dumps(dict(command=f"lorazor eval {' '.join(argv)}", rows=rows,
+                                                            policy_dir=str(args.policy_dir or "")), indent=2))
+    return 0
+
+
+def main(command: str, argv: list[str] | None = None) -> int:
+    argv = sys.argv[2:] if argv is None else argv
+    return calibrate(argv) if command == "calibrate" else evaluate(argv)
