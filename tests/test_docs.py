@@ -9,6 +9,9 @@ server and run in test_serving_tutorial.py.
 """
 
 import re
+import shlex
+import subprocess
+import sys
 import shutil
 from pathlib import Path
 
@@ -21,6 +24,12 @@ PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs")
 READER_HAS = ["peft_model", "tokenizer", "prompts", "batch", "input_ids", "mask", "ids", "ids_a", "ids_b", "ids_c",
               "model", "x", "lora_a", "lora_b", "scaling", "row_slot", "run_matches", "sql_prompts", "sql_refs", "medqa_prompts",
               "medqa_refs", "tasks"]
+
+
+def testbed_commands(page: str) -> list[str]:
+    """The page's `lorazor calibrate --testbed ...` shell commands (run as CI runs them)."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
+    return [line.strip() for b in blocks for line in b.splitlines() if line.startswith("lorazor calibrate --testbed")]
 
 
 def python_blocks(page: str) -> list[str]:
@@ -88,6 +97,10 @@ def test_page_code_blocks_run(page, workdir, monkeypatch):
         if any(re.search(rf"^\s*(import|from) (lorazor\.)?{extra}\b", b, flags=re.M) for b in blocks):
             pytest.importorskip(extra)
     monkeypatch.chdir(workdir)
+    for command in testbed_commands(page):  # the page's shell steps its python blocks read the results of
+        done = subprocess.run([sys.executable, "-m", *shlex.split(command)], cwd=workdir, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, f"{page}: `{command}` failed:\n{done.stderr[-3000:]}"
     ns = reader_namespace()
     for i, block in enumerate(blocks):
         if "from_peft(peft_model" in block:

@@ -67,6 +67,8 @@ def parser(command: str) -> argparse.ArgumentParser:
         ap.add_argument("--train-data", help="learned: the prompts heads train on (same format as --data)")
         ap.add_argument("--train-split", default="train")
         ap.add_argument("--train-limit", type=int, default=200, help="learned: training examples per adapter (200)")
+        ap.add_argument("--seed", type=int, help="learned: shuffle the training examples with this seed before "
+                        "--train-limit (default: the data's order)")
         ap.add_argument("--out", type=Path, required=True, help="folder for the policies and the report")
     else:
         ap.add_argument("--policy-dir", type=Path, help="policies saved by `lorazor calibrate` (default: none, "
@@ -149,19 +151,16 @@ def load_inputs(args):
         scorer = resolve_metric(args.metric)
         columns = parse_columns(args.columns)
 
-        def read(source, split, limit):
-            sets = load_validation(source, names, scorer, args.metric, tokenizer, args.max_new_tokens, split, columns,
-                                   gen)
-            for data in sets.values():
-                data.prompts = list(data.prompts)[:limit]
-            return sets
+        def read(source, split, limit, seed=None):
+            return load_validation(source, names, scorer, args.metric, tokenizer, args.max_new_tokens, split, columns,
+                                   gen, limit, seed)
 
         validation = read(args.data, args.split, args.limit)
         train = None
         if getattr(args, "policy", None) == "learned":
             if not args.train_data:
                 raise CalibrationError("--policy learned trains its heads on other prompts: give --train-data")
-            train = read(args.train_data, args.train_split, args.train_limit)
+            train = read(args.train_data, args.train_split, args.train_limit, args.seed)
     except (DataError, ValueError) as err:
         raise CalibrationError(str(err)) from None
     return model, tokenizer, validation, train
@@ -217,6 +216,7 @@ def write_report(out: Path, args, curves: dict, choices: dict, seconds: float, d
 def calibrate(argv: list[str]) -> int:
     from ..calibration import calibrate_learned, calibrate_profiled, select_point
     from ..policies import LearnedRelease, ProfiledRelease, save_release_policy
+    from .data import DataError
 
     args = parser("calibrate").parse_args(argv)
     args.command, args.argv = "calibrate", argv
@@ -232,12 +232,15 @@ def calibrate(argv: list[str]) -> int:
         raise CalibrationError(f"--lengths {args.lengths!r}: give ints such as 0,1,2,4,8") from None
     # The curves do not depend on the rule: compute them once, with the first rule, then select per rule.
     rule = dict(first, min_skip=0.0) if "min_skip" in first else first
-    if args.policy == "profiled":
-        _, curves = calibrate_profiled(model, tokenizer, validation, **rule, lengths=lengths,
-                                       batch_size=args.batch_size, progress=progress)
-    else:
-        learned, curves = calibrate_learned(model, tokenizer, train, validation, **rule, batch_size=args.batch_size,
-                                            progress=progress)
+    try:
+        if args.policy == "profiled":
+            _, curves = calibrate_profiled(model, tokenizer, validation, **rule, lengths=lengths,
+                                           batch_size=args.batch_size, progress=progress)
+        else:
+            learned, curves = calibrate_learned(model, tokenizer, train, validation, **rule,
+                                                batch_size=args.batch_size, progress=progress)
+    except DataError as err:  # a scorer that raised, naming the example
+        raise CalibrationError(str(err)) from None
     choices, failures = {name: {} for name in curves}, []
     for target in targets:
         label = ", ".join(f"{k.replace('_accuracy', '').replace('_', '-')} {v:g}" for k, v in target.items())
@@ -270,6 +273,7 @@ def calibrate(argv: list[str]) -> int:
 def evaluate(argv: list[str]) -> int:
     from ..calibration.runs import run_cases
     from ..policies import load_release_policy
+    from .data import DataError
 
     args = parser("eval").parse_args(argv)
     args.command, args.argv = "eval", argv
@@ -286,7 +290,10 @@ def evaluate(argv: list[str]) -> int:
         from ..policies import ProfiledRelease
 
         cases = [(name, data, ProfiledRelease({name: None})) for name, data in validation.items()]
-    results = run_cases(model, tokenizer, cases, args.batch_size, not args.no_progress, desc="evaluation")
+    try:
+        results = run_cases(model, tokenizer, cases, args.batch_size, not args.no_progress, desc="evaluation")
+    except DataError as err:
+        raise CalibrationError(str(err)) from None
     rows = {name: dict(accuracy=sum(c) / len(c), decode_lora_skipped=skip, examples=len(c))
             for (name, _, _), (c, skip) in zip(cases, results)}
     print(f"policy: {args.policy_dir or 'none (adapters kept to the end)'}")

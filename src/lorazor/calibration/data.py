@@ -10,6 +10,7 @@ names. With one adapter, rows may leave `adapter` out. `load_validation` groups 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from .metrics import Scorer
@@ -91,9 +92,11 @@ def _prompt_of(row: dict, tokenizer, here: str) -> str:
 
 def load_validation(source: str, adapters: list[str], scorer: Scorer, metric_name: str, tokenizer,
                     max_new_tokens: int, split: str = "train", columns: dict[str, str] | None = None,
-                    generate_kwargs: dict | None = None) -> dict[str, ValidationSet]:
+                    generate_kwargs: dict | None = None, limit: int | None = None,
+                    seed: int | None = None) -> dict[str, ValidationSet]:
     """One `ValidationSet` per adapter of `adapters` from the rows of `source` (see the module
-    docstring). A row's `max_new_tokens` overrides `max_new_tokens` (the same within an adapter)."""
+    docstring). A row's `max_new_tokens` overrides `max_new_tokens` (the same within an adapter).
+    `seed`: shuffle each adapter's rows with it; `limit`: then keep the first `limit` of them."""
     rows, where = read_rows(source, split)
     if not rows:
         raise DataError(f"{source}: no examples")
@@ -117,6 +120,10 @@ def load_validation(source: str, adapters: list[str], scorer: Scorer, metric_nam
         if lengths.setdefault(adapter, n) != n:
             raise DataError(f"{here}: max_new_tokens {n} differs from {lengths[adapter]} earlier for adapter {adapter!r}")
         by_adapter[adapter].append((row, here))
+    for items in by_adapter.values():
+        if seed is not None:
+            random.Random(seed).shuffle(items)
+        del items[limit:]
     empty = [name for name, items in by_adapter.items() if not items]
     if empty:
         raise DataError(f"{source}: no examples for adapters {empty}")

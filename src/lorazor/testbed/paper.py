@@ -190,7 +190,7 @@ def plot(results: list[dict], out: Path) -> None:
 def main(argv=None) -> None:
     from lorazor import LoRazorConfig, LoRazorModel
     from lorazor.testbed import load
-    from lorazor.testbed.calibrate import _environment, pick_tasks
+    from lorazor.testbed.calibrate import environment_line, pick_tasks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -216,7 +216,7 @@ def main(argv=None) -> None:
     for name, task in tqdm(tasks.items(), desc="tasks", total=len(tasks)):
         results.append(run_task(model, tokenizer, name, task, args, timings))
     given = " ".join(sys.argv[1:] if argv is None else argv)
-    meta = dict(command=f"python -m lorazor.testbed.paper {given}", environment=_environment(model.device),
+    meta = dict(command=f"python -m lorazor.testbed.paper {given}", environment=environment_line(model.device),
                 date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - start, 1),
                 stage_seconds={k: round(v, 1) for k, v in timings.items()})
     args.out.mkdir(parents=True, exist_ok=True)
