@@ -31,8 +31,10 @@ def task_set(split, n):
 
 
 validation = {"science": task_set("validation", n)}
-profiled, profiled_curves = calibrate_profiled(model, tokenizer, validation, min_skip=0.5, lengths=(0, 1, 2, 4, 8, 16))
-learned, learned_curves = calibrate_learned(model, tokenizer, {"science": task_set("train", n)}, validation, min_skip=0.5)
+profiled, profiled_curves = calibrate_profiled(model, tokenizer, validation, min_skip=0.5, lengths=(0, 1, 2, 4, 8, 16),
+                                               progress=True)
+learned, learned_curves = calibrate_learned(model, tokenizer, {"science": task_set("train", n)}, validation, min_skip=0.5,
+                                            progress=True)
 
 full = profiled_curves["science"][0]
 k = profiled.lengths["science"]
