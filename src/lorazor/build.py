@@ -16,7 +16,8 @@ from .adapters import AdapterBank, AdapterError, check_adapter_name, check_lora_
 from .adapters import find_lora_layers, peft_adapter_weights, read_adapter
 from .config import LoRazorConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Hugging Face `model_type`s whose decoders run through LoRazor's runner (tested against PEFT).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
 # Slot rank when nothing given at build time says otherwise (vLLM's default max_lora_rank).
 DEFAULT_MAX_LORA_RANK = 16
 
@@ -40,10 +41,34 @@ def check_config(config) -> LoRazorConfig:
     return config
 
 
-def check_architecture(hf_model: nn.Module) -> None:
-    model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
+def check_model_type(model_type) -> None:
     if model_type not in SUPPORTED_ARCHITECTURES:
-        raise NotImplementedError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+        raise NotImplementedError(f"model_type {model_type!r} is not supported; supported: "
+                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def check_architecture(hf_model: nn.Module) -> None:
+    check_model_type(getattr(getattr(hf_model, "config", None), "model_type", None))
+
+
+def check_before_loading(base, config: LoRazorConfig, load_kwargs: dict) -> None:
+    """Refuse a model id or folder from its config.json alone, before any weight is read: an
+    unsupported `model_type`, or no decoder linear layer matching `lora_target_modules` (checked on
+    the model's structure built with accelerate's empty weights). A local-looking path that does
+    not exist is refused as such (not as a malformed Hub id)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    text = str(base)
+    if not Path(text).exists() and (text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text):
+        raise FileNotFoundError(f"no model folder at {text!r}")
+    keys = ("revision", "trust_remote_code", "token", "cache_dir", "local_files_only")
+    hf_config = AutoConfig.from_pretrained(base, **{k: v for k, v in load_kwargs.items() if k in keys})
+    check_model_type(getattr(hf_config, "model_type", None))
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    if not linear_targets(skeleton, config.lora_target_modules):
+        raise ValueError(f"no linear layer of the decoder matches lora_target_modules={config.lora_target_modules}")
 
 
 def linear_targets(hf_model: nn.Module, patterns) -> dict[str, nn.Linear]:
@@ -109,6 +134,7 @@ def build_from_pretrained(cls, base, adapters: dict | None, config: LoRazorConfi
     if isinstance(base, (str, Path)):
         from transformers import AutoModelForCausalLM
 
+        check_before_loading(base, config, load_kwargs)
         if config.torch_dtype is not None:
             load_kwargs.setdefault("dtype", config.torch_dtype)
         hf_model = AutoModelForCausalLM.from_pretrained(base, **load_kwargs)

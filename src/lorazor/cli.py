@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"lorazor {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="one mixed-adapter batch on a tiny model, checked against PEFT")
-    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])
+    from lorazor.tiny import ARCHITECTURES
+
+    p.add_argument("--arch", default="llama", choices=list(ARCHITECTURES))
     p.add_argument("--grid", default="exact", choices=["full", "active_rows", "two_class", "exact"])
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (random-model demo)")

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Mistral / Qwen2 models with several LoRA adapters, built from configs.
+"""Tiny random models of every supported family with several LoRA adapters, built from configs.
 
 Used by `lorazor demo`, the tests and the docs: nothing is downloaded.
 """
@@ -9,7 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
+# Phi-3 fuses q/k/v and gate/up into one linear each: adapters target the fused modules.
+PHI3_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                "up_proj": "gate_up_proj"}
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,10 @@ DEFAULT_ADAPTERS = (
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 96, tie_embeddings: bool = False):
-    """A 2-layer model config of the given architecture, with GQA (4 heads, 2 KV heads)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """A 2-layer model config of the given architecture, with GQA (4 heads, 2 KV heads). Gemma 2's
+    softcaps are set low (attention 2.0, final logits 1.5) so that they change a tiny model's outputs."""
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -45,6 +50,17 @@ def tiny_config(arch: str = "llama", vocab_size: int = 96, tie_embeddings: bool 
         return MistralConfig(**common, sliding_window=None)
     if arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=16, use_sliding_window=False)
+    if arch == "gemma":
+        return GemmaConfig(**common, head_dim=16)
+    if arch == "gemma2":
+        return Gemma2Config(**common, head_dim=16, sliding_window=512, query_pre_attn_scalar=16,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=1.5)
+    if arch == "gemma3":
+        return Gemma3TextConfig(**common, head_dim=16, sliding_window=512, query_pre_attn_scalar=16)
+    if arch == "phi3":
+        return Phi3Config(**common)
     raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
 
 
@@ -64,8 +80,9 @@ def tiny_peft_model(
     base.eval()
     peft_model = None
     for spec in adapters:
+        targets = sorted({PHI3_TARGETS.get(t, t) for t in spec.targets}) if arch == "phi3" else list(spec.targets)
         cfg = LoraConfig(
-            r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets), use_rslora=spec.rslora,
+            r=spec.r, lora_alpha=spec.alpha, target_modules=targets, use_rslora=spec.rslora,
             init_lora_weights=False, lora_dropout=0.0,
         )
         if peft_model is None:

@@ -142,7 +142,10 @@ def load_inputs(args):
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         kw = dict(device_map=device) if device != "cpu" else {}
-        model = LoRazorModel.from_pretrained(args.model, adapters, LoRazorConfig(dtype=args.dtype), **kw)
+        try:
+            model = LoRazorModel.from_pretrained(args.model, adapters, LoRazorConfig(dtype=args.dtype), **kw)
+        except (NotImplementedError, ValueError, OSError) as err:  # refused from config.json, before weights
+            raise CalibrationError(str(err)) from None
         names = list(adapters)
         gen = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if not args.data or not args.metric:

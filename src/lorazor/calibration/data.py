@@ -123,7 +123,8 @@ def load_validation(source: str, adapters: list[str], scorer: Scorer, metric_nam
     for items in by_adapter.values():
         if seed is not None:
             random.Random(seed).shuffle(items)
-        del items[limit:]
+        if limit is not None:
+            del items[limit:]
     empty = [name for name, items in by_adapter.items() if not items]
     if empty:
         raise DataError(f"{source}: no examples for adapters {empty}")

@@ -79,6 +79,11 @@ class LoRazorEngine:
                              "model with LoRazorConfig(compile=False)")
         self.model = model
         runner = self.runner = model.runner
+        if runner.attention_softcap is not None:
+            raise NotImplementedError(
+                f"the engine's paged attention has no attention-logit softcapping, which this "
+                f"{runner.hf_model.config.model_type} model uses (attn_logit_softcapping={runner.attention_softcap}): "
+                "use LoRazorModel.generate for it")
         if num_kv_blocks is None:
             per_block = runner.kv_bytes_per_token() * block_size
             if model.device.type == "cuda":

@@ -25,12 +25,18 @@ def lorazor_attention(module, query, key, value, attention_mask, scaling=None, d
     kernel reads only each row's valid keys; otherwise SDPA runs over the masked cache.
     """
     paged = kwargs.get(PAGED_KWARG)
+    softcap = kwargs.get("softcap")
     if paged is not None:
+        if softcap is not None:  # the engine refuses such models up front; this is the backstop
+            raise NotImplementedError("the paged attention has no attention-logit softcapping")
         return paged_attention_forward(module, query, paged, scaling), None
     if attention_mask is None or attention_mask.dtype != torch.bool:
         raise RuntimeError("lorazor attention needs the bool mask built by LoRazor's KV cache")
     B, H, q_len, D = query.shape
     h_kv = key.shape[1]
+    if softcap is not None:
+        return softcapped_attention(query, key, value, attention_mask, scaling if scaling is not None else D**-0.5,
+                                    softcap), None
     kv_range = kwargs.get(KV_RANGE_KWARG)
     if q_len == 1 and kv_range is not None:
         scale = scaling if scaling is not None else D**-0.5
@@ -45,6 +51,18 @@ def lorazor_attention(module, query, key, value, attention_mask, scaling=None, d
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=H != h_kv
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def softcapped_attention(query, key, value, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's logit softcapping, `softcap * tanh(scores / softcap)` before the
+    mask and softmax, as HF's eager attention computes it (SDPA has no softcapping)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
 def register_attention() -> None:

@@ -75,6 +75,15 @@ class ModelRunner:
         return getattr(self.hf_model.config, "max_position_embeddings", None)
 
     @property
+    def final_logit_softcap(self) -> float | None:
+        return getattr(self.hf_model.config, "final_logit_softcapping", None)
+
+    @property
+    def attention_softcap(self) -> float | None:
+        """Gemma 2's attention-logit softcapping (None for most models)."""
+        return getattr(self.hf_model.config, "attn_logit_softcapping", None)
+
+    @property
     def sliding_window(self) -> int | None:
         cfg = self.hf_model.config
         window = getattr(cfg, "sliding_window", None)
@@ -155,7 +164,7 @@ class ModelRunner:
         """Prompt forward with adapters. Returns (last hidden `[B, H]`, last logits `[B, V]`)."""
         last = self.prefill_hidden(input_ids, attention_mask, cache, row_slot)[:, -1]
         with torch.inference_mode():
-            return last, self.lm_head(last)
+            return last, self.logits(last)
 
     def _decode_core(self, tokens, positions, write_pos, cache, row_slot, meta=None):
         # Straight-line code (no context managers) so torch.compile traces it whole.
@@ -176,12 +185,18 @@ class ModelRunner:
         return hidden, torch.empty(batch_size, weight.shape[0], dtype=weight.dtype, device=weight.device)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The LM head on `[n, H]` hidden states, into `out` when given (graphs share one buffer)."""
+        """The LM head on `[n, H]` hidden states, into `out` when given (graphs share one buffer),
+        with the model's final logit softcapping (Gemma 2) when it has one."""
         if out is None:
-            return self.lm_head(hidden)
-        if isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
-            return torch.mm(hidden, self.lm_head.weight.t(), out=out)
-        return out.copy_(self.lm_head(hidden))
+            logits = self.lm_head(hidden)
+        elif isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
+            logits = torch.mm(hidden, self.lm_head.weight.t(), out=out)
+        else:
+            logits = out.copy_(self.lm_head(hidden))
+        cap = self.final_logit_softcap
+        if cap is not None:
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     def decode_step(self, tokens, positions, write_pos, cache, row_slot, meta=None, logits_out=None):
         """One decode forward for every row: token `[B]` at position `[B]` written at `write_pos [B]`

@@ -167,6 +167,18 @@ def settings_of(args: argparse.Namespace):
         raise SystemExit(f"lorazor serve: {err}") from err
 
 
+def check_model(model: str) -> None:
+    """Refuse an unsupported or missing model from its config.json, in one line, before any weight
+    is read (and before the engine's process starts)."""
+    from lorazor.build import check_before_loading
+    from lorazor.config import LoRazorConfig
+
+    try:
+        check_before_loading(model, LoRazorConfig(), {})
+    except (NotImplementedError, ValueError, OSError) as err:
+        raise SystemExit(f"lorazor serve: error: {err}") from None
+
+
 def build(args: argparse.Namespace, on_engine_dead=None):
     """(app, served model name) for parsed arguments."""
     from .app import build_app
@@ -177,6 +189,8 @@ def build(args: argparse.Namespace, on_engine_dead=None):
     if not args.testbed and not args.model:
         raise SystemExit("lorazor serve needs --model PATH_OR_ID or --testbed")
     adapter_paths(args)  # a malformed --adapter stops here, before any model loads
+    if args.model:
+        check_model(args.model)
     settings = settings_of(args)
     if args.release_policy is not None and not args.release_policy.is_dir():
         raise SystemExit(f"--release-policy {str(args.release_policy)!r} is not a folder")
