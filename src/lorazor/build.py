@@ -148,7 +148,7 @@ def build_from_pretrained(cls, base, adapters: dict | None, config: LoRazorConfi
             cast_parameters(hf_model, config.torch_dtype)
     check_architecture(hf_model)
     hf_model.eval()
-    sources = {name: read_adapter(name, path) for name, path in adapters.items()}
+    sources = {name: read_adapter(name, path, allow_hub=True) for name, path in adapters.items()}
     max_rank = config.max_lora_rank or max((s.max_rank for s in sources.values()), default=DEFAULT_MAX_LORA_RANK)
     targets = linear_targets(hf_model, config.lora_target_modules)
     if not targets:

@@ -47,6 +47,7 @@ class LoRazorModel(nn.Module):
         self.model = model
         self.bank = bank
         self.registry = AdapterRegistry(bank, config.max_cpu_loras)
+        self.registry.base_model = getattr(model, "name_or_path", None) or None
         self.config = config
         self.guard = ModelGuard()
         backend = config.backend
@@ -96,7 +97,8 @@ class LoRazorModel(nn.Module):
         Args:
             base: a model id or path (loaded with `AutoModelForCausalLM.from_pretrained`, in
                 `config.dtype` when set, with `load_kwargs`) or a loaded `PreTrainedModel`.
-            adapters: adapter name -> folder (`adapter_config.json` + `adapter_model.safetensors`
+            adapters: adapter name -> folder or Hugging Face Hub repo id (fetched into the Hub cache;
+                `HF_HUB_OFFLINE=1` reads the cache only) (`adapter_config.json` + `adapter_model.safetensors`
                 or `.bin`). Registered in order; as many as there are slots are loaded now.
             config: the `LoRazorConfig`; `max_loras`, `max_lora_rank`, `max_cpu_loras` and
                 `lora_target_modules` size the bank (see there).
@@ -120,11 +122,13 @@ class LoRazorModel(nn.Module):
         """Registered adapter name -> `AdapterStatus` (on disk / in host memory / in a GPU slot, rank, targets)."""
         return self.registry.statuses()
 
-    def register_adapter(self, name: str, path) -> AdapterStatus:
+    def register_adapter(self, name: str, path, allow_hub: bool = True) -> AdapterStatus:
         """Register a PEFT adapter folder under `name`: its config and weights' header are checked
-        against the bank now, its weights are loaded into a GPU slot when a batch first uses it."""
+        against the bank now, its weights are loaded into a GPU slot when a batch first uses it.
+        A Hugging Face Hub repo id (`owner/name`, not a local path) is fetched into the Hub cache
+        unless `allow_hub=False` (`HF_HUB_OFFLINE=1` uses the cache only)."""
         with self.guard.hold(f"register adapter {name!r}"):
-            return self.registry.register(name, path)
+            return self.registry.register(name, path, allow_hub=allow_hub)
 
     def unregister_adapter(self, name: str) -> None:
         """Forget an adapter and free its slot; later batches naming it raise KeyError."""

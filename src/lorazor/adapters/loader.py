@@ -169,6 +169,7 @@ SAFE_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def _pair_shapes(name: str, shapes: dict) -> dict:
+    _check_inside_decoder(name, {}, shapes)
     pairs: dict[str, dict[str, tuple]] = {}
     for key, shape in shapes.items():
         module, kind = module_of_key(key)
@@ -181,11 +182,43 @@ def _pair_shapes(name: str, shapes: dict) -> dict:
     return {module: (pair["A"], pair["B"]) for module, pair in pairs.items()}
 
 
-def read_adapter(name: str, path) -> AdapterSource:
-    """Validate an adapter folder without reading its weights (for `.bin`, without its tensors)."""
-    check_adapter_name(name)
+# Modules outside the decoder's linear layers: LoRA on them is refused, naming them.
+OUTSIDE_DECODER = ("lm_head", "embed_tokens", "wte", "embed_out")
+
+
+def resolve_adapter_folder(name: str, path, allow_hub: bool) -> Path:
+    """The local folder of `path`, or with `allow_hub` the Hugging Face Hub snapshot of a repo id
+    `owner/name` that is not a local path (`huggingface_hub.snapshot_download`: its cache and
+    `HF_HUB_OFFLINE` apply; only the adapter's config and weights are fetched)."""
     folder = Path(path)
+    text = str(path)
+    if folder.exists() or not allow_hub or text.count("/") != 1 or text.startswith((".", "/", "~")):
+        return folder
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=[CONFIG_FILE, SAFE_FILE, LEGACY_FILE]))
+    except Exception as err:  # offline and not cached, unknown repo, no network: say which
+        raise AdapterError(f"adapter {name!r}: {text!r} is not a local folder, and fetching it from the Hugging Face "
+                           f"Hub failed ({type(err).__name__}: {err})") from None
+
+
+def _check_inside_decoder(name: str, cfg: dict, keys) -> None:
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    found = sorted({m for m in OUTSIDE_DECODER for t in [*targets, *keys] if m in str(t)})
+    if found:
+        raise AdapterError(f"adapter {name!r} puts LoRA on {', '.join(found)}: LoRazor serves LoRA on the "
+                           "decoder's linear layers only (attention and MLP projections)")
+
+
+def read_adapter(name: str, path, allow_hub: bool = False) -> AdapterSource:
+    """Validate an adapter folder without reading its weights (for `.bin`, without its tensors).
+    `allow_hub`: a Hub repo id that is not a local folder is fetched (`resolve_adapter_folder`)."""
+    check_adapter_name(name)
+    folder = resolve_adapter_folder(name, path, allow_hub)
     cfg = _read_config(name, folder)
+    _check_inside_decoder(name, cfg, ())
     if (folder / SAFE_FILE).is_file():
         shapes = _header_shapes(name, folder / SAFE_FILE)
     elif (folder / LEGACY_FILE).is_file():

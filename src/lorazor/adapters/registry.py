@@ -10,6 +10,7 @@ data, never graph keys: loads and evictions never invalidate a captured CUDA gra
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,18 +79,22 @@ class AdapterRegistry:
         self.broken: dict[str, str] = {}
 
     # ---- registration ---------------------------------------------------------------------------
-    def register(self, name: str, path, source: AdapterSource | None = None) -> AdapterStatus:
+    def register(self, name: str, path, source: AdapterSource | None = None, allow_hub: bool = False) -> AdapterStatus:
         """Check an adapter folder against the bank and remember it; no weights are read.
-        `source`: the folder already read by `read_adapter`."""
+        `source`: the folder already read by `read_adapter`; `allow_hub`: a Hub repo id may be fetched."""
         check_adapter_name(name)
         if name in self.entries:
             raise AdapterError(f"adapter {name!r} is already registered ({self.status(name).location})")
-        source = source or read_adapter(name, path)
+        source = source or read_adapter(name, path, allow_hub)
+        warn_if_other_base(name, source.config.get("base_model_name_or_path"), self.base_model)
         check_source(source, self.bank.module_sizes, self.bank.r_max)
         targets = _kinds(source.shapes) if source.shapes is not None else tuple(
             sorted(source.config.get("target_modules") or ()))
         self.entries[name] = _Entry(source, None, source.max_rank, targets)
         return self.status(name)
+
+    # The served model's name or path (set by LoRazorModel), compared with each adapter's base model.
+    base_model: str | None = None
 
     def add_loaded(self, name: str, weights: AdapterWeights) -> int:
         """Register an adapter given as weights (from a PeftModel) and put it in a slot now."""
@@ -219,3 +224,15 @@ class AdapterRegistry:
 
     def statuses(self) -> dict[str, AdapterStatus]:
         return {name: self.status(name) for name in self.entries}
+
+
+def warn_if_other_base(name: str, trained_on, served) -> None:
+    """Warn, naming both, when an adapter's config says it was trained on another base model than
+    the one served (the same folder name counts as the same model: a local copy of a Hub model)."""
+    if not trained_on or not served:
+        return
+    same = str(trained_on).rstrip("/") == str(served).rstrip("/") or (
+        Path(str(trained_on)).name == Path(str(served)).name)
+    if not same:
+        warnings.warn(f"adapter {name!r} was trained on base model {trained_on!r}, but the served model is "
+                      f"{served!r}: its outputs may be wrong even though its shapes fit", UserWarning, stacklevel=3)

@@ -40,11 +40,11 @@ def engine_info(engine) -> dict:
 
 
 def register(model, name: str, path: str, replace: bool = False) -> None:
-    """Register an adapter folder; with `replace`, in place of a registered adapter of that name
-    (refused while requests use it)."""
+    """Register an adapter folder at run time; with `replace`, in place of a registered adapter of
+    that name (refused while requests use it). A client's path is never fetched from the Hub."""
     if replace and name in model.adapter_names:
         model.unregister_adapter(name)
-    model.register_adapter(name, path)
+    model.register_adapter(name, path, allow_hub=False)
 
 
 class LocalEngine:
