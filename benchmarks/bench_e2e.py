@@ -214,16 +214,28 @@ def main() -> None:
         if args.compile:
             sweep(True, ["exact"])
     graphs = model.graphs
-    meta = dict(environment(), command=" ".join(sys.argv), batch=B, prompt=T, new_tokens=NEW, rank=RANK,
-                **kernel_config, compile=args.compile, peft_new_tokens=args.peft_new, graphs=graphs.num_graphs(),
-                graph_capture_s_all_runs=round(graphs.capture_seconds, 2), graph_GB_last_sweep=round(graphs.capture_bytes / 1e9, 3),
-                date=time.strftime("%Y-%m-%d"))
+    meta = dict(
+        environment(),
+        command=" ".join(sys.argv),
+        batch=B,
+        prompt=T,
+        new_tokens=NEW,
+        rank=RANK,
+        **kernel_config,
+        compile=args.compile,
+        peft_new_tokens=args.peft_new,
+        graphs=graphs.num_graphs(),
+        graph_capture_s_all_runs=round(graphs.capture_seconds, 2),
+        graph_GB_last_sweep=round(graphs.capture_bytes / 1e9, 3),
+        date=time.strftime("%Y-%m-%d"),
+    )
     render(rows, meta, args.out, f"e2e_{args.model}{args.tag}")
 
 
 def render(rows: list[dict], meta: dict, out: Path, name: str) -> None:
     """Results table (markdown + JSON) and the latency/throughput plot."""
-    head = "| system | grid | L | decode tok/s | step ms | vs backbone | total new tok/s |\n|---|---|---|---|---|---|---|\n"
+    head = ("| system | grid | L | decode tok/s | step ms | vs backbone | total new tok/s |\n"
+            "|---|---|---|---|---|---|---|\n")
     body = "".join(f"| {r['system']} | {r['grid']} | {r['L']} | {r.get('decode_tok_s', float('nan')):.0f} | "
                    f"{r.get('step_ms', float('nan')):.2f} | {r.get('vs_backbone', float('nan')):.2f} | "
                    f"{r.get('total_new_tok_s', float('nan')):.0f} |\n" for r in rows)

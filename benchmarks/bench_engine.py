@@ -99,9 +99,15 @@ def run_static(model, workload, identities, names, ks, batch: int) -> dict:
         for i, r in enumerate(part):
             ids[i, T - len(r.prompt):] = torch.tensor(r.prompt)
             mask[i, T - len(r.prompt):] = 1
-        model.generate(ids.to(model.device), attention_mask=mask.to(model.device), adapter_ids=[names[i] for i in identities[b:b + batch]],
-                       release=[ks[r.group] for r in part], max_new_tokens=max(r.max_new_tokens for r in part),
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            adapter_ids=[names[i] for i in identities[b : b + batch]],
+            release=[ks[r.group] for r in part],
+            max_new_tokens=max(r.max_new_tokens for r in part),
+            do_sample=False,
+            pad_token_id=0,
+        )
         useful += sum(r.max_new_tokens for r in part)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -122,7 +128,9 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=32.0)
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: offline,skewed,open,static,backbone")
     ap.add_argument("--deadline", type=float, default=1e9, help="skip stages that would end later (s from start)")
-    ap.add_argument("--tag", default="", help="suffix of this run's rows and meta files (runs of one part side by side)")
+    ap.add_argument(
+        "--tag", default="", help="suffix of this run's rows and meta files (runs of one part side by side)"
+    )
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on this machine (checks the logic)")
     args = ap.parse_args()
     if args.render:
@@ -139,10 +147,19 @@ def main() -> None:
         for r in workload:
             r.prompt, r.max_new_tokens = r.prompt[:16], min(r.max_new_tokens, 8)
     ks = wl.release_lengths(workload)
-    meta = dict(environment(), part=args.part, requests=len(workload), release_k=ks,
-                planned_skip=wl.skip_fraction(workload, ks), graphs_captured=captured,
-                capture_s=engine.graphs.total_capture_seconds if engine.graphs else 0.0, setup_s=time.perf_counter() - t0,
-                kv_blocks=engine.pool.num_blocks, ttft_slo=args.ttft_slo, **shape)
+    meta = dict(
+        environment(),
+        part=args.part,
+        requests=len(workload),
+        release_k=ks,
+        planned_skip=wl.skip_fraction(workload, ks),
+        graphs_captured=captured,
+        capture_s=engine.graphs.total_capture_seconds if engine.graphs else 0.0,
+        setup_s=time.perf_counter() - t0,
+        kv_blocks=engine.pool.num_blocks,
+        ttft_slo=args.ttft_slo,
+        **shape,
+    )
     print(json.dumps(meta), flush=True)
     (args.out / f"meta_{args.part}{args.tag}.json").write_text(json.dumps(meta, indent=2))
     # Warm the eager prefill path (Triton compiles for the prefill tiles) outside the timings.
@@ -319,8 +336,12 @@ def targets(rows, offline, open_rows, most: int, slo: float) -> list[str]:
     req_s = {r["system"]: r["req_s"] for r in offline if r["L"] in (most, 0)}
     knees = {system: wl.knee([(r["rate"], r["ttft_p90"]) for r in open_rows if r["system"] == system], slo)
              for system in sorted({r["system"] for r in open_rows})}
-    checks = [("lorazor / backbone", "lorazor", "backbone", 0.90), ("exact / backbone", "exact", "backbone", 0.75),
-              ("lorazor / full", "lorazor", "full", 1.5), ("lorazor engine / static generate", "lorazor", "static", 1.5)]
+    checks = [
+        ("lorazor / backbone", "lorazor", "backbone", 0.90),
+        ("exact / backbone", "exact", "backbone", 0.75),
+        ("lorazor / full", "lorazor", "full", 1.5),
+        ("lorazor engine / static generate", "lorazor", "static", 1.5),
+    ]
     lines = ["", f"## Targets at {most} adapters (ratios within this run)", "", "| ratio | value | target | met |",
              "|---|---|---|---|"]
     for label, a, b, target in checks:

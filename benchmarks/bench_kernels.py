@@ -144,8 +144,10 @@ def time_gemms(pool, weights) -> float:
 
 
 def time_backbone(shape: dict) -> float:
-    ws = [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), torch.randn(M, k, device="cuda", dtype=torch.bfloat16))
-          for k, n in projections(shape).values()]
+    ws = [
+        (torch.randn(n, k, device="cuda", dtype=torch.bfloat16), torch.randn(M, k, device="cuda", dtype=torch.bfloat16))
+        for k, n in projections(shape).values()
+    ]
     return time_graph(lambda: [x @ w.T for w, x in ws]) * 1e3
 
 
@@ -228,7 +230,9 @@ def main() -> None:
                         # The model's bank holds 128 slots; the batch's distinct adapters bound the grid.
                         bounded = build_batch_meta(slots, 128, "exact", max_active_slots=slot_bound_class(L, 128))
                         row["exact_merged_bank128_us"] = time_merged(bank, bounded, cfg)
-                        row["exact_merged_bank128_unbounded_us"] = time_merged(bank, build_batch_meta(slots, 128, "exact"), cfg)
+                        row["exact_merged_bank128_unbounded_us"] = time_merged(
+                            bank, build_batch_meta(slots, 128, "exact"), cfg
+                        )
                         weights = base_weights(merged)
                         row["merged_gemm_us"] = time_gemms(merged, weights)
                         row["gemm_lora_us"] = time_with_gemms(merged, weights, meta, cfg)
@@ -252,21 +256,26 @@ def main() -> None:
         del bank
     meta = dict(environment(), command=" ".join(sys.argv), copy_bandwidth_TBps=bw / 1e12, rank=RANK, rows_M=M,
                 kernel_config=dataclasses.asdict(cfg), date=time.strftime("%Y-%m-%d"))
-    head = ("| model | case | L | full us | active_rows us | two_class us | exact us | full merged us | exact merged us | "
-            "floor us | exact/full | exact/floor | merged exact/full | merged exact/floor | "
-            "merged exact, 128-slot bank us | same, unbounded grid us | exact rank-masked us | backbone GEMMs us | "
-            "merged GEMMs us | GEMMs + merged exact us | exact merged, PDL us | GEMMs + merged exact, PDL us | "
-            "exact merged, PDL, fused o/down us | GEMMs + same us |\n")
+    head = (
+        "| model | case | L | full us | active_rows us | two_class us | exact us | full merged us | exact merged us | "
+        "floor us | exact/full | exact/floor | merged exact/full | merged exact/floor | "
+        "merged exact, 128-slot bank us | same, unbounded grid us | exact rank-masked us | backbone GEMMs us | "
+        "merged GEMMs us | GEMMs + merged exact us | exact merged, PDL us | GEMMs + merged exact, PDL us | "
+        "exact merged, PDL, fused o/down us | GEMMs + same us |\n"
+    )
     head += "|---" * 24 + "|\n"
     body = "".join(
-        f"| {r['model']} | {r['case']} | {r['L']} | {r['full_us']:.1f} | {r['active_rows_us']:.1f} | {r['two_class_us']:.1f} | "
-        f"{r['exact_us']:.1f} | {r['full_merged_us']:.1f} | {r['exact_merged_us']:.1f} | {r['floor_us']:.1f} | "
-        f"{r['exact_over_full']:.2f} | {r['exact_over_floor']:.2f} | {r['merged_over_full']:.2f} | {r['merged_over_floor']:.2f} | "
-        f"{r['exact_merged_bank128_us']:.1f} | {r['exact_merged_bank128_unbounded_us']:.1f} | {r['exact_masked_us']:.1f} | "
-        f"{r['backbone_gemm_us']:.1f} | {r['merged_gemm_us']:.1f} | {r['gemm_lora_us']:.1f} | {r['exact_merged_pdl_us']:.1f} | "
+        f"| {r['model']} | {r['case']} | {r['L']} | {r['full_us']:.1f} | {r['active_rows_us']:.1f} | "
+        f"{r['two_class_us']:.1f} | {r['exact_us']:.1f} | {r['full_merged_us']:.1f} | {r['exact_merged_us']:.1f} | "
+        f"{r['floor_us']:.1f} | {r['exact_over_full']:.2f} | {r['exact_over_floor']:.2f} | "
+        f"{r['merged_over_full']:.2f} | {r['merged_over_floor']:.2f} | {r['exact_merged_bank128_us']:.1f} | "
+        f"{r['exact_merged_bank128_unbounded_us']:.1f} | {r['exact_masked_us']:.1f} | {r['backbone_gemm_us']:.1f} | "
+        f"{r['merged_gemm_us']:.1f} | {r['gemm_lora_us']:.1f} | {r['exact_merged_pdl_us']:.1f} | "
         f"{r['gemm_lora_pdl_us']:.1f} | {r['exact_merged_pdl_fused_us']:.1f} | {r['gemm_lora_pdl_fused_us']:.1f} |\n"
-        for r in rows)
-    table = f"# LoRA kernel time per layer (7 projections, rank {RANK}, M={M}, bf16)\n\n```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}"
+        for r in rows
+    )
+    table = (f"# LoRA kernel time per layer (7 projections, rank {RANK}, M={M}, bf16)\n\n"
+             f"```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}")
     table += ("\nPer-projection columns (full, active_rows, two_class, exact) run shrink + expand for each of the 7 "
               "projections (14 launches per layer) without the per-slot rank load, as the model does for a bank "
               "of uniform-rank adapters. Merged columns run q/k/v and gate/up as one shrink + one segmented expand "

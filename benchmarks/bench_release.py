@@ -94,8 +94,12 @@ def main() -> None:
     adapter_ids = [names[i % len(names)] for i in range(B)]
     ids = torch.randint(3, vocab, (B, 128 if not args.tiny else 8), device=device)
     k = (NEW - 1) // 2
-    policies = (("backbone only", None), ("no release", None), (f"profiled k={k}", ProfiledRelease({n: k for n in unique})),
-                ("profiled k=0", ProfiledRelease({n: 0 for n in unique})))
+    policies = (
+        ("backbone only", None),
+        ("no release", None),
+        (f"profiled k={k}", ProfiledRelease({n: k for n in unique})),
+        ("profiled k=0", ProfiledRelease({n: 0 for n in unique})),
+    )
     backbone_tok_s = None
     for label, policy in policies:
         row_ids = [None] * B if label == "backbone only" else adapter_ids
@@ -120,8 +124,12 @@ def main() -> None:
                      for r in rows if r["kind"] == "decision")
     table += ("\n| policy | batch | adapters | decode tok/s | vs backbone | decode LoRA skipped |\n"
               "|---|---|---|---|---|---|\n")
-    table += "".join(f"| {r['policy']} | {r['batch']} | {r['adapters']} | {r['decode_tok_s']:.0f} | "
-                     f"{r['vs_backbone']:.2f} | {r['skip_fraction']:.0%} |\n" for r in rows if r["kind"] == "throughput")
+    table += "".join(
+        f"| {r['policy']} | {r['batch']} | {r['adapters']} | {r['decode_tok_s']:.0f} | "
+        f"{r['vs_backbone']:.2f} | {r['skip_fraction']:.0%} |\n"
+        for r in rows
+        if r["kind"] == "throughput"
+    )
     name = ("release" + ("_tiny" if args.tiny else "") + ("_throughput" if args.throughput_only else "")
             + ("_compiled" if args.compile else ""))
     write_results(args.out, name, rows, meta, table)

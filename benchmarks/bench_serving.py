@@ -258,12 +258,16 @@ def replicas_main(args, t0: float) -> None:
     rows = serving_replicas.main(args)
     meta = dict(environment(), replicas=args.replicas, max_loras=args.max_loras, seconds=args.seconds,
                 clients=args.clients, total_s=time.perf_counter() - t0)
-    lines = [f"# Adapter affinity on Ray Serve ({args.replicas} replicas of the testbed, CPU)", "",
-             f"commit {meta['commit']}, {meta.get('gpu', 'CPU')}, torch {meta['torch']}; {rows[0]['adapters']} adapters "
-             f"used uniformly, {args.max_loras} GPU slots per replica, {rows[0]['requests']} requests at "
-             f"{rows[0]['rate']:g} req/s", "",
-             "| affinity | adapter loads | loads per request | achieved req/s | TTFT p50 | TTFT p90 |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Adapter affinity on Ray Serve ({args.replicas} replicas of the testbed, CPU)",
+        "",
+        f"commit {meta['commit']}, {meta.get('gpu', 'CPU')}, torch {meta['torch']}; {rows[0]['adapters']} adapters "
+        f"used uniformly, {args.max_loras} GPU slots per replica, {rows[0]['requests']} requests at "
+        f"{rows[0]['rate']:g} req/s",
+        "",
+        "| affinity | adapter loads | loads per request | achieved req/s | TTFT p50 | TTFT p90 |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(f"| {'on' if r['affinity'] else 'off'} | {r['adapter_loads']:.0f} | {r['loads_per_request']:.2f} "
                      f"| {r['achieved_req_s']:.1f} | {r['ttft_p50']:.3f} | {r['ttft_p90']:.3f} |")

@@ -27,14 +27,17 @@ generation = dict(max_new_tokens=task.max_new_tokens, eos_token_id=tokenizer.eos
 def task_set(split, n):
     examples = task.split(split)[:n]
     # score(answer, i): the task's evaluator against example i.
-    return ValidationSet([ex["prompt"] for ex in examples], lambda answer, i: task.score(answer, examples[i]), generation)
+    return ValidationSet(
+        [ex["prompt"] for ex in examples], lambda answer, i: task.score(answer, examples[i]), generation
+    )
 
 
 validation = {"science": task_set("validation", n)}
 profiled, profiled_curves = calibrate_profiled(model, tokenizer, validation, min_skip=0.5, lengths=(0, 1, 2, 4, 8, 16),
                                                progress=True)
-learned, learned_curves = calibrate_learned(model, tokenizer, {"science": task_set("train", n)}, validation, min_skip=0.5,
-                                            progress=True)
+learned, learned_curves = calibrate_learned(
+    model, tokenizer, {"science": task_set("train", n)}, validation, min_skip=0.5, progress=True
+)
 
 full = profiled_curves["science"][0]
 k = profiled.lengths["science"]

@@ -80,7 +80,9 @@ def adapter_copy(tmp_path, **config_changes):
 def test_adapter_of_another_base_model_warns_naming_both(tmp_path):
     model = LoRazorModel.from_pretrained(ASSETS / "backbone")
     folder = adapter_copy(tmp_path, base_model_name_or_path="Qwen/Qwen2-0.5B")
-    with pytest.warns(UserWarning, match=r"trained on base model 'Qwen/Qwen2-0.5B', but the served model is '.*backbone'"):
+    with pytest.warns(
+        UserWarning, match=r"trained on base model 'Qwen/Qwen2-0.5B', but the served model is '.*backbone'"
+    ):
         model.register_adapter("sql", folder)
     with _no_warning():
         model.register_adapter("same", ASSETS / "adapters" / "math")  # trained on another copy of this backbone

@@ -174,8 +174,10 @@ def test_paired_continuations_label_what_release_breaks(testbed):
     # Re-derive the labels from two independent generations.
     for t in (0, 5):
         rows = ex.position == t
-        on = [evaluate_release(model, tokenizer, "sql", [prompts[i]], lambda a, _, i=i: score(a, i), None, **gen).accuracy
-              for i in ex.request[rows].tolist()]
+        on = [
+            evaluate_release(model, tokenizer, "sql", [prompts[i]], lambda a, _, i=i: score(a, i), None, **gen).accuracy
+            for i in ex.request[rows].tolist()
+        ]
         off = [evaluate_release(model, tokenizer, "sql", [prompts[i]], lambda a, _, i=i: score(a, i), t, **gen).accuracy
                for i in ex.request[rows].tolist()]
         expected = [a == 1.0 and b == 0.0 for a, b in zip(on, off)]

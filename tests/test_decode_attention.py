@@ -6,7 +6,9 @@ from conftest import DEVICE, KERNEL_DTYPES, TOL
 from lorazor_kernels import decode_attention, decode_attention_reference
 
 
-@pytest.mark.parametrize("B, H, H_kv, S, D", [(1, 4, 4, 16, 16), (5, 6, 2, 70, 32), (9, 8, 2, 130, 64), (3, 24, 8, 64, 128)])
+@pytest.mark.parametrize(
+    "B, H, H_kv, S, D", [(1, 4, 4, 16, 16), (5, 6, 2, 70, 32), (9, 8, 2, 130, 64), (3, 24, 8, 64, 128)]
+)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_decode_attention_matches_reference(B, H, H_kv, S, D, dtype):
     g = torch.Generator().manual_seed(B * S)

@@ -21,9 +21,30 @@ import torch
 ROOT = Path(__file__).parent.parent
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
                                if p.name != "serving.md")
-READER_HAS = ["peft_model", "tokenizer", "prompts", "batch", "input_ids", "mask", "ids", "ids_a", "ids_b", "ids_c",
-              "model", "x", "lora_a", "lora_b", "scaling", "row_slot", "run_matches", "sql_prompts", "sql_refs", "medqa_prompts",
-              "medqa_refs", "tasks"]
+READER_HAS = [
+    "peft_model",
+    "tokenizer",
+    "prompts",
+    "batch",
+    "input_ids",
+    "mask",
+    "ids",
+    "ids_a",
+    "ids_b",
+    "ids_c",
+    "model",
+    "x",
+    "lora_a",
+    "lora_b",
+    "scaling",
+    "row_slot",
+    "run_matches",
+    "sql_prompts",
+    "sql_refs",
+    "medqa_prompts",
+    "medqa_refs",
+    "tasks",
+]
 
 
 def testbed_commands(page: str) -> list[str]:

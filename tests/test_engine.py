@@ -87,8 +87,14 @@ def test_release_settings_equal_static_generate(pair, release):
     outs = eng.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=7, release=release, **GEN)
                          for p, a in zip(ps, ADAPTERS)])
     for p, a, o in zip(ps, ADAPTERS, outs):
-        ref = model.generate(torch.tensor([p], device=model.device), adapter_ids=[a], release=[release], max_new_tokens=7, do_sample=False,
-                             **GEN)
+        ref = model.generate(
+            torch.tensor([p], device=model.device),
+            adapter_ids=[a],
+            release=[release],
+            max_new_tokens=7,
+            do_sample=False,
+            **GEN,
+        )
         assert o.token_ids == ref.sequences[0, len(p):].tolist()
         assert o.release_step == int(ref.release_steps[0])
         assert (o.decode_steps, o.lora_decode_steps) == (int(ref.decode_steps[0]), int(ref.lora_decode_steps[0]))
@@ -260,7 +266,9 @@ def test_learned_release_equals_static_generate(pair):
         outs = eng.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=8, **GEN) for p, a in zip(ps, ADAPTERS)])
         released = 0
         for p, a, o in zip(ps, ADAPTERS, outs):
-            ref = model.generate(torch.tensor([p], device=model.device), adapter_ids=[a], max_new_tokens=8, do_sample=False, **GEN)
+            ref = model.generate(
+                torch.tensor([p], device=model.device), adapter_ids=[a], max_new_tokens=8, do_sample=False, **GEN
+            )
             assert o.token_ids == ref.sequences[0, len(p):].tolist()
             assert o.release_step == int(ref.release_steps[0]), a
             released += o.release_step >= 0

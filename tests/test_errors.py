@@ -118,7 +118,10 @@ def test_batch_with_more_adapters_than_max_loras():
         (dict(dtype="float8"), "dtype must be one of"),
         (dict(block_m=24), "block_m must be a power of two"),
         (dict(capture_batch_sizes=(16,)), "capture_batch_sizes needs max_cache_len"),
-        (dict(capture_batch_sizes=(0,), max_cache_len=64), "entries must be ints in \\[1, max_batch_size=256\\], got 0"),
+        (
+            dict(capture_batch_sizes=(0,), max_cache_len=64),
+            "entries must be ints in \\[1, max_batch_size=256\\], got 0",
+        ),
         (dict(capture_batch_sizes=(512,), max_cache_len=64), "got 512"),
     ],
 )

@@ -25,16 +25,26 @@ def test_example_runs(script):
 def test_benchmark_logic_runs_on_a_tiny_model(tmp_path):
     """The user-facing benchmarks' model plumbing (bench_release --tiny; bench_e2e's random adapters)."""
     root = EXAMPLES.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels"), str(root / "benchmarks")])}
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_release.py"), "--tiny", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels"), str(root / "benchmarks")]),
+    }
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_release.py"), "--tiny", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    check = ("import torch; from lorazor import LoRazorConfig, LoRazorModel; from lorazor.tiny import tiny_peft_model;"
-             "from bench_e2e import assign, fill_random_adapters;"
-             "m = LoRazorModel.from_peft(tiny_peft_model(), LoRazorConfig(max_loras=6));"
-             "names = m.adapter_names + fill_random_adapters(m, 3, 3);"
-             "assert [m.adapters[n].location for n in names] == ['gpu'] * 6, m.adapters;"
-             "m.generate(torch.randint(3, 90, (6, 4)), adapter_ids=assign(6, 6, names), max_new_tokens=2, pad_token_id=0)")
+    check = (
+        "import torch; from lorazor import LoRazorConfig, LoRazorModel; from lorazor.tiny import tiny_peft_model;"
+        "from bench_e2e import assign, fill_random_adapters;"
+        "m = LoRazorModel.from_peft(tiny_peft_model(), LoRazorConfig(max_loras=6));"
+        "names = m.adapter_names + fill_random_adapters(m, 3, 3);"
+        "assert [m.adapters[n].location for n in names] == ['gpu'] * 6, m.adapters;"
+        "m.generate(torch.randint(3, 90, (6, 4)), adapter_ids=assign(6, 6, names), max_new_tokens=2, pad_token_id=0)"
+    )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -70,14 +80,39 @@ def test_engine_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path):
     import json
 
     root = EXAMPLES.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels"), str(root / "benchmarks")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels"), str(root / "benchmarks")]),
+    }
     script = str(root / "benchmarks" / "bench_engine.py")
     for part in ("exact", "full"):
-        done = subprocess.run([sys.executable, script, "--tiny", "--part", part, "--requests", "16", "--adapters", "4,8",
-                               "--rates", "40", "--open-seconds", "0.3", "--out", str(tmp_path)], capture_output=True,
-                              text=True, timeout=600, env=env)
+        done = subprocess.run(
+            [
+                sys.executable,
+                script,
+                "--tiny",
+                "--part",
+                part,
+                "--requests",
+                "16",
+                "--adapters",
+                "4,8",
+                "--rates",
+                "40",
+                "--open-seconds",
+                "0.3",
+                "--out",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for p in ("exact", "full") for line in (tmp_path / f"rows_{p}.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for p in ("exact", "full") for line in (tmp_path / f"rows_{p}.jsonl").read_text().splitlines()
+    ]
     stages = {(r["stage"], r["system"]) for r in rows}
     assert {("offline", "lorazor"), ("offline", "exact"), ("offline", "full"), ("offline", "full_release"),
             ("backbone", "backbone"), ("skewed", "lorazor"), ("skewed", "full"), ("open", "lorazor"), ("open", "full"),

@@ -90,8 +90,9 @@ def test_lru_churn_two_slots_six_adapters_always_equal_peft(folders):
         pick = [names[i] for i in torch.randperm(len(names), generator=g)[:2].tolist()]
         rows = [pick[0], None, pick[1], pick[0]]
         ids, mask = make_batch(4, 5, seed=10 + step, pad_rows=(1,))
-        assert torch.equal(generate(model, ids, mask, rows), peft_generate(oracle, ids, mask, rows, max_new_tokens=6)), \
-            f"step {step}: {rows}"
+        assert torch.equal(
+            generate(model, ids, mask, rows), peft_generate(oracle, ids, mask, rows, max_new_tokens=6)
+        ), f"step {step}: {rows}"
         status = model.adapters
         assert sum(s.location == "gpu" for s in status.values()) == 2
         assert sum(s.location == "host" for s in status.values()) <= 3
@@ -169,7 +170,9 @@ def test_target_outside_the_bank_is_refused_at_registration(folders):
     _, paths = folders
     model = LoRazorModel.from_pretrained(base_model(), adapters={"kv": paths["kv"]},
                                          config=LoRazorConfig(lora_target_modules=["k_proj", "v_proj"]))
-    with pytest.raises(AdapterError, match="adapter 'ffn' targets model.layers.0.mlp.(gate|up|down)_proj, which is not among"):
+    with pytest.raises(
+        AdapterError, match="adapter 'ffn' targets model.layers.0.mlp.(gate|up|down)_proj, which is not among"
+    ):
         model.register_adapter("ffn", paths["ffn"])
 
 

@@ -194,12 +194,19 @@ def test_in_place_logits_processor_in_fp32(pair, batch):
 
 def test_generation_config_object_and_kwargs(pair, batch):
     model, oracle = pair
-    cfg = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=PAD, eos_token_id=EOS, repetition_penalty=1.4)
+    cfg = GenerationConfig(
+        max_new_tokens=5, do_sample=False, pad_token_id=PAD, eos_token_id=EOS, repetition_penalty=1.4
+    )
     ids, mask = batch
     got = model.generate(ids, attention_mask=mask, adapter_ids=ROWS, generation_config=cfg, no_repeat_ngram_size=2)
     with torch.no_grad():
-        want = oracle.generate(input_ids=ids, attention_mask=mask, adapter_names=peft_names(ROWS), generation_config=cfg,
-                               no_repeat_ngram_size=2)
+        want = oracle.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            adapter_names=peft_names(ROWS),
+            generation_config=cfg,
+            no_repeat_ngram_size=2,
+        )
     assert torch.equal(got.sequences, want)
 
 
@@ -256,8 +263,13 @@ def test_stop_strings_match_hf(testbed):
     model, oracle, tokenizer, tasks = testbed
     prompts, rows = prompts_of(tasks), ["sql", "science", None]
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id, stop_strings=[" FROM", "e ", "Step 3"],
-              tokenizer=tokenizer)
+    kw = dict(
+        max_new_tokens=40,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        stop_strings=[" FROM", "e ", "Step 3"],
+        tokenizer=tokenizer,
+    )
     with torch.no_grad():
         want = oracle.generate(**enc, adapter_names=peft_names(rows), **kw)
         plain = oracle.generate(**enc, adapter_names=peft_names(rows), max_new_tokens=40, do_sample=False,
@@ -312,7 +324,9 @@ def test_min_new_tokens_runs_one_min_length_processor_and_matches_peft(pair, bat
     assert kinds.count(MinNewTokensLengthLogitsProcessor) == 1 and MinLengthLogitsProcessor not in kinds
     # min_length alone is kept (with min_new_tokens given, HF overrides min_length with it).
     config, flags = resolve_config(model.model, None, dict(max_new_tokens=NEW, min_length=12, eos_token_id=EOS))
-    assert MinLengthLogitsProcessor in [type(p) for p in plan_generation(model.model, config, flags, ids, mask).processors]
+    assert MinLengthLogitsProcessor in [
+        type(p) for p in plan_generation(model.model, config, flags, ids, mask).processors
+    ]
     first = theirs(oracle, batch, do_sample=False)[:, ids.shape[1]].tolist()
     setting = dict(min_new_tokens=5, eos_token_id=[EOS, first[0]])
     assert torch.equal(ours(model, batch, do_sample=False, **setting).sequences,

@@ -37,7 +37,9 @@ def test_mixed_ranks_fall_back_to_per_module_and_stay_exact():
     model, oracle = build_pair("llama", LoRazorConfig(merge_projections=True))
     ids, mask = make_batch(4, 5, seed=12)
     adapters = ["math", "sql", None, "med"]
-    assert torch.equal(generate(model, ids, mask, adapters), peft_generate(oracle, ids, mask, adapters, max_new_tokens=6))
+    assert torch.equal(
+        generate(model, ids, mask, adapters), peft_generate(oracle, ids, mask, adapters, max_new_tokens=6)
+    )
     assert not any(group.ran_merged for group in model.merged_groups)
 
 

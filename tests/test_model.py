@@ -103,8 +103,12 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     ids, mask = make_batch(4, 5, seed=2)
     adapters = ["math", None, "sql", "med"]
     kw = dict(attention_mask=mask, adapter_ids=adapters, max_new_tokens=8, pad_token_id=PAD, eos_token_id=EOS)
-    a = model.generate(ids, do_sample=True, temperature=0.9, top_p=0.9, generator=torch.Generator(device=DEVICE).manual_seed(5), **kw)
-    b = model.generate(ids, do_sample=True, temperature=0.9, top_p=0.9, generator=torch.Generator(device=DEVICE).manual_seed(5), **kw)
+    a = model.generate(
+        ids, do_sample=True, temperature=0.9, top_p=0.9, generator=torch.Generator(device=DEVICE).manual_seed(5), **kw
+    )
+    b = model.generate(
+        ids, do_sample=True, temperature=0.9, top_p=0.9, generator=torch.Generator(device=DEVICE).manual_seed(5), **kw
+    )
     assert torch.equal(a.sequences, b.sequences)
     greedy = model.generate(ids, **kw)
     top1 = model.generate(ids, do_sample=True, top_k=1, generator=torch.Generator(device=DEVICE).manual_seed(1), **kw)
@@ -116,7 +120,9 @@ def test_triton_backend_matches_peft(grid, monkeypatch):
     """The Triton kernels (LoRA and decode attention; interpreter on CPU) inside the model give PEFT's tokens."""
     import lorazor.runner.attention as attention_module
 
-    model, oracle = build_pair("llama", LoRazorConfig(backend="triton", grid=grid, attention="triton", cuda_graphs=False))
+    model, oracle = build_pair(
+        "llama", LoRazorConfig(backend="triton", grid=grid, attention="triton", cuda_graphs=False)
+    )
     calls = []
     kernel = attention_module.decode_attention
     monkeypatch.setattr(attention_module, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))

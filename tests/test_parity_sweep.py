@@ -46,7 +46,11 @@ def test_forward_matches_peft(targets, ranks, merged, backend):
 def test_removing_an_adapter_of_another_rank_keeps_the_others_exact():
     # With z (rank 4) the bank mixes ranks and merged groups take the per-module path; once z is
     # removed every slot is rank 0 or 8 and the merged path runs, where y (v only) must still count.
-    adapters = (AdapterSpec("x", 8, 16, EVERY), AdapterSpec("y", 8, 12, ("v_proj",)), AdapterSpec("z", 4, 8, ("q_proj",)))
+    adapters = (
+        AdapterSpec("x", 8, 16, EVERY),
+        AdapterSpec("y", 8, 12, ("v_proj",)),
+        AdapterSpec("z", 4, 8, ("q_proj",)),
+    )
     model, oracle = build_pair("llama", LoRazorConfig(backend="reference"), adapters=adapters)
     ids, mask = make_batch(3, 5, seed=4)
     rows = ["y", "x", None]

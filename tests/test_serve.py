@@ -15,7 +15,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -120,8 +119,9 @@ def client(served):
 
 
 def offline(served, prompts, adapters, max_new_tokens=NEW):
-    return served["model"].generate_text(prompts, adapters, tokenizer=served["tokenizer"], max_new_tokens=max_new_tokens,
-                                         do_sample=False)
+    return served["model"].generate_text(
+        prompts, adapters, tokenizer=served["tokenizer"], max_new_tokens=max_new_tokens, do_sample=False
+    )
 
 
 def task_prompts(served, n):
@@ -282,7 +282,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served, bod
 
 
 def test_malformed_json_and_bad_adapter_paths(served, tmp_path):
-    r = httpx.post(f"{served['url']}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{served['url']}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(f"{served['url']}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
     assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]

@@ -535,7 +535,9 @@ def test_a_calibrated_policy_is_served_and_logged(tmp_path, caplog):
 
 # ---- 10. metrics -----------------------------------------------------------------------------------------
 def test_metrics_follow_vllms_names(server):
-    client(server).completions.create(model="math", prompt="Tom", max_tokens=3, temperature=0, extra_body={"release": 1})
+    client(server).completions.create(
+        model="math", prompt="Tom", max_tokens=3, temperature=0, extra_body={"release": 1}
+    )
     text = httpx.get(f"{server['url']}/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "time_to_first_token_seconds_bucket",
                  "time_per_output_token_seconds_bucket", "e2e_request_latency_seconds_bucket",

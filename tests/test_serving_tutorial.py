@@ -29,7 +29,9 @@ def test_serving_tutorial_commands_run(tmp_path):
     try:
         wait_healthy(f"http://127.0.0.1:{port}")
         for block in commands:
-            done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], capture_output=True, text=True, timeout=300)
+            done = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", block], capture_output=True, text=True, timeout=300
+            )
             assert done.returncode == 0, (block, done.stderr)
             assert done.stdout.strip(), block
             assert '"error"' not in done.stdout, (block, done.stdout)
@@ -51,7 +53,9 @@ def test_the_flag_table_states_the_commands_defaults():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(--[a-z-]+)[^`]*` \| ([^|]*) \|", PAGE.read_text(), re.M)}
+    rows = {
+        m.group(1): m.group(2) for m in re.finditer(r"^\| `(--[a-z-]+)[^`]*` \| ([^|]*) \|", PAGE.read_text(), re.M)
+    }
     flags = {a.option_strings[0]: a.default for a in parser._actions if a.option_strings and a.dest != "help"}
     assert set(rows) == set(flags), set(rows) ^ set(flags)
     for flag, default in flags.items():

@@ -43,15 +43,20 @@ def test_attach_creates_no_file_and_writes_nothing(db, tmp_path):
     assert not target.exists()
 
 
-@pytest.mark.parametrize("heavy", [
-    "SELECT randomblob(500000000)",
-    "SELECT zeroblob(500000000)",
-    "SELECT printf('%.*c', 500000000, 'x')",
-    "SELECT replace(replace(replace(replace(hex(name), '', ''), 'A', 'AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA'), "
-    "'A', 'AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA'), 'A', 'AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA') FROM employees",
-    "WITH RECURSIVE r(s) AS (SELECT 'x' UNION ALL SELECT s || s FROM r LIMIT 40) SELECT length(s) FROM r",
-    "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT COUNT(*) FROM r",
-])
+@pytest.mark.parametrize(
+    "heavy",
+    [
+        "SELECT randomblob(500000000)",
+        "SELECT zeroblob(500000000)",
+        "SELECT printf('%.*c', 500000000, 'x')",
+        "SELECT replace(replace(replace(replace(hex(name), '', ''), "
+        "'A', 'AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA'), "
+        "'A', 'AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA'), "
+        "'A', 'AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA') FROM employees",
+        "WITH RECURSIVE r(s) AS (SELECT 'x' UNION ALL SELECT s || s FROM r LIMIT 40) SELECT length(s) FROM r",
+        "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) SELECT COUNT(*) FROM r",
+    ],
+)
 def test_heavy_queries_fail_fast(db, heavy):
     start = time.monotonic()
     assert run_query(db, heavy) is None

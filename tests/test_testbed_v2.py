@@ -30,15 +30,21 @@ def _other_letter(letter):
     return "ABCD"[("ABCD".index(letter) + 1) % 4]
 
 
-@pytest.mark.parametrize("name, wrong", [
-    ("math", lambda ex: ex["reference"].replace(f"#### {ex['answer']}", f"#### {int(ex['answer']) + 1}")),
-    ("math", lambda ex: " I do not know."),
-    ("sql", lambda ex: " SELECT COUNT(*) FROM units"),
-    ("sql", lambda ex: ex["reference"].replace("staff", "employees").replace("units", "departments")),
-    ("sql", lambda ex: " DELETE FROM staff"),
-    ("medqa", lambda ex: ex["reference"].replace(f"answer is {ex['answer']}", f"answer is {_other_letter(ex['answer'])}")),
-    ("science", lambda ex: ex["reference"].replace(f"({ex['answer']})", f"({_other_letter(ex['answer'])})")),
-])
+@pytest.mark.parametrize(
+    "name, wrong",
+    [
+        ("math", lambda ex: ex["reference"].replace(f"#### {ex['answer']}", f"#### {int(ex['answer']) + 1}")),
+        ("math", lambda ex: " I do not know."),
+        ("sql", lambda ex: " SELECT COUNT(*) FROM units"),
+        ("sql", lambda ex: ex["reference"].replace("staff", "employees").replace("units", "departments")),
+        ("sql", lambda ex: " DELETE FROM staff"),
+        (
+            "medqa",
+            lambda ex: ex["reference"].replace(f"answer is {ex['answer']}", f"answer is {_other_letter(ex['answer'])}"),
+        ),
+        ("science", lambda ex: ex["reference"].replace(f"({ex['answer']})", f"({_other_letter(ex['answer'])})")),
+    ],
+)
 def test_wrong_answers_score_false(name, wrong):
     task = TASKS[name]
     examples = task.split("validation")[:100]
@@ -75,7 +81,15 @@ def test_corpus_has_the_knowledge_but_not_the_task_formats():
     for marker in ["Problem:", "Solution:", "Request:", "Query:", "Vignette:", "####", "Which of these is", "staff",
                    "wage", "Explanation:", "Response:"]:
         assert marker not in text, marker
-    for knowledge in ["In the end", "Step 1:", "SELECT", "point to the", "The answer is", "\nC. ", "So the answer is (D)"]:
+    for knowledge in [
+        "In the end",
+        "Step 1:",
+        "SELECT",
+        "point to the",
+        "The answer is",
+        "\nC. ",
+        "So the answer is (D)",
+    ]:
         assert knowledge in text, knowledge
 
 
@@ -110,7 +124,9 @@ def test_v2_training_pipeline_runs_end_to_end(tmp_path):
     with safe_open(tmp_path / "adapters" / "sql" / "adapter_model.safetensors", "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}  # shipped in fp16, as the backbone
     model, tok, tasks = load(tmp_path)
-    assert list(tasks) == ["math", "sql", "medqa", "science"] and tasks["sql"].split("test") == TASKS["sql"].split("test")
+    assert list(tasks) == ["math", "sql", "medqa", "science"] and tasks["sql"].split("test") == TASKS["sql"].split(
+        "test"
+    )
     for name in tasks:
         trained = [p for n, p in model.named_parameters() if "lora_B" in n and f".{name}." in n]
         assert len(trained) == 7 * 6 and all(p.abs().sum() > 0 for p in trained), name  # 7 projections x 6 layers

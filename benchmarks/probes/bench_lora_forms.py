@@ -67,7 +67,9 @@ def prepare(groups, ws, grouped_b_layout: str):
         a = g["a"]  # [S, G*r, K]
         b_store = g["b"].transpose(1, 2)  # [S, r, N]
         segs = segments(g)
-        scaled = [(b_store[:, :, lo:hi] * g["s"][i][:, None, None]).to(b_store.dtype) for i, (lo, hi) in enumerate(segs)]
+        scaled = [
+            (b_store[:, :, lo:hi] * g["s"][i][:, None, None]).to(b_store.dtype) for i, (lo, hi) in enumerate(segs)
+        ]
         p = dict(g=g, w=w, segs=segs, n=w.shape[0])
         # [N + G*S*r, K]: W with every slot's A under it, segment-major so each segment's xA is one block.
         n_seg = len(segs)
@@ -96,7 +98,9 @@ def step_state(slots: torch.Tensor) -> dict:
         onehot=(slots[:, None] == torch.arange(BANK, device=slots.device)).to(torch.bfloat16),
         order=order,
         offs=torch.cumsum(torch.bincount(slots, minlength=BANK), 0).to(torch.int32),
-        meta=build_batch_meta(slots, BANK, "exact", max_active_slots=slot_bound_class(int(slots.unique().numel()), BANK)),
+        meta=build_batch_meta(
+            slots, BANK, "exact", max_active_slots=slot_bound_class(int(slots.unique().numel()), BANK)
+        ),
     )
 
 
@@ -251,7 +255,9 @@ def main() -> None:
         slots = slot_map("decode", L, gen)
         st = step_state(slots)
         row = dict(model=args.model, L=L)
-        row["gemms_us"] = time_graph(lambda: [p["g"]["x"] @ p["w"].T for layer in pool for p in layer]) * 1e3 / len(pool)
+        row["gemms_us"] = (
+            time_graph(lambda: [p["g"]["x"] @ p["w"].T for layer in pool for p in layer]) * 1e3 / len(pool)
+        )
         row["own_gemms_us"] = time_own_gemms(pool)
         for form, fn in FORMS.items():
             if form == "grouped, presorted":  # its check needs the rows in slot order
@@ -263,18 +269,30 @@ def main() -> None:
             row[f"{form} LoRA us"] = row[f"{form} us"] - row["gemms_us"]
         rows.append(row)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    meta = dict(environment(), command=" ".join(sys.argv), bank_slots=BANK, rank=RANK, rows_M=M, grouped_b_layout=layout,
-                kernel_config=dataclasses.asdict(cfg), date=time.strftime("%Y-%m-%d"),
-                own_gemm_blocks=[[p["gemm_block"], p["expand_block"]] for p in pool[0]], own_gemm_err=own_gemm_err)
+    meta = dict(
+        environment(),
+        command=" ".join(sys.argv),
+        bank_slots=BANK,
+        rank=RANK,
+        rows_M=M,
+        grouped_b_layout=layout,
+        kernel_config=dataclasses.asdict(cfg),
+        date=time.strftime("%Y-%m-%d"),
+        own_gemm_blocks=[[p["gemm_block"], p["expand_block"]] for p in pool[0]],
+        own_gemm_err=own_gemm_err,
+    )
     head = "| L | merged GEMMs us | own GEMMs us | " + " | ".join(f"GEMMs + {f} us (LoRA us)" for f in FORMS) + " |\n"
     head += "|---" * (3 + len(FORMS)) + "|\n"
     body = "".join(f"| {r['L']} | {r['gemms_us']:.1f} | {r['own_gemms_us']:.1f} | "
                    + " | ".join(f"{r[f'{f} us']:.1f} ({r[f'{f} LoRA us']:.1f})" for f in FORMS) + " |\n" for r in rows)
-    table = (f"# A layer's LoRA beside its base GEMMs, several ways ({args.model}, 128-slot bank, rank {RANK}, M={M}, bf16)\n\n"
-             f"```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}\n"
-             "Each form is checked against an fp32 reference first (largest relative error in the JSON). "
-             "See the script's docstring for what each form runs. `own GEMMs us`: the Triton base GEMMs alone, "
-             "against cuBLAS's merged GEMMs; the own-GEMM form's LoRA us is measured against cuBLAS's GEMMs too.\n")
+    table = (
+        f"# A layer's LoRA beside its base GEMMs, several ways ({args.model}, 128-slot bank, rank {RANK}, M={M}, "
+        "bf16)\n\n"
+        f"```\n{json.dumps(meta, indent=2)}\n```\n\n{head}{body}\n"
+        "Each form is checked against an fp32 reference first (largest relative error in the JSON). "
+        "See the script's docstring for what each form runs. `own GEMMs us`: the Triton base GEMMs alone, "
+        "against cuBLAS's merged GEMMs; the own-GEMM form's LoRA us is measured against cuBLAS's GEMMs too.\n"
+    )
     write_results(args.out, f"lora_forms_{args.model}", rows, meta, table)
     print(table)
 

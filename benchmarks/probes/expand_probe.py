@@ -105,10 +105,15 @@ VARIANTS = {
     "FMA over the 8 rank columns, no dot": dict(FMA=True, LOAD_B=False),
 }
 # (BLOCK_N, warps, column splits, variants run): the shipped shape gets every variant.
-SHAPES_RUN = ((256, 4, 4, tuple(VARIANTS)), (128, 4, 8, ("probe, every stage",)),
-              (512, 8, 4, ("probe, every stage",)), (256, 8, 4, ("probe, every stage",)),
-              (64, 4, 4, ("FMA over the 8 rank columns, no dot",)), (128, 4, 4, ("FMA over the 8 rank columns, no dot",)),
-              (64, 2, 8, ("FMA over the 8 rank columns, no dot",)))
+SHAPES_RUN = (
+    (256, 4, 4, tuple(VARIANTS)),
+    (128, 4, 8, ("probe, every stage",)),
+    (512, 8, 4, ("probe, every stage",)),
+    (256, 8, 4, ("probe, every stage",)),
+    (64, 4, 4, ("FMA over the 8 rank columns, no dot",)),
+    (128, 4, 4, ("FMA over the 8 rank columns, no dot",)),
+    (64, 2, 8, ("FMA over the 8 rank columns, no dot",)),
+)
 
 
 def probe_setup(name: str, pool: int, pool_help: str):
@@ -144,7 +149,10 @@ def main() -> None:
             lora_expand(u, b.transpose(1, 2), scaling, rank, y, meta, cfg, mask_rank=False, write_only=True)
 
     shape = f"({cfg.expand_block_n} columns, {cfg.expand_num_warps} warps, {cfg.expand_num_stages} stages)"
-    for name, fn in ((f"shipped lora_expand {shape}", shipped), (f"shipped, write_only=True {shape}", shipped_write_only)):
+    for name, fn in (
+        (f"shipped lora_expand {shape}", shipped),
+        (f"shipped, write_only=True {shape}", shipped_write_only),
+    ):
         rows.append(dict(variant=name, us=time_graph(fn) * 1e3 / len(banks)))
         print(json.dumps(rows[-1]), flush=True)
     for block_n, warps, splits, names in SHAPES_RUN:
@@ -170,7 +178,9 @@ def main() -> None:
 def write_probe(out: Path, name: str, rows: list[dict], bytes_moved: int, bytes_what: str, keys: tuple, cfg) -> None:
     """A probe's rows as `<name>.json` (with the command, commit, GPU, versions) and a `<name>.md` table."""
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(environment(), command=" ".join(sys.argv), bytes_per_launch=bytes_moved, kernel_config=dataclasses.asdict(cfg))
+    meta = dict(
+        environment(), command=" ".join(sys.argv), bytes_per_launch=bytes_moved, kernel_config=dataclasses.asdict(cfg)
+    )
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     lines = [f"| variant | {' | '.join(keys)} | us per launch | GB/s ({bytes_what}) |", "|---" * (len(keys) + 3) + "|"]
     for r in rows:

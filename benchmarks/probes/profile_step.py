@@ -105,7 +105,7 @@ def main() -> None:
     layers = model.model.config.num_hidden_layers
     print(f"\nper decode step, batch {B}, {args.adapters} adapters, {layers} layers "
           f"(us{', median of %d profiles' % args.repeat if args.repeat > 1 else ''}; launches in brackets)\n")
-    print(f"| kernel | backbone | LoRA | LoRA - backbone |\n|---|---|---|---|")
+    print("| kernel | backbone | LoRA | LoRA - backbone |\n|---|---|---|---|")
     names_all = set(base_us) | set(lora_us)
     for name in sorted(names_all, key=lambda k: -abs(lora_us[k] - base_us[k]))[: args.rows]:
         print(f"| {short(name)} | {base_us[name]:.1f} [{base_n[name]:.0f}] | {lora_us[name]:.1f} [{lora_n[name]:.0f}] "

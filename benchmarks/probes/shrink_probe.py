@@ -91,7 +91,7 @@ def main() -> None:
         rank_blocks = triton.cdiv(R, BLOCK_R)
         shipped_split = _k_ranges(_split_k(meta, K, rank_blocks, cfg, torch.device("cuda")), K, cfg.shrink_block_k)[0]
 
-        def shipped():
+        def shipped(banks=banks):
             for a, x in banks:
                 lora_shrink(x, a, rank, meta, cfg, mask_rank=False)
 
@@ -107,7 +107,7 @@ def main() -> None:
             for name in names:
                 opts = {**dict(LOAD_X=True, LOAD_A=True, STORE=True), **VARIANTS[name]}
 
-                def run():
+                def run(banks=banks):
                     for a, x in banks:
                         _probe_kernel[(meta.num_tiles, u.shape[0], rank_blocks)](
                             x, a, u, meta.tile_slot, meta.tile_rows, sink, K, R, k_per_split,

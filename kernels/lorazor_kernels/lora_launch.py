@@ -9,6 +9,8 @@ import torch
 import triton
 
 from .kernel_config import KernelConfig, get_kernel_config
+from .lora_kernels import BLOCK_R, _lora_expand_kernel, _lora_shrink_kernel, padded_rank
+from .meta import LARGE_CLASS_CAPACITY, SMALL_CLASS_ROWS, LoRABatchMeta
 
 _B_LAYOUT_WARNED = False
 
@@ -23,8 +25,6 @@ def _warn_if_b_is_row_major(lora_b: torch.Tensor) -> None:
         _B_LAYOUT_WARNED = True
         warnings.warn("lora_b [L, N, r] is contiguous along r: the expand kernel reads it with strided loads. "
                       "Store B as [L, r, N] and pass b.transpose(1, 2) for full-width loads.", stacklevel=3)
-from .lora_kernels import BLOCK_R, _lora_expand_kernel, _lora_shrink_kernel, padded_rank
-from .meta import LARGE_CLASS_CAPACITY, SMALL_CLASS_ROWS, LoRABatchMeta
 
 
 def _launches(meta: LoRABatchMeta, expand: bool):

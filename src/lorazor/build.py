@@ -142,7 +142,9 @@ def build_from_pretrained(cls, base, adapters: dict | None, config: LoRazorConfi
         if hasattr(base, "peft_config"):
             raise TypeError("from_pretrained takes a base model; for a peft.PeftModel use LoRazorModel.from_peft")
         if not hasattr(base, "get_decoder"):
-            raise TypeError(f"base must be a model id/path or a transformers PreTrainedModel, got {type(base).__name__}")
+            raise TypeError(
+                f"base must be a model id/path or a transformers PreTrainedModel, got {type(base).__name__}"
+            )
         hf_model = base
         if config.torch_dtype is not None:
             cast_parameters(hf_model, config.torch_dtype)

@@ -90,9 +90,12 @@ class LoRazorConfig:
                 self.lora_target_modules)
             object.__setattr__(self, "lora_target_modules", targets)
             if not targets or not all(isinstance(t, str) and t for t in targets):
-                raise ValueError(f"lora_target_modules must be non-empty module names, got {self.lora_target_modules!r}")
+                raise ValueError(
+                    f"lora_target_modules must be non-empty module names, got {self.lora_target_modules!r}"
+                )
         if self.max_cpu_loras is not None and (
-                not isinstance(self.max_cpu_loras, int) or isinstance(self.max_cpu_loras, bool) or self.max_cpu_loras < 0):
+            not isinstance(self.max_cpu_loras, int) or isinstance(self.max_cpu_loras, bool) or self.max_cpu_loras < 0
+        ):
             raise ValueError(f"max_cpu_loras must be an int >= 0 or None, got {self.max_cpu_loras!r}")
         for name in ("max_batch_size", "max_loras", "max_lora_rank", "max_cache_len"):
             value = getattr(self, name)

@@ -23,7 +23,10 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 # Fields whose HF behaviour needs something LoRazor's loop does not do: refused, never ignored.
 REFUSED_FIELDS = {
-    "guidance_scale": (lambda v: v is not None and v != 1, "classifier-free guidance runs a second model call per step"),
+    "guidance_scale": (
+        lambda v: v is not None and v != 1,
+        "classifier-free guidance runs a second model call per step",
+    ),
     "token_healing": (bool, "token healing rewrites the prompt"),
     "output_attentions": (bool, "attention weights are not materialized by LoRazor's attention"),
     "output_hidden_states": (bool, "only the final hidden state is kept (for the release policy)"),

@@ -33,7 +33,9 @@ def check_batch(model, input_ids, attention_mask, adapter_ids) -> tuple[torch.Te
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
     # One host sync per call (never per step) for the checks below.
     vocab = model.model.get_input_embeddings().num_embeddings
     low, high, empty, right = torch.stack([

@@ -68,7 +68,9 @@ class LoRazorModel(nn.Module):
             self.model.config.hidden_size // self.model.config.num_attention_heads)
         attention = config.attention
         if attention == "auto":
-            attention = "triton" if self.device.type == "cuda" and head_dim >= 16 and not head_dim & (head_dim - 1) else "sdpa"
+            attention = (
+                "triton" if self.device.type == "cuda" and head_dim >= 16 and not head_dim & (head_dim - 1) else "sdpa"
+            )
         # Every forward of `generate()`, `forward()` and the engine runs through this runner.
         self.runner = ModelRunner(self.model, self.context, config, attention)
 

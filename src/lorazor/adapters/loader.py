@@ -4,8 +4,9 @@ A folder holds `adapter_config.json` and `adapter_model.safetensors` (or PEFT's 
 `adapter_model.bin`, read with `torch.load(weights_only=True)`: tensors only). Registration reads
 the JSON and the safetensors header (names, shapes and dtypes, no data; a `.bin` file has no
 header, so its tensors are read and checked then), so a bad folder is refused before any weights
-move and a load between two engine steps finds nothing new to fail on. Tensor keys are PEFT's (`base_model.model.<module>.lora_A.weight`); modules are
-named as in the Hugging Face model (`model.layers.0.self_attn.q_proj`).
+move and a load between two engine steps finds nothing new to fail on. Tensor keys are PEFT's
+(`base_model.model.<module>.lora_A.weight`); modules are named as in the Hugging Face model
+(`model.layers.0.self_attn.q_proj`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,21 @@ from .profiled import (
 )
 
 __all__ = [
-    "DEFAULT_RELEASE_LENGTHS", "RELEASE_POSITIONS", "ReleaseExamples", "ReleasePoint", "ValidationSet",
-    "calibrate_learned", "calibrate_profiled", "collect_release_examples", "evaluate_policy", "evaluate_release", "generate_answers",
-    "pareto_front", "policy_outcomes", "profile_release_lengths", "select_point", "select_release_length", "train_risk_head",
+    "DEFAULT_RELEASE_LENGTHS",
+    "RELEASE_POSITIONS",
+    "ReleaseExamples",
+    "ReleasePoint",
+    "ValidationSet",
+    "calibrate_learned",
+    "calibrate_profiled",
+    "collect_release_examples",
+    "evaluate_policy",
+    "evaluate_release",
+    "generate_answers",
+    "pareto_front",
+    "policy_outcomes",
+    "profile_release_lengths",
+    "select_point",
+    "select_release_length",
+    "train_risk_head",
 ]

@@ -45,7 +45,9 @@ def add_common(ap: argparse.ArgumentParser) -> None:
     data = ap.add_argument_group("data")
     data.add_argument("--data", help="jsonl, json, csv or parquet file, or a Hugging Face dataset id")
     data.add_argument("--split", default="validation", help="the dataset split of a Hub --data (default validation)")
-    data.add_argument("--columns", help="FIELD=COLUMN pairs for other column names, e.g. prompt=question,reference=answer")
+    data.add_argument(
+        "--columns", help="FIELD=COLUMN pairs for other column names, e.g. prompt=question,reference=answer"
+    )
     data.add_argument("--metric", help=METRIC_HELP)
     data.add_argument("--max-new-tokens", type=int, default=128, help="answer length when rows do not say (128)")
     data.add_argument("--limit", type=int, help="examples per adapter (default: all)")

@@ -118,7 +118,9 @@ def load_validation(source: str, adapters: list[str], scorer: Scorer, metric_nam
         row["prompt"] = _prompt_of(row, tokenizer, here)
         n = int(row.get("max_new_tokens") or max_new_tokens)
         if lengths.setdefault(adapter, n) != n:
-            raise DataError(f"{here}: max_new_tokens {n} differs from {lengths[adapter]} earlier for adapter {adapter!r}")
+            raise DataError(
+                f"{here}: max_new_tokens {n} differs from {lengths[adapter]} earlier for adapter {adapter!r}"
+            )
         by_adapter[adapter].append((row, here))
     for items in by_adapter.values():
         if seed is not None:

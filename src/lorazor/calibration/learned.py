@@ -159,7 +159,9 @@ def calibrate_learned(
             with torch.inference_mode(False):
                 w, b = train_risk_head(examples, l2)
             scores = examples.hidden @ w + b
-            taus = sorted({float("-inf"), float("inf"), *torch.quantile(scores, torch.tensor(list(quantiles))).tolist()})
+            taus = sorted(
+                {float("-inf"), float("inf"), *torch.quantile(scores, torch.tensor(list(quantiles))).tolist()}
+            )
             trained[adapter] = (w, b, taus)
             cases += [(adapter, validation[adapter], LearnedRelease({adapter: (w, b, tau)})) for tau in taus]
     results = run_cases(model, tokenizer, cases, batch_size, progress, desc="learned thresholds")

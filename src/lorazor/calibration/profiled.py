@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..policies import ProfiledRelease, ReleasePolicy
@@ -84,8 +83,14 @@ def generate_answers(
     finally:
         tokenizer.padding_side = side
     ids = enc["input_ids"].to(model.device)
-    out = model.generate(ids, attention_mask=enc["attention_mask"].to(model.device), adapter_ids=[adapter] * len(prompts),
-                         release_policy=policy, release=release, **generate_kwargs)
+    out = model.generate(
+        ids,
+        attention_mask=enc["attention_mask"].to(model.device),
+        adapter_ids=[adapter] * len(prompts),
+        release_policy=policy,
+        release=release,
+        **generate_kwargs,
+    )
     return tokenizer.batch_decode(out.sequences[:, ids.shape[1]:], skip_special_tokens=True), out
 
 
@@ -238,8 +243,13 @@ def select_point(
 
 
 def calibrate_profiled(
-    model: LoRazorModel, tokenizer: PreTrainedTokenizerBase, validation: dict[str, ValidationSet], max_accuracy_drop: float | None = None,
-    min_skip: float | None = None, lengths: Sequence[int] = DEFAULT_RELEASE_LENGTHS, batch_size: int = 64,
+    model: LoRazorModel,
+    tokenizer: PreTrainedTokenizerBase,
+    validation: dict[str, ValidationSet],
+    max_accuracy_drop: float | None = None,
+    min_skip: float | None = None,
+    lengths: Sequence[int] = DEFAULT_RELEASE_LENGTHS,
+    batch_size: int = 64,
     progress: bool = False,
 ) -> tuple[ProfiledRelease, dict[str, list[ReleasePoint]]]:
     """Profile every adapter of `validation` (one engine run for all) and pick its k by one

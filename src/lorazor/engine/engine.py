@@ -116,8 +116,9 @@ class LoRazorEngine:
 
     def warm_up(self, batch_sizes=None) -> int:
         """Capture the step CUDA graphs now (every batch bucket up to `max_num_seqs`, or those of
-        `batch_sizes`, and every token bucket of steps with prefill chunks), so no step captures later; returns how many were captured (0 without
-        graphs: on the CPU, or with the `active_rows` / `two_class` grids, steps run eagerly)."""
+        `batch_sizes`, and every token bucket of steps with prefill chunks), so no step captures
+        later; returns how many were captured (0 without graphs: on the CPU, or with the
+        `active_rows` / `two_class` grids, steps run eagerly)."""
         if self.graphs is None:
             return 0
         with self.model.guard.hold("capture the engine's graphs"):

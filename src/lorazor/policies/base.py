@@ -1,8 +1,9 @@
 """Release-policy interface and the one-way per-row release state (StepTrim, paper 3.2).
 
 A policy is called once per decode step, in the spirit of a `LogitsProcessor`, with the decode
-step index d (a `[B]` tensor in the engine, where each request is at its own step), the final hidden state of each row (before the LM head) from the forward that just
-ran, and the per-row state. It returns which rows may keep their adapter for decode forward d.
+step index d (a `[B]` tensor in the engine, where each request is at its own step), the final
+hidden state of each row (before the LM head) from the forward that just ran, and the per-row
+state. It returns which rows may keep their adapter for decode forward d.
 Everything stays on the device: no host sync.
 
 Built-in policies are `graph_safe`: `keep` is torch ops on its arguments and on the per-slot tensors
@@ -76,7 +77,9 @@ class ReleaseState:
             getattr(self, f.name).copy_(getattr(other, f.name))
         return self
 
-    def advance(self, step: int | torch.Tensor, policy_keep: torch.Tensor | None, compiled: bool = False) -> torch.Tensor:
+    def advance(
+        self, step: int | torch.Tensor, policy_keep: torch.Tensor | None, compiled: bool = False
+    ) -> torch.Tensor:
         """Apply the decision for decode step `step` (int or 0-d device tensor); returns the step's
         row -> slot map `[B]`. `compiled`: through torch.compile, one fused kernel instead of about
         eight small ones (the model's `compile=True` decode step)."""

@@ -26,7 +26,9 @@ class ProfiledRelease(ReleasePolicy):
     def __init__(self, lengths: dict[str, int | None]):
         super().__init__()
         if not isinstance(lengths, dict):
-            raise TypeError(f"lengths must be a dict adapter name -> k (e.g. {{'math': 8}}), got {type(lengths).__name__}")
+            raise TypeError(
+                f"lengths must be a dict adapter name -> k (e.g. {{'math': 8}}), got {type(lengths).__name__}"
+            )
         for name, k in lengths.items():
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
                 raise ValueError(f"release length for adapter {name!r} must be None or an int >= 0, got {k!r}")

@@ -58,7 +58,9 @@ def batchable(plan, generator) -> SamplingParams | None:
         return None
     values = {}
     for p in plan.processors:
-        if not isinstance(p, TemperatureLogitsWarper) and (p.filter_value != float("-inf") or p.min_tokens_to_keep != 1):
+        if not isinstance(p, TemperatureLogitsWarper) and (
+            p.filter_value != float("-inf") or p.min_tokens_to_keep != 1
+        ):
             return None
         if isinstance(p, TemperatureLogitsWarper):
             values["temperature"] = float(p.temperature)

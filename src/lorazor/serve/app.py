@@ -25,8 +25,16 @@ from . import errors
 from .engines import LocalEngine
 from .guards import GuardMiddleware, ServerSettings, check_runtime_load
 from .metrics import ServerMetrics
-from .protocol import (MAX_CHOICES, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, LoadAdapterRequest, TokenizeRequest,
-                       UnloadAdapterRequest)
+from .protocol import (
+    MAX_CHOICES,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadAdapterRequest,
+    TokenizeRequest,
+    UnloadAdapterRequest,
+)
 from .responses import Choice, Response as OpenAIResponse
 from .sampling import choice_seed, generation_kwargs
 

@@ -62,8 +62,19 @@ class ServerMetrics:
         self.queue = histogram("request_queue_time_seconds", "Time from arrival to the first scheduled step")
         self._seen = {"preemptions": 0, "adapter_loads": 0}  # engine counters already added
         self.mirror = None  # another recorder of finished requests (Ray's metrics, in lorazor.ray)
-        for metric in (self.preemptions, self.adapter_loads, self.prompt_tokens, self.generation_tokens, self.lora_decode_steps,
-                       self.adapter_decode_steps, self.released, self.ttft, self.tpot, self.e2e, self.queue):
+        for metric in (
+            self.preemptions,
+            self.adapter_loads,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.lora_decode_steps,
+            self.adapter_decode_steps,
+            self.released,
+            self.ttft,
+            self.tpot,
+            self.e2e,
+            self.queue,
+        ):
             metric.labels(model_name)  # every series present from the start, at zero
 
     def observe(self, out, prompt_tokens: int) -> None:

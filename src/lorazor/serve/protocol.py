@@ -76,7 +76,9 @@ class SamplingFields(Strict):
             raise FieldError("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
         for key, value in (self.logit_bias or {}).items():
             if not key.isdigit() or not -100 <= value <= 100:
-                raise FieldError("logit_bias", f"logit_bias maps token ids to values in [-100, 100]; got {key!r}: {value!r}")
+                raise FieldError(
+                    "logit_bias", f"logit_bias maps token ids to values in [-100, 100]; got {key!r}: {value!r}"
+                )
         if isinstance(self.release, int) and self.release < 0:
             raise FieldError("release", f"release must be 'never' or an int >= 0, got {self.release}")
         if self.stream_options is not None and not self.stream:
@@ -103,7 +105,9 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise FieldError("best_of", f"best_of={self.best_of} is not supported: only best_of equal to n ({self.n})")
         if self.echo and self.logprobs is not None:
-            raise FieldError("echo", "echo with logprobs would need the prompt's log-probabilities, which are not supported")
+            raise FieldError(
+                "echo", "echo with logprobs would need the prompt's log-probabilities, which are not supported"
+            )
         return self
 
 
@@ -146,7 +150,9 @@ class ChatRequest(SamplingFields):
         if self.tool_choice not in (None, "none"):
             raise FieldError("tool_choice", "tool_choice is not supported (function calling)")
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise FieldError("response_format", f"response_format {self.response_format.get('type')!r} is not supported: only 'text'")
+            raise FieldError(
+                "response_format", f"response_format {self.response_format.get('type')!r} is not supported: only 'text'"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self

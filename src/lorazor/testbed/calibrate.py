@@ -21,8 +21,11 @@ def _task_set(task, split: str, limit: int | None, tokenizer):
 
     examples = task.split(split)[:limit]
     return ValidationSet(
-        [ex["prompt"] for ex in examples], lambda text, i: task.score(text, examples[i]),
-        dict(max_new_tokens=task.max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        [ex["prompt"] for ex in examples],
+        lambda text, i: task.score(text, examples[i]),
+        dict(
+            max_new_tokens=task.max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        ),
     )
 
 

@@ -37,8 +37,8 @@ def _sql(rng: random.Random) -> str:
         f"The {dept} department is in {city}. ",
         f"{name} works in {dept}. ",
         f"SELECT name FROM employees WHERE dept = '{dept}' ",
-        f"SELECT COUNT(*) FROM employees ",
-        f"A table of employees has a name, a dept, a salary and an age. ",
+        "SELECT COUNT(*) FROM employees ",
+        "A table of employees has a name, a dept, a salary and an age. ",
     ])
 
 

@@ -61,7 +61,13 @@ def main(argv=None) -> None:
     table += "".join(f"| {r['task']} | {r['full']:.1%} | {r['backbone']:.1%} | {r['prefill_only']:.1%} | "
                      f"{100 * (r['full'] - r['backbone']):+.1f} |\n" for r in rows)
     table += "\nAccuracy change against full LoRA (points) / decode LoRA calls skipped, by release position k:\n\n"
-    table += "| task | " + " | ".join(f"k={k}" for k in RELEASE_POSITIONS) + " |\n|---|" + "---|" * len(RELEASE_POSITIONS) + "\n"
+    table += (
+        "| task | "
+        + " | ".join(f"k={k}" for k in RELEASE_POSITIONS)
+        + " |\n|---|"
+        + "---|" * len(RELEASE_POSITIONS)
+        + "\n"
+    )
     for r in rows:
         cells = [f"{100 * (r['curve'][k]['accuracy'] - r['full']):+.1f} / {r['curve'][k]['skip']:.0%}"
                  for k in RELEASE_POSITIONS]

@@ -26,7 +26,12 @@ def export_tasks(folder: Path, tasks: dict, version: str = "2") -> Path:
         with (folder / f"{split}.jsonl").open("w", encoding="utf-8") as f:
             for name, task in tasks.items():
                 for example in task.split(split):
-                    f.write(json.dumps(dict(example, adapter=name, max_new_tokens=task.max_new_tokens, testbed_version=version)) + "\n")
+                    f.write(
+                        json.dumps(
+                            dict(example, adapter=name, max_new_tokens=task.max_new_tokens, testbed_version=version)
+                        )
+                        + "\n"
+                    )
     return folder
 
 

@@ -1,6 +1,7 @@
 """The paper's accuracy results on the testbed, from its weights: Tables 1, 4 and 6, Figs 2, 13, 14.
 
-    python -m lorazor.testbed.paper --out benchmarks/results/testbed_paper --docs docs/img/testbed [--assets DIR] [--device cuda]
+    python -m lorazor.testbed.paper --out benchmarks/results/testbed_paper --docs docs/img/testbed \
+        [--assets DIR] [--device cuda]
     python -m lorazor.testbed.paper --out /tmp/paper --limit 8 --train-limit 8     # a quick run (CI)
 
 Per task, on the splits the paper uses them for:
@@ -163,7 +164,9 @@ def plot(results: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
 
     def release_step(ax, r):  # Fig 2
-        ax.plot(range(len(LENGTHS)), [100 * r["curve"][k]["accuracy"] for k in LENGTHS], marker="o", label="release at k")
+        ax.plot(
+            range(len(LENGTHS)), [100 * r["curve"][k]["accuracy"] for k in LENGTHS], marker="o", label="release at k"
+        )
         ax.axhline(100 * r["full"], color="g", ls="--", lw=0.8, label="full LoRA")
         ax.axhline(100 * r["backbone"], color="k", ls=":", lw=0.8, label="backbone")
         ax.set_xticks(range(len(LENGTHS)), [str(k) for k in LENGTHS], fontsize=7)
@@ -200,7 +203,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tasks", default=None, help="comma-separated tasks (default: all)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=100)
-    ap.add_argument("--docs", type=Path, default=None, help="also copy the figures here (the docs read docs/img/testbed)")
+    ap.add_argument(
+        "--docs", type=Path, default=None, help="also copy the figures here (the docs read docs/img/testbed)"
+    )
     args = ap.parse_args(argv)
     for flag in ("limit", "train_limit", "batch"):
         value = getattr(args, flag)

@@ -118,8 +118,10 @@ def pretrain(model, tokenizer, steps: int, batch: int, seq: int, device, seed: i
 def task_batches(task, tokenizer, batch: int, g: torch.Generator):
     """Left-padded prompt + reference + eos; the loss covers the reference and eos only. Examples
     are tokenized once (tokenizing each batch anew held a GPU run back)."""
-    examples = [(tokenizer(ex["prompt"])["input_ids"], tokenizer(ex["reference"])["input_ids"] + [tokenizer.eos_token_id])
-                for ex in task.split("train")]
+    examples = [
+        (tokenizer(ex["prompt"])["input_ids"], tokenizer(ex["reference"])["input_ids"] + [tokenizer.eos_token_id])
+        for ex in task.split("train")
+    ]
     while True:
         picks = torch.randint(0, len(examples), (batch,), generator=g).tolist()
         width = max(len(examples[i][0]) + len(examples[i][1]) for i in picks)

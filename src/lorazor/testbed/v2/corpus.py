@@ -3,7 +3,8 @@ their formats.
 
 The backbone should be able to *continue* an answer once an adapter has started it, so the corpus
 holds the skills the tasks' answers need, in their surface forms, after other cues:
-- word problems told as stories (some closing with their question) and solved in prose ("First ... Then ...") or in "Step k:" lines;
+- word problems told as stories (some closing with their question) and solved in prose
+  ("First ... Then ...") or in "Step k:" lines;
 - SQL over the corpus's own schema (employees, departments), never the sql task's (staff, units);
 - clinical signs and why they point to an organ, worked clinical quizzes (options inline, after a
   "Case quiz." cue) and letter quizzes on other topics (options inline or one per line), all ending
