@@ -138,35 +138,39 @@ def serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `lorazor` parser: `demo` and `serve` here; `calibrate` and `eval` keep their own
+    (`lorazor.calibration.cli`), which get everything after the command."""
     from lorazor import __version__
+    from lorazor.serve.cli import add_arguments
+    from lorazor.tiny import ARCHITECTURES
 
     parser = argparse.ArgumentParser(prog="lorazor", description="Many LoRA adapters, one backbone, one batch.")
     parser.add_argument("--version", action="version", version=f"lorazor {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="one mixed-adapter batch on a tiny model, checked against PEFT")
-    from lorazor.tiny import ARCHITECTURES
-
-    p.add_argument("--arch", default="llama", choices=list(ARCHITECTURES))
-    p.add_argument("--grid", default="exact", choices=["full", "active_rows", "two_class", "exact"])
-    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--arch", default="llama", choices=list(ARCHITECTURES), help="the random model's family")
+    p.add_argument("--grid", default="exact", choices=["full", "active_rows", "two_class", "exact"],
+                   help="the LoRA kernels' grid mode")
+    p.add_argument("--max-new-tokens", type=int, default=12, help="tokens per row (random-model demo)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (random-model demo)")
     p.add_argument("--random", action="store_true", help="use a tiny random model even if the testbed is installed")
     p.set_defaults(func=demo)
     p = sub.add_parser("serve", help="an OpenAI-compatible server over the engine (see docs/serving.md)")
-    from lorazor.serve.cli import add_arguments
-
     add_arguments(p)
     p.set_defaults(func=serve)
-    # Calibration keeps its own argument parser: everything after the command goes to it.
     sub.add_parser("calibrate", help="StepTrim calibration of your adapters on your data (`lorazor calibrate -h`)")
     sub.add_parser("eval", help="accuracy and decode skip under a policy folder (`lorazor eval -h`)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("calibrate", "eval"):
         from lorazor.calibration.cli import main as calibration_main
 
         return calibration_main(argv[0], argv[1:])
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 
