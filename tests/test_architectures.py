@@ -89,3 +89,28 @@ def test_serve_refuses_an_unsupported_model_in_one_line(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("lorazor serve: error: model_type 'gpt2' is not supported; supported: llama"), last
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_family_in_bf16_on_the_gpu_within_pefts_own_bf16_error(arch):
+    """LoRazor in bf16 (Triton kernels, CUDA graphs) against PEFT in fp32, no further off than PEFT's
+    own bf16 run is."""
+    base = tiny_peft_model(arch)
+    oracle32 = copy.deepcopy(base).cuda()
+    oracle16 = copy.deepcopy(base).to(torch.bfloat16).cuda()
+    model = LoRazorModel.from_peft(copy.deepcopy(base).to(torch.bfloat16).cuda(), LoRazorConfig())
+    ids, mask = make_batch(len(ADAPTERS), 9, seed=3, pad_rows=(1, 2))
+    ids, mask = ids.cuda(), mask.cuda()
+    names = peft_names(ADAPTERS)
+    with torch.no_grad():
+        ref = oracle32(input_ids=ids, attention_mask=mask, adapter_names=names).logits.float()
+        peft16 = oracle16(input_ids=ids, attention_mask=mask, adapter_names=names).logits.float()
+    got = model(ids, attention_mask=mask, adapter_ids=ADAPTERS).float()
+    real = mask.bool()
+    peft_error = (peft16[real] - ref[real]).abs().max().item()
+    ours = (got[real] - ref[real]).abs().max().item()
+    assert ours <= 2 * peft_error + 1e-3, (ours, peft_error)
+    out = model.generate(ids, attention_mask=mask, adapter_ids=ADAPTERS, max_new_tokens=8, pad_token_id=PAD,
+                         eos_token_id=EOS, do_sample=False)
+    assert out.sequences.shape == (len(ADAPTERS), 17) and model.graphs is not None
