@@ -56,6 +56,7 @@ def test_hub_adapter_loads_offline_from_the_cache(hub_cache):
 
 
 def test_runtime_registration_never_fetches_from_the_hub(hub_cache, monkeypatch):
+    pytest.importorskip("fastapi")  # the `serve` extra
     import huggingface_hub
 
     from lorazor.serve.engines import register

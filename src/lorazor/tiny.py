@@ -76,7 +76,9 @@ def tiny_peft_model(
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_config(tiny_config(arch, tie_embeddings=tie_embeddings), dtype=dtype)
+    # Gemma 2's softcapping is in HF's eager attention only (SDPA has none): the PEFT reference uses it.
+    extra = dict(attn_implementation="eager") if arch == "gemma2" else {}
+    base = AutoModelForCausalLM.from_config(tiny_config(arch, tie_embeddings=tie_embeddings), dtype=dtype, **extra)
     base.eval()
     peft_model = None
     for spec in adapters:
