@@ -47,7 +47,7 @@ READER_HAS = [
 ]
 
 
-def testbed_commands(page: str) -> list[str]:
+def shell_steps(page: str) -> list[str]:
     """The page's `lorazor calibrate --testbed ...` shell commands (run as CI runs them)."""
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
     return [line.strip() for b in blocks for line in b.splitlines() if line.startswith("lorazor calibrate --testbed")]
@@ -118,7 +118,7 @@ def test_page_code_blocks_run(page, workdir, monkeypatch):
         if any(re.search(rf"^\s*(import|from) (lorazor\.)?{extra}\b", b, flags=re.M) for b in blocks):
             pytest.importorskip(extra)
     monkeypatch.chdir(workdir)
-    for command in testbed_commands(page):  # the page's shell steps its python blocks read the results of
+    for command in shell_steps(page):  # the page's shell steps its python blocks read the results of
         done = subprocess.run([sys.executable, "-m", *shlex.split(command)], cwd=workdir, capture_output=True,
                               text=True, timeout=900)
         assert done.returncode == 0, f"{page}: `{command}` failed:\n{done.stderr[-3000:]}"
