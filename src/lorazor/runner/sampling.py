@@ -11,7 +11,7 @@ only HF's temperature, top-k, top-p and min-p warpers (in HF's order, with HF's 
 filter value and tokens to keep), with no seeded generator and no stopping criteria besides EOS and
 length, is sampled here together with every other such request of the step. Each row keeps its own
 settings, and a row's processed scores equal what HF's warpers give for that row alone
-(tests/test_engine_sampler.py). Other requests are sampled one by one, as HF does.
+(tests/engine/test_engine_sampler.py). Other requests are sampled one by one, as HF does.
 """
 
 from __future__ import annotations

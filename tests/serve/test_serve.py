@@ -5,68 +5,19 @@ testbed; every text is compared with the offline `generate()` of the same prompt
 """
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 
 import httpx
 import pytest
+from servers import free_port, start_serve_command, stop_process_group, wait_healthy
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 NEW = 12
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, seconds: float = 180) -> None:
-    """Poll `url/health` until it answers 200 (bounded in time)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"no server at {url} after {seconds} s")
-
-
-def start_serve_command(*args, stdout=subprocess.PIPE, env=None) -> subprocess.Popen:
-    """`python -m lorazor serve *args` in a session of its own, so the server and every process it
-    starts (its engine, Ray) stop together (`stop_process_group`)."""
-    return subprocess.Popen([sys.executable, "-m", "lorazor", "serve", *args], stdout=stdout, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                            start_new_session=True)
-
-
-def stop_process_group(proc: subprocess.Popen, timeout: float = 60) -> str:
-    """SIGINT to the command's process group, SIGKILL if it outlives `timeout` s; its output."""
-    def signal_group(sig):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:  # every process of the group has exited
-            pass
-
-    if proc.poll() is None:
-        signal_group(signal.SIGINT)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        signal_group(signal.SIGKILL)
-        out, _ = proc.communicate()
-    signal_group(signal.SIGKILL)  # children left behind by a server that exited
-    return out or ""
 
 
 def serve_args(*extra):
@@ -321,6 +272,7 @@ def test_a_client_that_disconnects_frees_its_blocks(served):
     assert 'lorazor:request_success_total{finished_reason="abort"' in text  # the client that left is counted
 
 
+@pytest.mark.slow
 def test_lorazor_serve_testbed_command_starts_serves_and_shuts_down():
     port = free_port()
     proc = start_serve_command("--testbed", "--port", str(port))
@@ -379,7 +331,6 @@ def test_a_dead_engine_process_gets_503_and_health_says_so():
 def test_the_app_shortens_the_thread_switch_interval_while_it_runs():
     """The engine's thread must get the GIL back soon after each GPU wait while the event loop
     streams: the app sets a short switch interval for its lifetime and restores Python's after."""
-    import sys
 
     from fastapi.testclient import TestClient
 

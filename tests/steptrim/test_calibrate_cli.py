@@ -65,8 +65,9 @@ def run_cli(user, *args):
                           timeout=TIMEOUT, env={**__import__("os").environ, "PYTHONPATH": str(user)})
 
 
+@pytest.mark.slow
 def test_calibrate_own_adapters_then_serve_the_policy(user):
-    from test_serve import free_port, start_serve_command, stop_process_group, wait_healthy
+    from servers import free_port, start_serve_command, stop_process_group, wait_healthy
 
     import httpx
     from lorazor import LoRazorModel, ProfiledRelease, load_release_policy

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SMALL = {"calibrate_release.py": ["--examples", "8"]}
 
 

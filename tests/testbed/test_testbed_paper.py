@@ -4,7 +4,11 @@ end to end on the shipped testbed."""
 import importlib.util
 import json
 
+import pytest
+
 from lorazor.testbed.paper import LENGTHS, safe_cutoffs
+
+pytestmark = pytest.mark.slow
 
 
 def test_safe_cutoff_is_the_first_k_from_which_every_later_k_stays_correct():

@@ -11,7 +11,7 @@ from helpers import EOS, PAD, build_pair
 from lorazor import LoRazorConfig, LoRazorEngine, ReleasePolicy
 
 GEN = dict(pad_token_id=PAD, eos_token_id=EOS)
-SRC = Path(__file__).resolve().parents[1] / "src" / "lorazor"
+SRC = Path(__file__).resolve().parents[2] / "src" / "lorazor"
 ADAPTERS = ["math", "sql", "med", None, "math", "sql"]
 
 

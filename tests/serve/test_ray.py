@@ -22,7 +22,9 @@ os.environ.update(LOOPBACK_ONLY_ENV)  # before ray is imported: this process joi
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from test_serve import free_port, start_serve_command, stop_process_group, wait_healthy  # noqa: E402
+from servers import free_port, start_serve_command, stop_process_group, wait_healthy  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 NEW = 10
 
@@ -183,7 +185,7 @@ def test_the_documented_serve_config_is_valid_and_builds():
 
     from lorazor.ray import build_app
 
-    page = (Path(__file__).parent.parent / "docs" / "scaling.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
     config = yaml.safe_load(re.search(r"```yaml\n(.*?)```", page, re.S).group(1))
     ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") else \
         ServeDeploySchema.parse_obj(config)

@@ -10,15 +10,16 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("openai")
 
-PAGE = Path(__file__).parent.parent / "docs" / "serving.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 def blocks(kind: str) -> list[str]:
     return re.findall(rf"```{kind}\n(.*?)```", PAGE.read_text(), flags=re.S)
 
 
+@pytest.mark.slow
 def test_serving_tutorial_commands_run(tmp_path):
-    from test_serve import free_port, start_serve_command, stop_process_group, wait_healthy
+    from servers import free_port, start_serve_command, stop_process_group, wait_healthy
 
     port = free_port()
     bash = [b.replace("8000", str(port)) for b in blocks("bash")]

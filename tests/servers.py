@@ -1,0 +1,57 @@
+"""Starting and stopping servers in tests: a free port, health polling, `python -m lorazor serve` in
+a session of its own, and stopping its whole process group (also on timeout)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, seconds: float = 180) -> None:
+    """Poll `url/health` until it answers 200 (bounded in time)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"no server at {url} after {seconds} s")
+
+
+def start_serve_command(*args, stdout=subprocess.PIPE, env=None) -> subprocess.Popen:
+    """`python -m lorazor serve *args` in a session of its own, so the server and every process it
+    starts (its engine, Ray) stop together (`stop_process_group`)."""
+    return subprocess.Popen([sys.executable, "-m", "lorazor", "serve", *args], stdout=stdout, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            start_new_session=True)
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """SIGINT to the command's process group, SIGKILL if it outlives `timeout` s; its output."""
+    def signal_group(sig):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # every process of the group has exited
+            pass
+
+    if proc.poll() is None:
+        signal_group(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        signal_group(signal.SIGKILL)
+        out, _ = proc.communicate()
+    signal_group(signal.SIGKILL)  # children left behind by a server that exited
+    return out or ""
