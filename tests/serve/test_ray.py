@@ -111,9 +111,11 @@ def test_an_adapters_requests_stay_on_one_replica_and_both_replicas_serve(cluste
 def test_a_killed_replica_fails_its_requests_and_the_other_serves(cluster):
     import ray
 
-    victim = replica_of(cluster, "medqa")
     stream = client(cluster).completions.create(model="medqa", prompt=prompt_of(cluster, "medqa"), max_tokens=400,
                                                 temperature=0, stream=True, extra_body={"min_tokens": 400})
+    # The replica serving this very stream (a separate request could meet a replica Serve has
+    # replaced since, on a loaded machine).
+    victim = stream.response.headers["x-lorazor-replica"]
     os.environ["RAY_TMPDIR"] = str(cluster["tmp"])
     ray.init(address="auto", namespace="serve", configure_logging=False, log_to_driver=False)
     try:
