@@ -8,7 +8,7 @@ from .guard import ModelBusyError, ModelClosedError
 from .model import LoRazorModel
 from .policies import LearnedRelease, ProfiledRelease, ReleasePolicy, load_release_policy, save_release_policy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "AdapterBank",
