@@ -1,12 +1,19 @@
-"""Numbers the README quotes come from one results file: its headline decode table equals
-`benchmarks/results/e2e_targets_ee7bab4/llama_quick/` (the same run docs/performance.md tabulates)."""
+"""Numbers the docs quote come from one results file each, and every page that quotes one gives the
+file's value: the headline decode table (`e2e_targets_ee7bab4/llama_quick/`), the engine benchmark
+(`engine/rows_exact.jsonl`), the calibration time (`calibration_h200/`) and the one-runner A/B
+(`runner_ab_h200/`)."""
 
 import json
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = ROOT / "benchmarks" / "results" / "e2e_targets_ee7bab4" / "llama_quick" / "e2e_llama-3.2-3b_exact.json"
+RESULTS = ROOT / "benchmarks" / "results"
+RUN = RESULTS / "e2e_targets_ee7bab4" / "llama_quick" / "e2e_llama-3.2-3b_exact.json"
+
+
+def page(name: str) -> str:
+    return (ROOT / name).read_text()
 
 
 def k(tok_s: float) -> str:
@@ -26,3 +33,34 @@ def test_readme_headline_equals_its_results_file():
             f"backbone) | {k(compiled['decode_tok_s'])} ({compiled['vs_backbone']:.2f}x) |") in readme
     performance = (ROOT / "docs" / "performance.md").read_text()
     assert f"| `exact`, CUDA graph | 128 | {round(exact['decode_tok_s'])} |" in performance
+
+
+def test_engine_numbers_equal_the_engine_benchmark():
+    rows = [json.loads(line) for line in (RESULTS / "engine" / "rows_exact.jsonl").read_text().splitlines()]
+    offline = {r["system"]: r for r in rows if r["stage"] in ("offline", "backbone")}
+    lorazor, backbone = offline["lorazor"]["req_s"], offline["backbone"]["req_s"]
+    for name in ("README.md", "docs/engine.md", "docs/performance.md"):
+        assert f"{lorazor:.1f}" in page(name), name
+    assert f"108.6 req/s (backbone alone: {backbone:.1f};" in page("README.md")
+    assert f"{lorazor / backbone:.2f}x the backbone-only engine" in page("docs/engine.md")
+    assert f"| backbone only (the ceiling) | {backbone:.1f} |" in page("docs/performance.md")
+
+
+def test_this_rounds_numbers_equal_their_results():
+    calibration = json.loads((RESULTS / "calibration_h200" / "calibration_h200.json").read_text())
+    seconds = calibration["profiled"]["seconds"]
+    assert f"takes {round(seconds)} s" in page("docs/performance.md")
+    assert f"take {round(seconds)} s" in page("CHANGELOG.md")
+    drops = [r["drop_points"] for r in calibration["science_learned"]]
+    table = page("benchmarks/results/calibration_h200/README.md")
+    for r in calibration["science_learned"]:
+        assert f"| {r['seed']} | {100 * r['test_accuracy']:.1f}% | {r['drop_points']:.2f} | {100 * r['test_skip']:.0f}% |" in table
+    assert f"mean {sum(drops) / len(drops):.2f}" in table
+    ab = RESULTS / "runner_ab_h200"
+    old, new = (json.loads((ab / f"e2e_{tag}.json").read_text())["rows"] for tag in ("old_bbb9a20", "new_54806af"))
+    step = lambda rows: next(r["step_ms"] for r in rows if r["L"] == 128)  # noqa: E731
+    engine_old, engine_new = (json.loads((ab / f"engine_decode_step_{tag}.json").read_text())["step_ms_median"]
+                              for tag in ("old_bbb9a20", "new_54806af"))
+    readme = page("benchmarks/results/runner_ab_h200/README.md")
+    assert f"| {step(old):.3f} ms | {step(new):.3f} ms | {step(new) / step(old):.3f} |" in readme
+    assert f"| {engine_old:.3f} ms | {engine_new:.3f} ms | {engine_new / engine_old:.3f} |" in readme
