@@ -54,7 +54,8 @@ def test_this_rounds_numbers_equal_their_results():
     drops = [r["drop_points"] for r in calibration["science_learned"]]
     table = page("benchmarks/results/calibration_h200/README.md")
     for r in calibration["science_learned"]:
-        row = f"| {r['seed']} | {100 * r['test_accuracy']:.1f}% | {r['drop_points']:.2f} | {100 * r['test_skip']:.0f}% |"
+        accuracy, skip = 100 * r["test_accuracy"], 100 * r["test_skip"]
+        row = f"| {r['seed']} | {accuracy:.1f}% | {r['drop_points']:.2f} | {skip:.0f}% |"
         assert row in table, row
     assert f"mean {sum(drops) / len(drops):.2f}" in table
     ab = RESULTS / "runner_ab_h200"
