@@ -108,3 +108,18 @@ def test_runner_and_caches_import_nothing_from_the_engine(folder):
             if isinstance(node, ast.ImportFrom):
                 target = "." * node.level + (node.module or "")
                 assert "engine" not in target and "serve" not in target, f"{path.name} imports {target}"
+
+
+def test_engine_rebinds_a_policy_that_generate_bound_since():
+    # generate() binds the policy to the bank as it is then; the engine must not trust its own last bind.
+    from lorazor.runner.release import BoundPolicies
+
+    model, _ = build_pair("llama", LoRazorConfig())
+    policy = StepOrNormRelease({"math": 2})
+    bound = BoundPolicies(model.bank, model.device)
+    bound.bound(policy)
+    first = policy.bound["k"]
+    policy.bind([None] * model.bank.num_slots, model.bank.num_slots, model.device)  # as another caller might
+    assert bound.bound(policy).bound["k"] is not first
+    assert torch.equal(policy.bound["k"], first)  # rebound to the bank's adapters again
+    assert bound.bound(policy).bound["k"] is policy.bound["k"]  # and not again while nothing changed

@@ -13,6 +13,8 @@ Both count decode forwards with `decode_counts`.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..policies.base import NEVER, NEVER_STEP, ReleasePolicy, ReleaseState
@@ -41,18 +43,22 @@ def decode_counts(generated, release_step, has_adapter):
 
 class BoundPolicies:
     """Keeps each policy the engine uses bound to the bank's current slots (`ReleasePolicy.bind`
-    again whenever the adapters in the slots changed)."""
+    again whenever the adapters in the slots changed, or someone else, such as a `generate()` call,
+    bound the policy since)."""
 
     def __init__(self, bank, device):
         self.bank = bank
         self.device = device
-        self._names: dict[int, tuple] = {}
+        # policy -> (the slot names it was bound to, the `bound` dict that bind made); weak, so a
+        # policy that is gone leaves no entry another object could be mistaken for.
+        self._bound = weakref.WeakKeyDictionary()
 
     def bound(self, policy: ReleasePolicy) -> ReleasePolicy:
         names = tuple(self.bank.names)
-        if self._names.get(id(policy)) != names:
+        seen = self._bound.get(policy)
+        if seen is None or seen[0] != names or seen[1] is not policy.bound:
             policy.bind(list(names), self.bank.num_slots, self.device)
-            self._names[id(policy)] = names
+            self._bound[policy] = (names, policy.bound)
         return policy
 
 
