@@ -123,3 +123,22 @@ def test_engine_rebinds_a_policy_that_generate_bound_since():
     assert bound.bound(policy).bound["k"] is not first
     assert torch.equal(policy.bound["k"], first)  # rebound to the bank's adapters again
     assert bound.bound(policy).bound["k"] is policy.bound["k"]  # and not again while nothing changed
+
+
+class Broken(StepOrNormRelease):
+    def keep(self, step, hidden, state):
+        raise RuntimeError("this policy is broken")
+
+
+def test_a_failing_policy_ends_only_its_own_requests():
+    model, _ = build_pair("llama", LoRazorConfig())
+    ps = prompts(2, seed=41)
+    engine = LoRazorEngine(model, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=32, block_size=4)
+    bad, good = engine.generate([
+        dict(prompt_ids=ps[0], adapter="math", release_policy=Broken({"math": 2}), max_new_tokens=8, **GEN),
+        dict(prompt_ids=ps[1], adapter="math", release_policy=StepOrNormRelease({"math": 2}), max_new_tokens=8,
+             **GEN)])
+    assert bad.finish_reason == "error" and "Broken failed" in bad.error and "this policy is broken" in bad.error
+    ref = reference(model, ps[1], "math", StepOrNormRelease({"math": 2}), 8)
+    assert good.token_ids == ref.sequences[0, len(ps[1]):].tolist()
+    assert good.release_step == int(ref.release_steps[0]) == 2

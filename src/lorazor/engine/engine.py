@@ -27,7 +27,7 @@ from transformers import LogitsProcessorList
 
 from ..hf_generation import plan_generation, resolve_config
 from ..policies.base import NEVER, ReleasePolicy, check_policy
-from ..runner.release import BoundPolicies, decide_for_requests
+from ..runner.release import BoundPolicies, decide_group
 from ..runner.sampling import batchable, float_scores, next_tokens, sample
 from .background import BackgroundLoop
 from .blocks import BlockPool
@@ -307,7 +307,7 @@ class LoRazorEngine:
             request.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            reason = self._stop_reason(request, token)
+            reason = "error" if request.error else self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
             outputs.append(request.report([token], None if request.logprobs is None else [request.last_logprobs]))
@@ -360,17 +360,24 @@ class LoRazorEngine:
         for j, r in enumerate(requests):
             if r.needs_decisions:
                 policy = None if r.release is not None else r.policy
-                groups.setdefault(policy, []).append((j, r, (rows[j], slot_of[r.adapter], len(r.output), r.release)))
-        deciding = [j for members in groups.values() for j, _, _ in members]
+                groups.setdefault(policy, []).append((j, (rows[j], slot_of[r.adapter], len(r.output), r.release)))
         pick = lambda tensor, js: tensor.index_select(0, torch.tensor([rows[j] for j in js], device=tensor.device))  # noqa: E731
         parts = []
         if plain:
             parts.append(pick(logits, plain).argmax(-1))
         if sampled:
             parts.append(sample(pick(logits, sampled), [requests[j].sampling for j in sampled]))
-        if groups:
-            parts.append(decide_for_requests({p: [m[2] for m in members] for p, members in groups.items()}, hidden,
-                                             self.policies))
+        deciding = []
+        for policy, members in groups.items():
+            try:
+                parts.append(decide_group(policy, [m for _, m in members], hidden, self.policies))
+            except Exception as err:  # a policy that raises ends only its own requests, after this token
+                log.error("release policy %s failed: %s; ending its %d requests", type(policy).__name__, err,
+                          len(members))
+                for j, _ in members:
+                    requests[j].error = f"release policy {type(policy).__name__} failed: {type(err).__name__}: {err}"
+                continue
+            deciding += [j for j, _ in members]
         values = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
         if values.is_cuda:  # wait for the GPU with the GIL released: a server's event loop runs meanwhile
             host = values.to("cpu", non_blocking=True)

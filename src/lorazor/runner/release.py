@@ -5,7 +5,7 @@ state)`: the policy's `keep` on the final hidden state of the forward before, ap
 `ReleaseState`, giving the forward's row -> slot map. `generate()` decides before each decode step
 (inside the step's CUDA graph when the policy is `graph_safe`). The engine decides, at the end of the
 step that ran forward d - 1, for forward d of every request that still holds its adapter
-(`decide_for_requests`), and reads the decisions back with the step's tokens (its one host sync).
+(`decide_group`, one call per policy), and reads the decisions back with the step's tokens (its one host sync).
 Requests then differ in their decode index, so `step` is a `[B]` tensor there.
 
 Both count decode forwards with `decode_counts`.
@@ -62,29 +62,27 @@ class BoundPolicies:
         return policy
 
 
-def decide_for_requests(groups: dict, hidden: torch.Tensor, bound: BoundPolicies) -> torch.Tensor:
-    """The engine's decisions for the next decode forward of many requests, on the device.
+def decide_group(policy: ReleasePolicy | None, rows: list[tuple], hidden: torch.Tensor,
+                 bound: BoundPolicies) -> torch.Tensor:
+    """The engine's decisions, on the device, for the next decode forward of requests that share
+    one policy.
 
     Args:
-        groups: policy (None: the requests' own fixed lengths only) -> list of (row of `hidden`,
-            the request's slot, its decode index d, its override: None, "never" or k).
+        policy: their policy (None: their own fixed lengths only).
+        rows: per request (row of `hidden`, its slot, its decode index d, its override: None,
+            "never" or k).
         hidden: `[n, H]` final hidden states of this step's rows (each request's forward d - 1).
         bound: the engine's `BoundPolicies`.
 
-    Returns `[sum of group sizes]` long, 1 where the request keeps its adapter for forward d, in
-    the order of `groups` and their lists (no host sync).
+    Returns `[len(rows)]` long, 1 where the request keeps its adapter for forward d (no host sync).
     """
-    parts = []
-    device = hidden.device
-    for policy, rows in groups.items():
-        index, slots, steps, overrides = zip(*rows)
-        # One upload per group: slot, decode index, fixed length (NEVER_STEP: never), overridden.
-        host = torch.tensor([slots, steps, [NEVER_STEP if o in (None, NEVER) else o for o in overrides],
-                             [o is not None for o in overrides], index], dtype=torch.long)
-        slot, step, override_k, use_override, index = host.to(device, non_blocking=True)
-        state = ReleaseState(slot=slot.int(), active=slot >= 0, release_step=torch.full_like(step, -1),
-                             override_k=override_k, use_override=use_override.bool())
-        if policy is not None:
-            bound.bound(policy)
-        parts.append((decide_release(policy, step, hidden.index_select(0, index), state) >= 0).long())
-    return torch.cat(parts)
+    index, slots, steps, overrides = zip(*rows)
+    # One upload: slot, decode index, fixed length (NEVER_STEP: never), overridden, hidden row.
+    host = torch.tensor([slots, steps, [NEVER_STEP if o in (None, NEVER) else o for o in overrides],
+                         [o is not None for o in overrides], index], dtype=torch.long)
+    slot, step, override_k, use_override, index = host.to(hidden.device, non_blocking=True)
+    state = ReleaseState(slot=slot.int(), active=slot >= 0, release_step=torch.full_like(step, -1),
+                         override_k=override_k, use_override=use_override.bool())
+    if policy is not None:
+        bound.bound(policy)
+    return (decide_release(policy, step, hidden.index_select(0, index), state) >= 0).long()
