@@ -175,6 +175,14 @@ def test_bad_arguments_are_refused(user, capsys, args, words):
     assert words in refusal(user, capsys, *full, *args)
 
 
+def test_the_command_prints_a_refusal_in_one_line(user):
+    done = run_cli(user, "calibrate", "--model", str(user / "base"), "--adapter", "a=/nonexistent", "--data",
+                   "x.jsonl", "--metric", "exact_match", "--out", str(user / "u"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["lorazor: error: --adapter 'a=/nonexistent': '/nonexistent' is not a "
+                                                "folder"]
+
+
 def test_missing_adapter_folder_and_missing_data_are_refused(user, capsys):
     assert "is not a folder" in refusal(user, capsys, "--model", str(user / "base"), "--adapter", "a=/nonexistent",
                                         "--data", "x.jsonl", "--metric", "exact_match", "--out", str(user / "v"))

@@ -277,7 +277,7 @@ def calibrate(argv: list[str]) -> int:
 
 def evaluate(argv: list[str]) -> int:
     from ..calibration.runs import run_cases
-    from ..policies import load_release_policy
+    from ..policies import ProfiledRelease, load_release_policy
     from .data import DataError
 
     args = parser("eval").parse_args(argv)
@@ -290,11 +290,8 @@ def evaluate(argv: list[str]) -> int:
             policy = load_release_policy(args.policy_dir)
         except (OSError, ValueError, KeyError) as err:
             raise CalibrationError(f"--policy-dir {str(args.policy_dir)!r}: {err}") from None
-    cases = [(name, data, policy) for name, data in validation.items()]
-    if policy is None:
-        from ..policies import ProfiledRelease
-
-        cases = [(name, data, ProfiledRelease({name: None})) for name, data in validation.items()]
+    # No policy: every adapter to the end, said explicitly so the model's default does not apply.
+    cases = [(name, data, policy or ProfiledRelease({name: None})) for name, data in validation.items()]
     try:
         results = run_cases(model, tokenizer, cases, args.batch_size, not args.no_progress, desc="evaluation")
     except DataError as err:
@@ -313,5 +310,10 @@ def evaluate(argv: list[str]) -> int:
 
 
 def main(command: str, argv: list[str] | None = None) -> int:
+    """Run `command`; a refusal is printed as one line on stderr and returns 2."""
     argv = sys.argv[2:] if argv is None else argv
-    return calibrate(argv) if command == "calibrate" else evaluate(argv)
+    try:
+        return calibrate(argv) if command == "calibrate" else evaluate(argv)
+    except CalibrationError as err:
+        print(err.args[0], file=sys.stderr)
+        return 2
