@@ -48,7 +48,6 @@ class LoRazorModel(nn.Module):
         self.bank = bank
         self.registry = AdapterRegistry(bank, config.max_cpu_loras)
         self.registry.base_model = getattr(model, "name_or_path", None) or None
-        self.config = config
         self.guard = ModelGuard()
         backend = config.backend
         if backend == "auto":
@@ -73,6 +72,15 @@ class LoRazorModel(nn.Module):
             )
         # Every forward of `generate()`, `forward()` and the engine runs through this runner.
         self.runner = ModelRunner(self.model, self.context, config, attention)
+
+    @property
+    def config(self) -> LoRazorConfig:
+        """The `LoRazorConfig`, held once, by the runner that runs by it."""
+        return self.runner.config
+
+    @config.setter
+    def config(self, value: LoRazorConfig) -> None:
+        self.runner.config = value
 
     @classmethod
     def from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None = None) -> "LoRazorModel":
@@ -158,7 +166,6 @@ class LoRazorModel(nn.Module):
         with self.guard.hold("reconfigure"):
             self.config = dataclasses.replace(self.config, **changes)
             self.context.grid = self.config.grid
-            self.runner.config = self.config
             self.runner.reset_compiled()
 
     def load_release_policy(self, root) -> ReleasePolicy:
@@ -181,7 +188,6 @@ class LoRazorModel(nn.Module):
         with self.guard.hold("set the release policy"):
             kind = "none" if policy is None else getattr(policy, "kind", "custom")
             self.config = dataclasses.replace(self.config, release=kind if kind in RELEASE_MODES else "custom")
-            self.runner.config = self.config
             self.release_policy = policy
 
     def set_grid(self, grid: str) -> None:
