@@ -224,3 +224,13 @@ def test_calibration_functions_show_progress(capsys):
         calibrate_profiled(model, tokenizer, {"math": data}, min_skip=0.0, lengths=(0,), progress=True)
     err = capsys.readouterr().err
     assert "profiled release lengths" in err and "4/4" in err  # 2 prompts x (never, k=0), with a bar
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--split", "test"], "is a file, which has no splits"),
+    (["--tasks", "math"], "--tasks math does not apply here"),
+    (["--seed", "3"], "--seed 3 does not apply here: it is for --policy learned"),
+    (["--policy", "learned", "--lengths", "0,2", "--train-data", "x.jsonl"], "--lengths 0,2 does not apply here"),
+])
+def test_settings_that_would_be_ignored_are_refused(user, capsys, args, words):
+    assert words in refusal(user, capsys, *base_args(user, "--metric", "exact_match", "--out", str(user / "s")), *args)

@@ -44,7 +44,7 @@ def add_common(ap: argparse.ArgumentParser) -> None:
     src.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu or cuda")
     data = ap.add_argument_group("data")
     data.add_argument("--data", help="jsonl, json, csv or parquet file, or a Hugging Face dataset id")
-    data.add_argument("--split", default="validation", help="the dataset split of a Hub --data (default validation)")
+    data.add_argument("--split", help="the split of a Hugging Face dataset --data (default: validation)")
     data.add_argument(
         "--columns", help="FIELD=COLUMN pairs for other column names, e.g. prompt=question,reference=answer"
     )
@@ -65,9 +65,11 @@ def parser(command: str) -> argparse.ArgumentParser:
                           "skip at least this share of decode LoRA calls; several: 0.25,0.5,0.75")
         rule.add_argument("--max-drop", type=float, help="the most skipping within this many accuracy points of the "
                           "adapter kept to the end (2 = two points; below 1 it is a fraction: 0.02)")
-        ap.add_argument("--lengths", default="0,1,2,3,4,8,16,32,64", help="profiled: release lengths k to try")
+        ap.add_argument("--lengths",
+                        help="profiled: release lengths k to try, e.g. 0,2,8 (default: 0-4, 8, 16, 32, 64)")
         ap.add_argument("--train-data", help="learned: the prompts heads train on (same format as --data)")
-        ap.add_argument("--train-split", default="train")
+        ap.add_argument("--train-split", help="learned: the split of a Hugging Face dataset --train-data "
+                        "(default: train)")
         ap.add_argument("--train-limit", type=int, default=200, help="learned: training examples per adapter (200)")
         ap.add_argument("--seed", type=int, help="learned: shuffle the training examples with this seed before "
                         "--train-limit (default: the data's order)")
@@ -96,6 +98,21 @@ def targets_of(args) -> list[dict]:
     return [dict(min_skip=v) for v in values]
 
 
+def refuse_ignored(args) -> None:
+    """A flag that would not apply to this run is refused, never ignored."""
+    testbed = args.testbed or not (args.model or args.adapter or args.data)
+    learned = getattr(args, "policy", None) == "learned"
+    unused = [("--tasks", args.tasks, not testbed, "applies to --testbed"),
+              ("--assets", args.assets, not testbed, "applies to --testbed"),
+              ("--lengths", getattr(args, "lengths", None), learned, "sets the profiled policy's candidates"),
+              ("--train-data", getattr(args, "train_data", None), not learned, "is for --policy learned"),
+              ("--train-split", getattr(args, "train_split", None), not learned, "is for --policy learned"),
+              ("--seed", getattr(args, "seed", None), not learned, "is for --policy learned")]
+    for flag, value, ignored, why in unused:
+        if value is not None and ignored:
+            raise CalibrationError(f"{flag} {value} does not apply here: it {why}")
+
+
 def load_inputs(args):
     """(model, tokenizer, validation sets, scorer spec, the data's adapters) from the arguments."""
     import torch
@@ -106,6 +123,7 @@ def load_inputs(args):
     from .metrics import resolve_metric
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    refuse_ignored(args)
     gen = {}
     if not (args.model or args.adapter or args.data):
         args.testbed = True  # `lorazor calibrate --min-skip 0.5 --out DIR`: the testbed, as before
@@ -156,16 +174,16 @@ def load_inputs(args):
         scorer = resolve_metric(args.metric)
         columns = parse_columns(args.columns)
 
-        def read(source, split, limit, seed=None):
+        def read(source, split, limit, seed=None, default_split="validation"):
             return load_validation(source, names, scorer, args.metric, tokenizer, args.max_new_tokens, split, columns,
-                                   gen, limit, seed)
+                                   gen, limit, seed, default_split)
 
         validation = read(args.data, args.split, args.limit)
         train = None
         if getattr(args, "policy", None) == "learned":
             if not args.train_data:
                 raise CalibrationError("--policy learned trains its heads on other prompts: give --train-data")
-            train = read(args.train_data, args.train_split, args.train_limit, args.seed)
+            train = read(args.train_data, args.train_split, args.train_limit, args.seed, default_split="train")
     except (DataError, ValueError) as err:
         raise CalibrationError(str(err)) from None
     return model, tokenizer, validation, train
@@ -219,7 +237,7 @@ def write_report(out: Path, args, curves: dict, choices: dict, seconds: float, d
 
 
 def calibrate(argv: list[str]) -> int:
-    from ..calibration import calibrate_learned, calibrate_profiled, select_point
+    from ..calibration import DEFAULT_RELEASE_LENGTHS, calibrate_learned, calibrate_profiled, select_point
     from ..policies import LearnedRelease, ProfiledRelease, save_release_policy
     from .data import DataError
 
@@ -232,7 +250,7 @@ def calibrate(argv: list[str]) -> int:
     progress = not args.no_progress
     first = targets[0]
     try:
-        lengths = [int(k) for k in args.lengths.split(",")]
+        lengths = [int(k) for k in args.lengths.split(",")] if args.lengths else list(DEFAULT_RELEASE_LENGTHS)
     except ValueError:
         raise CalibrationError(f"--lengths {args.lengths!r}: give ints such as 0,1,2,4,8") from None
     # The curves do not depend on the rule: compute them once, with the first rule, then select per rule.

@@ -49,12 +49,16 @@ def _check_jsonl(path: Path) -> None:
                 raise DataError(f"{path}:{number}: a row must be a JSON object, got {type(value).__name__}")
 
 
-def read_rows(source: str, split: str = "train") -> tuple[list[dict], callable]:
-    """(rows, where(i) -> "file:line" or "row i") of a local file or a Hub dataset's `split`."""
+def read_rows(source: str, split: str | None = None, default_split: str = "validation") -> tuple[list[dict], callable]:
+    """(rows, where(i) -> "file:line" or "row i") of a local file, or of a Hub dataset's `split`
+    (None: `default_split`). A split given with a local file is refused: a file has no splits."""
     import datasets
 
     path = Path(source)
     if path.exists():
+        if split is not None:
+            raise DataError(f"{path} is a file, which has no splits: leave out the split {split!r} (it applies to a "
+                            "Hugging Face dataset id)")
         kind = FORMATS.get(path.suffix.lower())
         if kind is None:
             raise DataError(f"{path}: unknown data format {path.suffix!r}; use {', '.join(FORMATS)}")
@@ -67,6 +71,7 @@ def read_rows(source: str, split: str = "train") -> tuple[list[dict], callable]:
         offset = {".jsonl": 1, ".csv": 2}.get(path.suffix.lower())
         where = (lambda i: f"{path}:{i + offset}") if offset else (lambda i: f"{path} row {i}")
     else:
+        split = split or default_split
         try:
             table = datasets.load_dataset(source, split=split)
         except Exception as err:
@@ -91,13 +96,13 @@ def _prompt_of(row: dict, tokenizer, here: str) -> str:
 
 
 def load_validation(source: str, adapters: list[str], scorer: Scorer, metric_name: str, tokenizer,
-                    max_new_tokens: int, split: str = "train", columns: dict[str, str] | None = None,
+                    max_new_tokens: int, split: str | None = None, columns: dict[str, str] | None = None,
                     generate_kwargs: dict | None = None, limit: int | None = None,
-                    seed: int | None = None) -> dict[str, ValidationSet]:
+                    seed: int | None = None, default_split: str = "validation") -> dict[str, ValidationSet]:
     """One `ValidationSet` per adapter of `adapters` from the rows of `source` (see the module
     docstring). A row's `max_new_tokens` overrides `max_new_tokens` (the same within an adapter).
     `seed`: shuffle each adapter's rows with it; `limit`: then keep the first `limit` of them."""
-    rows, where = read_rows(source, split)
+    rows, where = read_rows(source, split, default_split)
     if not rows:
         raise DataError(f"{source}: no examples")
     rename = {theirs: ours for ours, theirs in (columns or {}).items()}
