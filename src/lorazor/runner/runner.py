@@ -321,14 +321,15 @@ class ModelRunner:
         device = self.device
         host = torch.tensor([inputs.slot_mapping, inputs.ids, inputs.positions, inputs.slots], dtype=torch.long)
         slot_mapping, ids, positions, token_slot = host.to(device)
+        token_slot = token_slot.int()
         step = PagedStep.build(cache, inputs.chunks, slot_mapping, block_tables, device)
         cache.step = step
         try:
             if inputs.decode_only:
                 # The decode step `generate()` runs: one token per row.
-                hidden, logits = self.decode_step(ids, positions, step.slot_mapping, cache, token_slot.int())
+                hidden, logits = self.decode_step(ids, positions, step.slot_mapping, cache, token_slot)
                 return logits, hidden
             last = torch.tensor(inputs.last, dtype=torch.long, device=device)
-            return self.packed_forward(cache, ids, positions, token_slot.int(), last)
+            return self.packed_forward(cache, ids, positions, token_slot, last)
         finally:
             cache.step = None
