@@ -148,3 +148,34 @@ def paged_attention_reference(query, k_pool, v_pool, block_tables, tile_req, til
         scores = scores.masked_fill(~causal[None], float("-inf"))
         out[q0:q0 + num] = torch.einsum("hns,shd->nhd", scores.softmax(-1), v).to(query.dtype)
     return out
+
+
+@torch.library.custom_op("lorazor::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                       decode_req: torch.Tensor, decode_q: torch.Tensor, decode_pos: torch.Tensor,
+                       decode_num: torch.Tensor, prefill_req: torch.Tensor, prefill_q: torch.Tensor,
+                       prefill_pos: torch.Tensor, prefill_num: torch.Tensor, scale: float, page_size: int,
+                       block_q: int, zero_fill: bool, use_kernel: bool) -> torch.Tensor:
+    """One step's attention as an opaque custom op (torch.compile leaves it whole): the decode tiles
+    (one query each) and the prefill tiles (`block_q` queries each) of `query` `[N, H, D]` into one
+    output, through the Triton kernel or (`use_kernel=False`) the reference. Tokens outside every
+    tile are zeros with `zero_fill` (graph padding), else unspecified."""
+    decode = (decode_req, decode_q, decode_pos, decode_num)
+    prefill = (prefill_req, prefill_q, prefill_pos, prefill_num)
+    if not use_kernel:
+        out = query.new_zeros(query.shape)
+        for tiles in (decode, prefill):
+            if tiles[0].shape[0]:
+                out += paged_attention_reference(query, k_pool, v_pool, block_tables, *tiles, scale, page_size)
+        return out
+    out = torch.zeros_like(query) if zero_fill else torch.empty_like(query)
+    for tiles, bq in ((decode, 1), (prefill, block_q)):
+        if tiles[0].shape[0]:
+            paged_attention(query, k_pool, v_pool, block_tables, *tiles, scale, page_size, bq, out=out)
+    return out
+
+
+@paged_attention_op.register_fake
+def _(query, k_pool, v_pool, block_tables, decode_req, decode_q, decode_pos, decode_num, prefill_req, prefill_q,
+      prefill_pos, prefill_num, scale, page_size, block_q, zero_fill, use_kernel):
+    return torch.empty_like(query)

@@ -23,8 +23,10 @@ def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scal
     meta = context.meta
     if meta is None or meta.has_lora is False:
         return nn.functional.linear(x, weight, bias)
-    if x.numel() // x.shape[-1] != meta.num_rows:
-        raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.num_rows}")
+    # The row count from a tensor's size, not `meta.num_rows`: torch.compile would guard on that int
+    # and recompile for every batch size.
+    if x.numel() // x.shape[-1] != meta.row_slot.shape[0]:
+        raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.row_slot.shape[0]}")
     y = linear_lora_op(x.reshape(-1, x.shape[-1]), weight, bias, lora_a, lora_b, scaling, rank, meta,
                        backend=context.backend, mask_rank=mask_rank, segments=segments)
     return y.view(*x.shape[:-1], y.shape[-1])

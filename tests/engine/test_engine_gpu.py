@@ -14,11 +14,12 @@ GEN = dict(pad_token_id=PAD, eos_token_id=EOS)
 ADAPTERS = ["math", "sql", None, "med", "math", "sql", "med", None, "math", "sql", "med"]
 
 
-def engines(dtype, grid="exact"):
+def engines(dtype, grid="exact", compile=False, eager_compile=False):
     base = tiny_peft_model("llama", DEFAULT_ADAPTERS, dtype=dtype).cuda()
     oracle = copy.deepcopy(base)
-    eager = LoRazorModel.from_peft(copy.deepcopy(base), LoRazorConfig(grid=grid, cuda_graphs=False))
-    graph = LoRazorModel.from_peft(base, LoRazorConfig(grid=grid, cuda_graphs=True))
+    eager_config = LoRazorConfig(grid=grid, cuda_graphs=False, compile=eager_compile)
+    eager = LoRazorModel.from_peft(copy.deepcopy(base), eager_config)
+    graph = LoRazorModel.from_peft(base, LoRazorConfig(grid=grid, cuda_graphs=True, compile=compile))
     kw = dict(max_num_seqs=16, max_num_batched_tokens=48, num_kv_blocks=96, block_size=16)
     return LoRazorEngine(eager, **kw), LoRazorEngine(graph, **kw), oracle
 
@@ -62,9 +63,9 @@ def test_graph_replay_equals_eager_as_requests_join_and_leave(grid):
 def test_no_recapture_after_warm_up():
     eager, graph, _ = engines(torch.bfloat16)
     captured = graph.warm_up()
-    # Decode buckets 1, 2, 4, 8, 16 and one token bucket of packed steps, each with LoRA (one
-    # adapter class for 3 slots) and backbone only.
-    assert captured == graph.graphs.num_graphs() == 6 * (len(graph.model.context.slot_bound_classes()) + 1)
+    # Decode buckets 2, 4, 8, 16 (one row pads to two) and one token bucket of packed steps, each with
+    # LoRA (one adapter class for 3 slots) and backbone only.
+    assert captured == graph.graphs.num_graphs() == 5 * (len(graph.model.context.slot_bound_classes()) + 1)
     for seed in (2, 3):
         requests = trace(seed=seed, n=16)
         assert [o.token_ids for o in run_staggered(graph, requests)] == \
@@ -72,8 +73,31 @@ def test_no_recapture_after_warm_up():
     assert graph.graphs.num_captures == captured, "a new request mix recaptured a graph"
 
 
+def test_compiled_engine_steps_equal_eager_and_peft():
+    # torch.compile inside the captured decode graphs, one compile for every batch bucket: bf16
+    # replays equal the same compiled step run eagerly as requests join and leave; fp32 equals PEFT.
+    from torch._dynamo.utils import counters
+
+    eager, graph, _ = engines(torch.bfloat16, compile=True, eager_compile=True)
+    traces = [trace(seed=seed, n=16) for seed in (5, 6)]
+    expected = [[(o.token_ids, o.release_step) for o in run_staggered(eager, t)] for t in traces]
+    counters.clear()
+    graph.warm_up()
+    compiled = counters["stats"]["unique_graphs"]
+    assert 1 <= compiled <= 2  # LoRA and backbone steps, not one per bucket
+    for requests, want in zip(traces, expected):
+        assert [(o.token_ids, o.release_step) for o in run_staggered(graph, requests)] == want
+    assert counters["stats"]["unique_graphs"] == compiled
+    assert dict(counters["graph_break"]) == {}
+    check_fp32_engine_equals_peft(compile=True)
+
+
 def test_fp32_engine_with_graphs_equals_peft():
-    _, graph, oracle = engines(torch.float32)
+    check_fp32_engine_equals_peft(compile=False)
+
+
+def check_fp32_engine_equals_peft(compile):
+    _, graph, oracle = engines(torch.float32, compile=compile)
     requests = [dict(r, release="never") for r in trace(seed=4, n=8)]
     outs = run_staggered(graph, requests)
     for r, o in zip(requests, outs):

@@ -74,9 +74,6 @@ class LoRazorEngine:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        if model.config.compile:
-            raise ValueError("LoRazorEngine runs the decode step from CUDA graphs, not torch.compile: build the "
-                             "model with LoRazorConfig(compile=False)")
         self.model = model
         runner = self.runner = model.runner
         if runner.attention_softcap is not None:
@@ -121,8 +118,12 @@ class LoRazorEngine:
         `active_rows` / `two_class` grids, steps run eagerly)."""
         if self.graphs is None:
             return 0
+        start = time.perf_counter()
         with self.model.guard.hold("capture the engine's graphs"):
-            return self.graphs.capture_all(self.tables.upload(), batch_sizes)
+            captured = self.graphs.capture_all(self.tables.upload(), batch_sizes)
+        log.info("warm-up: captured %d step graphs in %.1f s (decode steps %s)", captured,
+                 time.perf_counter() - start, "compiled" if self.model.config.compile else "eager")
+        return captured
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids, adapter: str | None = None, generation_config=None, release=None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from lorazor_kernels import paged_attention, paged_attention_reference, tile_shape
+from lorazor_kernels import paged_attention_op, tile_shape
 
 # Keyword argument through which a step's `PagedStep` reaches LoRazor's attention function.
 PAGED_KWARG = "lorazor_paged"
@@ -88,7 +88,6 @@ class PagedKVCache:
         self.block_q = tile_shape(num_heads // num_kv_heads, single_query=False)[0]
         self.use_kernel = use_kernel
         self.step: PagedStep | None = None
-        self._decode_mask: dict[int, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -99,10 +98,9 @@ class PagedKVCache:
         """A one-token-per-row step writing row b at flat pool position `write_pos[b]`. The step's
         `PagedStep` must be set; returns the placeholder mask HF passes through untouched."""
         self.step.slot_mapping = write_pos
-        batch = write_pos.shape[0]
-        if batch not in self._decode_mask:
-            self._decode_mask[batch] = torch.ones(batch, 1, 1, 1, dtype=torch.bool, device=write_pos.device)
-        return self._decode_mask[batch]
+        # Nothing reads it (the attention reads `step`); built per call, so a compiled step with a
+        # dynamic batch has no per-size Python state to guard on.
+        return write_pos.new_ones(write_pos.shape[0], 1, 1, 1, dtype=torch.bool)
 
     def packed_mask(self, num_tokens: int) -> torch.Tensor:
         """The placeholder mask of a packed step (the attention reads the `PagedStep` instead)."""
@@ -125,22 +123,13 @@ class PagedKVCache:
 
 
 def paged_attention_forward(module, query: torch.Tensor, cache: PagedKVCache, scaling):
-    """query `[B, H, q, D]` (B = 1 packed, or q = 1 per row) -> `[B, q, H, D]` over the paged pool."""
+    """query `[B, H, q, D]` (B = 1 packed, or q = 1 per row) -> `[B, q, H, D]` over the paged pool,
+    through one opaque custom op (the Triton kernel, or its reference off the GPU)."""
     B, H, q_len, D = query.shape
     flat = query.transpose(1, 2).reshape(B * q_len, H, D)
     layer, step = module.layer_idx, cache.step
-    keys, values = cache.keys[layer], cache.values[layer]
     scale = scaling if scaling is not None else D**-0.5
-    if cache.use_kernel:
-        out = torch.zeros_like(flat) if step.zero_fill else torch.empty_like(flat)
-        for tiles, block_q in ((step.decode_tiles, 1), (step.prefill_tiles, step.block_q)):
-            if tiles[0].shape[0]:
-                paged_attention(flat, keys, values, step.block_tables, *tiles, scale, cache.block_size, block_q,
-                                out=out)
-    else:
-        out = flat.new_zeros(flat.shape)
-        for tiles in (step.decode_tiles, step.prefill_tiles):
-            if tiles[0].shape[0]:
-                out += paged_attention_reference(flat, keys, values, step.block_tables, *tiles, scale,
-                                                 cache.block_size)
+    out = paged_attention_op(flat, cache.keys[layer], cache.values[layer], step.block_tables, *step.decode_tiles,
+                             *step.prefill_tiles, scale, cache.block_size, step.block_q, step.zero_fill,
+                             cache.use_kernel)
     return out.reshape(B, q_len, H, D)

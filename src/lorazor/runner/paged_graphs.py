@@ -25,6 +25,13 @@ from .graphs import TOKEN_BUCKET, StepGraphs, batch_bucket, token_bucket
 from .paged_cache import PagedKVCache, PagedStep, tile_columns
 
 
+def decode_bucket(batch: int) -> int:
+    """The engine's decode-step buckets: `batch_bucket`'s, from 2 rows (a single row pads to two), so
+    a compiled step (whose batch is dynamic, and torch.compile always specializes a size of 1) needs
+    no compile of its own for one row."""
+    return max(2, batch_bucket(batch))
+
+
 def paged_step(cache: PagedKVCache, bucket, forward):
     """The step a graph of `bucket` holds: `forward()` (returning the final hidden states) with the
     bucket's attention metadata set on the cache, its hidden states into the bucket's buffer. It
@@ -174,7 +181,7 @@ class PagedDecodeGraphs(StepGraphs):
         super().__init__(runner)
         self.cache = cache
         self.grid = runner.context.grid  # graphs hold this grid's kernels: a new grid needs new graphs
-        self.max_bucket = batch_bucket(max_batch)
+        self.max_bucket = decode_bucket(max_batch)
         self.packed = PackedStepGraphs(runner, cache, max_tokens, max_batch, self.pool)
 
     @property
@@ -186,7 +193,7 @@ class PagedDecodeGraphs(StepGraphs):
         return self.capture_seconds + self.packed.capture_seconds
 
     def serves(self, batch: int) -> bool:
-        return batch_bucket(batch) <= self.max_bucket
+        return decode_bucket(batch) <= self.max_bucket
 
     def _bucket(self, size: int, block_tables: torch.Tensor) -> _DecodeBucket:
         if size not in self.buckets:
@@ -207,7 +214,7 @@ class PagedDecodeGraphs(StepGraphs):
         """Replay the step for `inputs` (a decode-only `StepInputs`); returns (logits `[n, V]`,
         hidden `[n, H]`), views of the bucket's static outputs."""
         n = len(inputs.ids)
-        bucket = self._bucket(batch_bucket(n), block_tables)
+        bucket = self._bucket(decode_bucket(n), block_tables)
         self._fill(bucket, inputs)
         self._replay(bucket)
         return bucket.logits[:n], bucket.hidden[:n]
@@ -238,7 +245,7 @@ class PagedDecodeGraphs(StepGraphs):
         adapters, and backbone only), so serving never captures. Returns how many were captured."""
         context = self.runner.context
         saved = context.enabled, context.slot_bound
-        sizes = sorted({batch_bucket(b) for b in (batch_sizes or range(1, self.max_bucket + 1))})
+        sizes = sorted({decode_bucket(b) for b in (batch_sizes or range(1, self.max_bucket + 1))})
         keys = [(True, bound) for bound in context.slot_bound_classes()] + [(False, None)]
         before = self.num_captures
         try:

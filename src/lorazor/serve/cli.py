@@ -7,7 +7,6 @@ import functools
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
@@ -130,11 +129,9 @@ def build_engine(args: argparse.Namespace):
     engine = LoRazorEngine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
-    # On the GPU every step graph is captured before the first request (no-op on the CPU).
-    start = time.perf_counter()
-    captured = engine.warm_up()
-    if captured:
-        log.info("captured %d step graphs in %.1f s", captured, time.perf_counter() - start)
+    # On the GPU every step graph is captured before the first request (no-op on the CPU); the
+    # engine logs how many and how long.
+    engine.warm_up()
     log.info("engine ready: %s", describe(engine, policy))
     return engine, load_tokenizer(args)
 

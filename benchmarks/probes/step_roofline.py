@@ -1,0 +1,230 @@
+"""Probe: the engine's steps against their physical floors, measured in one process (issue #37).
+
+    python benchmarks/probes/step_roofline.py --out /tmp/probe [--compile] [--phases all]
+
+Llama-3.2-3B shape, bf16, 128 random rank-8 adapters on every projection, engine defaults
+(`max_num_seqs=256`, `max_num_batched_tokens=2048`), through the public API. Phases:
+
+- `floors`: read bandwidth (a graph-timed reduction over 4 GiB), copy bandwidth, bf16 matmul TFLOPS.
+- `warmup`: `engine.warm_up()` wall time and graph count.
+- `decode`: decode-only steps at batch 1 and 256 (backbone, 128 adapters, every row released after
+  prefill, half released): wall per `engine.step()` (median of 30), and from torch.profiler over
+  5 steps the CUDA kernels per step and GPU busy time; the bytes floor (weights + KV read +
+  active adapters) at the measured read bandwidth.
+- `prefill`: a step of 8 prompts of 256 tokens (2,048 tokens) against its FLOPs floor.
+- `drift`: the batch-256 decode probe, then three traces of 1,024 requests (`engine_workload`),
+  then the probe again; GPU clock, temperature and Python heap recorded with each.
+
+Writes `step_roofline{tag}.json` and prints each row as it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).parent.parent)]  # benchmarks/
+import engine_workload as wl  # noqa: E402
+from bench_e2e import TARGETS, build_base, fill_random_adapters  # noqa: E402
+from common import copy_bandwidth, environment, time_graph  # noqa: E402
+
+PROMPT = 64
+ADAPTERS = 128
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a reduction over 4 GiB (reads only)."""
+    x = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda").uniform_()
+    out = torch.empty((), dtype=torch.float32, device="cuda")
+    ms = time_graph(lambda: torch.sum(x, dtype=torch.float32, out=out), iters=20)
+    return x.numel() * x.element_size() / (ms * 1e-3)
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = time_graph(lambda: a @ b, iters=20)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def gpu_state() -> dict:
+    state = {"python_objects": len(gc.get_objects()), "gc_collections": [s["collections"] for s in gc.get_stats()]}
+    for name in ("clock_rate", "temperature", "power_draw"):
+        try:
+            state[name] = getattr(torch.cuda, name)()
+        except Exception as err:  # pynvml missing: say so
+            state[name] = f"n/a ({type(err).__name__})"
+    return state
+
+
+def profile_steps(engine, steps: int = 5) -> dict:
+    """Kernels per step and GPU busy ms per step over `steps` decode steps (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for s, e in intervals:  # union of kernel intervals (us)
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return dict(kernels_per_step=round(len(kernels) / steps), gpu_busy_ms=round(busy / 1e3 / steps, 3),
+                profiled_wall_ms=round(wall, 3))
+
+
+class Probe:
+    def __init__(self, args):
+        from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
+
+        self.base = build_base("llama-3.2-3b")
+        self.base.generation_config.eos_token_id = None
+        self.base.config.eos_token_id = None
+        self.model = LoRazorModel.from_pretrained(self.base, None, LoRazorConfig(
+            max_loras=ADAPTERS, max_lora_rank=8, lora_target_modules=TARGETS, compile=args.compile))
+        self.names = fill_random_adapters(self.model, 0, ADAPTERS)
+        self.engine = LoRazorEngine(self.model, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=12000,
+                                    max_model_len=1024)
+        self.vocab = self.base.config.vocab_size
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.base.parameters())
+        bank = self.model.bank
+        self.adapter_bytes = sum(8 * (k + n) * bank.dtype.itemsize for k, n in bank.module_sizes.values()) \
+            * self.base.config.num_hidden_layers
+        self.rows: list[dict] = []
+        self.bandwidth = self.tflops = None
+
+    def record(self, **row):
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+
+    def floors(self):
+        self.bandwidth, copy = read_bandwidth(), copy_bandwidth()
+        self.tflops = matmul_tflops()
+        self.record(phase="floors", read_tb_s=round(self.bandwidth / 1e12, 3), copy_tb_s=round(copy / 1e12, 3),
+                    matmul_tflops=round(self.tflops, 1), weight_gb=round(self.weight_bytes / 1e9, 3),
+                    adapter_mb=round(self.adapter_bytes / 1e6, 2))
+
+    def warm_up(self):
+        start = time.perf_counter()
+        captured = self.engine.warm_up()
+        self.record(phase="warmup", seconds=round(time.perf_counter() - start, 1), graphs=captured,
+                    compile=self.model.config.compile)
+
+    def _fill(self, batch: int, adapters, release, prompt: int = PROMPT, new: int = 200, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        for i in range(batch):
+            ids = torch.randint(3, self.vocab, (prompt,), generator=g).tolist()
+            self.engine.add_request(ids, adapter=adapters(i), max_new_tokens=new, release=release(i), pad_token_id=0)
+
+    def decode(self, batch: int, kind: str, steps: int = 30, label: str = "decode") -> dict:
+        names = self.names
+        adapters = (lambda i: None) if kind == "backbone" else (lambda i: names[i % len(names)])
+        release = {"backbone": lambda i: "never", "lora": lambda i: "never", "released": lambda i: 0,
+                   "half": lambda i: 0 if i % 2 else "never"}[kind]
+        self._fill(batch, adapters, release)
+        engine = self.engine
+        while any(len(r.output) == 0 for r in engine.requests.values()):
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - t) * 1e3)
+        prof = profile_steps(engine)
+        context = PROMPT + 3 + steps + 5
+        kv = batch * context * self.model.runner.kv_bytes_per_token()
+        active = 0 if kind in ("backbone", "released") else min(batch, ADAPTERS)
+        floor_ms = (self.weight_bytes + kv + active * self.adapter_bytes) / self.bandwidth * 1e3
+        median = statistics.median(times)
+        engine.abort_all()
+        row = dict(phase=label, batch=batch, kind=kind, step_ms=round(median, 3), floor_ms=round(floor_ms, 3),
+                   vs_floor=round(median / floor_ms, 2), **prof,
+                   host_gap=round(1 - prof["gpu_busy_ms"] / prof["profiled_wall_ms"], 3), **gpu_state())
+        self.record(**row)
+        return row
+
+    def prefill(self, kind: str, reps: int = 5):
+        names = self.names
+        adapters = (lambda i: None) if kind == "backbone" else (lambda i: names[(i * 16) % len(names)])
+        cfg = self.base.config
+        tokens, prompt = 2048, 256
+        linear = sum(p.numel() for n, p in self.base.model.layers.named_parameters() if p.dim() == 2)
+        # Causal attention: QK^T and PV over (prompt + 1) / 2 keys per query on average.
+        attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * tokens * (prompt + 1) / 2
+        flops = 2 * linear * tokens + attn
+        times = []
+        for rep in range(reps + 2):
+            self._fill(tokens // prompt, adapters, lambda i: "never", prompt=prompt, new=2, seed=rep)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            self.engine.step()  # the whole 2,048-token prefill in one step
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+            self.engine.abort_all()
+        median = statistics.median(times[2:])
+        floor = flops / (self.tflops * 1e12) * 1e3
+        self.record(phase="prefill", kind=kind, tokens=tokens, step_ms=round(median, 3), floor_ms=round(floor, 3),
+                    vs_floor=round(median / floor, 2))
+
+    def drift(self, traces: int = 3, requests: int = 1024):
+        before = self.decode(256, "lora", label="drift_before")
+        rates = []
+        for t in range(traces):
+            workload = wl.build(requests, self.vocab, seed=t)
+            ids = wl.assign(workload, ADAPTERS)
+            reqs = [dict(prompt_ids=r.prompt, max_new_tokens=r.max_new_tokens, pad_token_id=0, adapter=self.names[i],
+                         release="never") for r, i in zip(workload, ids)]
+            start = time.perf_counter()
+            self.engine.generate(reqs)
+            rates.append(round(requests / (time.perf_counter() - start), 1))
+        after = self.decode(256, "lora", label="drift_after")
+        self.record(phase="drift", trace_req_s=rates, before_ms=before["step_ms"], after_ms=after["step_ms"],
+                    change=round(after["step_ms"] / before["step_ms"] - 1, 3),
+                    free_blocks=self.engine.pool.num_free)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--phases", default="floors,warmup,decode,prefill,drift")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    phases = args.phases.split(",")
+    probe = Probe(args)
+    probe.record(phase="environment", **environment(), compile=args.compile)
+    try:
+        probe.floors()
+        if "warmup" in phases:
+            probe.warm_up()
+        if "decode" in phases:
+            for batch, kind in ((1, "backbone"), (1, "lora"), (256, "backbone"), (256, "lora"), (256, "released"),
+                                (256, "half")):
+                probe.decode(batch, kind)
+        if "prefill" in phases:
+            probe.prefill("backbone")
+            probe.prefill("lora")
+        if "drift" in phases:
+            probe.drift()
+    finally:
+        (args.out / f"step_roofline{args.tag}.json").write_text(json.dumps(probe.rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
