@@ -42,8 +42,7 @@ ADAPTERS = 128
 def read_bandwidth() -> float:
     """Bytes/s of a reduction over 4 GiB (reads only)."""
     x = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda").uniform_()
-    out = torch.empty((), dtype=torch.float32, device="cuda")
-    ms = time_graph(lambda: torch.sum(x, dtype=torch.float32, out=out), iters=20)
+    ms = time_graph(lambda: x.sum(dtype=torch.float32), iters=20)
     return x.numel() * x.element_size() / (ms * 1e-3)
 
 
@@ -101,8 +100,8 @@ class Probe:
         self.vocab = self.base.config.vocab_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.base.parameters())
         bank = self.model.bank
-        self.adapter_bytes = sum(8 * (k + n) * bank.dtype.itemsize for k, n in bank.module_sizes.values()) \
-            * self.base.config.num_hidden_layers
+        # One rank-8 adapter's A and B over every targeted module of every layer.
+        self.adapter_bytes = sum(8 * (k + n) * bank.dtype.itemsize for k, n in bank.module_sizes.values())
         self.rows: list[dict] = []
         self.bandwidth = self.tflops = None
 
@@ -120,8 +119,10 @@ class Probe:
     def warm_up(self):
         start = time.perf_counter()
         captured = self.engine.warm_up()
+        graphs = self.engine.graphs
         self.record(phase="warmup", seconds=round(time.perf_counter() - start, 1), graphs=captured,
-                    compile=self.model.config.compile)
+                    compile=self.model.config.compile, decode_capture_s=round(graphs.capture_seconds, 1),
+                    packed_capture_s=round(graphs.packed.capture_seconds, 1))
 
     def _fill(self, batch: int, adapters, release, prompt: int = PROMPT, new: int = 200, seed: int = 0):
         g = torch.Generator().manual_seed(seed)

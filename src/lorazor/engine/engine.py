@@ -121,8 +121,10 @@ class LoRazorEngine:
         start = time.perf_counter()
         with self.model.guard.hold("capture the engine's graphs"):
             captured = self.graphs.capture_all(self.tables.upload(), batch_sizes)
-        log.info("warm-up: captured %d step graphs in %.1f s (decode steps %s)", captured,
-                 time.perf_counter() - start, "compiled" if self.model.config.compile else "eager")
+        graphs = self.graphs
+        log.info("warm-up: captured %d step graphs in %.1f s (decode steps, %s: %.1f s; steps with prefill: %.1f s)",
+                 captured, time.perf_counter() - start, "compiled" if self.model.config.compile else "eager",
+                 graphs.capture_seconds, graphs.packed.capture_seconds)
         return captured
 
     # ---- requests -------------------------------------------------------------------------------

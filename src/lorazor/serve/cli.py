@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, help="the largest adapter rank")
     p.add_argument("--max-cpu-loras", type=int, help="host copies of adapters kept for fast reloads")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (GPU; fewer, fused kernels; a longer start-up)")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizers without one")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -115,7 +117,7 @@ def build_engine(args: argparse.Namespace):
     policy = load_release_policy(args.release_policy) if args.release_policy else None
     config = LoRazorConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                            max_cpu_loras=args.max_cpu_loras, dtype=args.dtype,
-                           release=policy.kind if policy is not None else "none")
+                           release=policy.kind if policy is not None else "none", compile=args.compile)
     if args.testbed:
         from lorazor.testbed import load
 
