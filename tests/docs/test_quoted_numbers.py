@@ -1,7 +1,7 @@
 """Numbers the docs quote come from one results file each, and every page that quotes one gives the
 file's value: the headline decode table (`e2e_targets_ee7bab4/llama_quick/`), the engine benchmark
-(`engine/rows_exact.jsonl`), the calibration time (`calibration_h200/`) and the one-runner A/B
-(`runner_ab_h200/`)."""
+(`engine/rows_exact.jsonl`), the calibration time (`calibration_h200/`), the one-runner A/B
+(`runner_ab_h200/`) and the compiled engine's steps (`step_roofline_h200/`)."""
 
 import json
 import re
@@ -66,3 +66,21 @@ def test_this_rounds_numbers_equal_their_results():
     readme = page("benchmarks/results/runner_ab_h200/README.md")
     assert f"| {step(old):.3f} ms | {step(new):.3f} ms | {step(new) / step(old):.3f} |" in readme
     assert f"| {engine_old:.3f} ms | {engine_new:.3f} ms | {engine_new / engine_old:.3f} |" in readme
+
+
+def test_compiled_engine_numbers_equal_the_roofline_run():
+    folder = RESULTS / "step_roofline_h200"
+    runs = {tag: json.loads((folder / f"step_roofline_{tag}_47fbe2b.json").read_text())
+            for tag in ("eager", "compiled")}
+    step = {tag: {(r["batch"], r["kind"]): r for r in rows if r["phase"] == "decode"} for tag, rows in runs.items()}
+    warm = next(r for r in runs["compiled"] if r["phase"] == "warmup")
+    engine, table = page("docs/engine.md"), page("benchmarks/results/step_roofline_h200/README.md")
+    for kind in ("backbone", "lora"):
+        compiled, eager = step["compiled"][(256, kind)], step["eager"][(256, kind)]
+        assert f"{compiled['step_ms']:.3f} ms compiled" in engine or f"{compiled['step_ms']:.3f} ms against" in engine
+        assert f"{eager['step_ms']:.3f} ms" in engine
+        assert f"| {eager['step_ms']:.3f} / {eager['vs_floor']:.2f}x | {compiled['step_ms']:.3f} / " \
+               f"{compiled['vs_floor']:.2f}x |" in table
+    assert f"{step['compiled'][(256, 'backbone')]['kernels_per_step']} kernels against " \
+           f"{step['eager'][(256, 'backbone')]['kernels_per_step']:,}" in engine
+    assert f"took {warm['seconds']} s" in engine and f"{warm['graphs']} / {warm['seconds']} s" in table
