@@ -84,3 +84,60 @@ def test_compiled_engine_numbers_equal_the_roofline_run():
     assert f"{step['compiled'][(256, 'backbone')]['kernels_per_step']} kernels against " \
            f"{step['eager'][(256, 'backbone')]['kernels_per_step']:,}" in engine
     assert f"took {warm['seconds']} s" in engine and f"{warm['graphs']} / {warm['seconds']} s" in table
+
+
+def rows_of(path: Path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    return json.loads(path.read_text())["rows"]
+
+
+def table_row(text: str, label: str) -> list[str]:
+    """The cells after the first cell of the table row whose first cell is `label`."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == label:
+            return cells[1:]
+    raise AssertionError(f"no table row {label!r}")
+
+
+def test_performance_grid_tables_equal_their_results():
+    # docs/performance.md: decode tok/s of every grid mode over L, per model, and the L = 1 / 128
+    # ratios to the backbone, from the sweeps' JSON.
+    performance = page("docs/performance.md")
+    text = {"llama-3.2-3b": performance.split("### Every grid mode")[1].split("Mistral-7B shape")[0],
+            "mistral-7b": performance.split("### Every grid mode")[1].split("Mistral-7B shape")[1]}
+    for model, name in (("llama-3.2-3b", "e2e_llama-3.2-3b.json"), ("mistral-7b", "e2e_mistral-7b_grids.json")):
+        rows = [r for r in rows_of(RESULTS / name) if r["system"] == "lorazor"]
+        for grid in ("full", "active_rows", "two_class", "exact"):
+            cells = table_row(text[model], f"LoRazor `{grid}`")
+            by_l = {r["L"]: r for r in rows if r["grid"] == grid}
+            for cell, L in zip(cells, (1, 4, 8, 16, 32, 64, 128)):
+                r = by_l[L]
+                want = f"{round(r['decode_tok_s'])}"
+                if L in (1, 128):
+                    want += f" ({r['vs_backbone']:.2f})"
+                assert cell == want, (model, grid, L, cell, want)
+
+
+def test_performance_release_and_engine_tables_equal_their_results():
+    performance = page("docs/performance.md")
+    graphs, compiled = (rows_of(RESULTS / f"release_throughput{tag}.json") for tag in ("", "_compiled"))
+    labels = {"backbone only": "backbone only", "no release": "no release",
+              "profiled k=63": "`ProfiledRelease`, k = 63 for every adapter",
+              "profiled k=0": "`ProfiledRelease`, k = 0 (prefill only)"}
+    for a, b in zip(graphs, compiled):
+        cells = table_row(performance, labels[a["policy"]])
+        fmt = lambda r: f"{round(r['decode_tok_s'])}" + ("" if r["adapters"] == 0 else f" ({r['vs_backbone']:.2f})")  # noqa: E731
+        assert cells[1:] == [fmt(a), fmt(b)], (a["policy"], cells)
+    engine = {r["system"]: r for r in rows_of(RESULTS / "engine" / "rows_exact.jsonl")
+              if r["stage"] in ("offline", "backbone", "static")}
+    engine.update({r["system"]: r for r in rows_of(RESULTS / "engine" / "rows_full.jsonl")
+                   if r["stage"] == "offline" and r["L"] == 128})
+    for system, label in (("backbone", "backbone only (the ceiling)"), ("lorazor", "LoRazor: `exact` grid + StepTrim"),
+                          ("exact", "`exact` grid, no release (GridTrim only)"),
+                          ("full_release", "`full` grid + StepTrim"),
+                          ("full", "`full` grid, no release (the vLLM-style grid)"),
+                          ("static", "static `generate()`, batches of 256 (`exact` + StepTrim)")):
+        r = engine[system]
+        assert table_row(performance, label) == [f"{r['req_s']:.1f}", f"{r['out_tok_s']:,.0f}"], system
