@@ -141,3 +141,13 @@ def test_performance_release_and_engine_tables_equal_their_results():
                           ("static", "static `generate()`, batches of 256 (`exact` + StepTrim)")):
         r = engine[system]
         assert table_row(performance, label) == [f"{r['req_s']:.1f}", f"{r['out_tok_s']:,.0f}"], system
+
+
+def test_testbed_tables_are_the_paper_runs_own():
+    # docs/testbed.md quotes Tables 1 and 4 as `python -m lorazor.testbed.paper` wrote them.
+    generated = set(page("benchmarks/results/testbed_paper/paper_tables.md").splitlines())
+    rows = [line for line in page("docs/testbed.md").splitlines()
+            if re.match(r"\| (math|sql|medqa|science) \| \d", line)]
+    assert len(rows) == 8
+    for row in rows:
+        assert row in generated, row
