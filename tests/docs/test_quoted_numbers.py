@@ -1,7 +1,8 @@
 """Numbers the docs quote come from one results file each, and every page that quotes one gives the
 file's value: the headline decode table (`e2e_targets_ee7bab4/llama_quick/`), the engine benchmark
 (`engine/rows_exact.jsonl`), the calibration time (`calibration_h200/`), the one-runner A/B
-(`runner_ab_h200/`) and the compiled engine's steps (`step_roofline_h200/`)."""
+(`runner_ab_h200/`), the compiled engine's steps (`step_roofline_h200/`), and the tables of
+performance.md, gridtrim.md and testbed.md, cell by cell."""
 
 import json
 import re
@@ -151,3 +152,30 @@ def test_testbed_tables_are_the_paper_runs_own():
     assert len(rows) == 8
     for row in rows:
         assert row in generated, row
+
+
+def test_gridtrim_kernel_table_equals_the_kernel_benchmark():
+    rows = {(r["model"], r["case"], r["L"]): r for r in rows_of(RESULTS / "kernels.json")}
+    gridtrim = page("docs/gridtrim.md")
+    columns = ("full_us", "active_rows_us", "two_class_us", "exact_us", "full_merged_us", "exact_merged_us", "floor_us")
+    labels = {"Llama-3.2-3B": "llama-3.2-3b", "Mistral-7B": "mistral-7b"}
+    checked = 0
+    for line in gridtrim.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] not in labels:
+            continue
+        L = int(cells[1].split(",")[0])
+        r = rows[(labels[cells[0]], "decode" if cells[1] == str(L) else "mixed", L)]
+        want = [f"{r[c]:.1f}" for c in columns]
+        want[5] = f"**{want[5]}**"
+        want.append(f"{r['exact_merged_bank128_us']:.1f} / {r['exact_merged_bank128_unbounded_us']:.1f}")
+        assert cells[2:] == want, line
+        checked += 1
+    assert checked == 8
+    llama, mistral = rows[("llama-3.2-3b", "decode", 128)], rows[("mistral-7b", "decode", 128)]
+    assert f"**{llama['exact_merged_us'] / llama['full_us']:.2f}x the time of `full`**" in gridtrim
+    assert f"**{llama['merged_over_floor']:.2f}x the memory floor** on Llama and " \
+           f"**{mistral['merged_over_floor']:.2f}x** on Mistral" in gridtrim
+    share = llama["exact_merged_us"] / llama["full_us"]
+    assert f"`exact` takes {share:.2f}x the\ntime of `full` at 128 adapters and " \
+           f"{llama['merged_over_floor']:.2f}x the memory floor" in page("docs/performance.md")
