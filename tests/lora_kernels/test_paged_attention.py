@@ -85,3 +85,24 @@ def test_refuses_wrong_block_q():
     t = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="block_q=3 does not match"):
         paged_attention(q, kv, kv, t[None], t, t, t, t + 1, 1.0, 4, 3)
+
+
+def test_custom_op_runs_both_launches_and_zero_fills_padding():
+    # `lorazor::paged_attention` (what the engine calls, opaque to torch.compile): decode and prefill
+    # tiles in one call, kernel against reference; with zero_fill a token outside every tile (graph
+    # padding) is zero, also through torch.compile.
+    from lorazor_kernels import paged_attention_op
+
+    case = [(9, 1), (30, 12), (4, 1), (50, 7), (6, 1)]
+    H, H_kv, D, page = 6, 2, 32, 8
+    query, k_pool, v_pool, tables = make_case(case, H, H_kv, D, page, torch.float32, seed=5)
+    bq = tile_shape(H // H_kv, single_query=False)[0]
+    decode = tiles(case, 1, lambda n: n == 1)
+    prefill = tiles(case, bq, lambda n: n > 1)
+    padded = torch.cat([query, torch.randn(3, H, D, device=DEVICE)])  # three padding tokens
+    args = (padded, k_pool, v_pool, tables, *decode, *prefill, D**-0.5, page, bq, True)
+    ref = paged_attention_op(*args, False)
+    torch.testing.assert_close(paged_attention_op(*args, True), ref, **TOL[torch.float32])
+    assert ref[-3:].abs().max() == 0 and ref[:-3].abs().max() > 0
+    compiled = torch.compile(lambda *a: paged_attention_op(*a) * 2, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*args, False), 2 * ref)
