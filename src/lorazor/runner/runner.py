@@ -27,7 +27,7 @@ from .release import decide_release
 COMPILED_STEP_VARIANTS = 256
 
 
-def mark_batch_dynamic(*tensors: torch.Tensor) -> None:
+def mark_dim0_dynamic(*tensors: torch.Tensor) -> None:
     """Let torch.compile treat dim 0 of these tensors as dynamic (it still specializes sizes 0 and 1)."""
     for tensor in tensors:
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
@@ -223,13 +223,11 @@ class ModelRunner:
                 if meta is not None:
                     # The tile table's length is dynamic: one compiled step serves every slot-bound
                     # class instead of one compile (~a minute) per class.
-                    for table in (meta.tile_slot, meta.tile_rows):
-                        if table is not None:
-                            torch._dynamo.maybe_mark_dynamic(table, 0)
+                    mark_dim0_dynamic(*(t for t in (meta.tile_slot, meta.tile_rows) if t is not None))
                 if isinstance(cache, PagedKVCache):
                     # The engine's batch is dynamic too: one compile serves every batch bucket (each
                     # bucket is still its own CUDA graph), so warm-up compiles a few times, not per bucket.
-                    mark_batch_dynamic(tokens, positions, write_pos, row_slot, *cache.step.decode_tiles,
+                    mark_dim0_dynamic(tokens, positions, write_pos, row_slot, *cache.step.decode_tiles,
                                        *(() if meta is None else (meta.row_slot, meta.sorted_rows)))
                 # One specialization per (batch bucket, grid layout): more than dynamo's default
                 # limit of 8, past which it would silently run the step eagerly.

@@ -148,7 +148,8 @@ def describe(engine, policy) -> str:
             f"{names[:8]}{' ...' if len(names) > 8 else ''}; {bank.num_slots} GPU slots (max_loras), max rank "
             f"{bank.r_max}; KV cache {engine.pool.num_blocks} blocks x {engine.pool.block_size} tokens; "
             f"max_model_len {engine.max_model_len}; max_num_seqs {engine.scheduler.max_num_seqs}, "
-            f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}; release policy: {release}")
+            f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}; decode step "
+            f"{'compiled' if model.config.compile else 'eager'}; release policy: {release}")
 
 
 def _policy_adapters(policy) -> list[str]:
