@@ -106,3 +106,27 @@ def check_fp32_engine_equals_peft(compile):
                                   adapter_names=peft_names([r["adapter"]]), do_sample=False,
                                   max_new_tokens=r["max_new_tokens"], **GEN)
         assert o.token_ids == ref[0, len(r["prompt_ids"]):].tolist(), r["adapter"]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager_graphs", "compiled_graphs"])
+def test_async_steps_equal_sync_and_never_wait_for_the_gpu_but_once(compile):
+    # Async scheduling with graphs: the same outputs as the step-by-step engine, and once the graphs
+    # are captured no step makes the host wait for the GPU except the read-back of its values
+    # (torch's sync debug mode raises on .item(), nonzero(), copies from pageable memory, ...).
+    _, graph, _ = engines(torch.bfloat16, compile=compile)
+    graph.warm_up()
+    sampled = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    requests = [dict(r, eos_token_id=None, **(sampled if i % 3 == 1 else {}))
+                for i, r in enumerate(trace(seed=7, n=16))]
+    graph.async_scheduling = False
+    torch.manual_seed(0)
+    expected = [(o.token_ids, o.release_step, o.lora_decode_steps) for o in run_staggered(graph, requests)]
+    graph.async_scheduling = True
+    torch.manual_seed(0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = run_staggered(graph, requests)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert [(o.token_ids, o.release_step, o.lora_decode_steps) for o in outs] == expected
+    assert any(o.release_step >= 0 for o in outs) and graph.pool.num_free == graph.pool.num_blocks

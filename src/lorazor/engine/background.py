@@ -9,7 +9,7 @@ next step. Here one thread owns the engine, as vLLM's engine core does:
   adapter loads, shutdown. Nothing else touches the engine's state while it runs, so the loop
   never takes a lock and a call waits at most one step;
 - after each step it hands every stream its output with one `call_soon_threadsafe` per event loop;
-- the GPU wait at the end of a step releases the GIL (`LoRazorEngine._read_step`), so the loop
+- the GPU wait at the end of a step releases the GIL (`LaunchedStep.read`), so the loop
   writes the previous step's tokens to the sockets while the GPU computes the next.
 
 A stream that falls behind (its client reads slower than the steps come) gets its pending

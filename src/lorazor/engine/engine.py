@@ -9,8 +9,9 @@
 
 Requests join and leave at every step: a step packs the running requests' decode tokens and the
 next prefill chunks of new ones into one forward: `schedule -> runner.run_paged_step ->
-postprocess` (`scheduler.py`, `step_inputs.py`, then the model's `ModelRunner`, the runner
-`generate()` uses). Each request keeps its own sampling settings (HF's semantics, as in
+device picks -> read back` (`scheduler.py`, `step_inputs.py`, the model's `ModelRunner`, the runner
+`generate()` uses, then `launched.py`). With async scheduling (the default) the engine queues step
+n+1 before it reads step n back, so the host's work overlaps the GPU's. Each request keeps its own sampling settings (HF's semantics, as in
 `LoRazorModel.generate`) and its own StepTrim policy, decided on the device as `generate()` decides.
 On the GPU the attention reads the paged pool with a Triton kernel and every step replays a CUDA
 graph (`runner/paged_graphs.py`); on the CPU everything runs the pure-torch reference.
@@ -27,10 +28,11 @@ from transformers import LogitsProcessorList
 
 from ..hf_generation import plan_generation, resolve_config
 from ..policies.base import NEVER, ReleasePolicy, check_policy
-from ..runner.release import BoundPolicies, decide_group
-from ..runner.sampling import batchable, float_scores, next_tokens, sample
+from ..runner.release import BoundPolicies
+from ..runner.sampling import batchable, float_scores, next_tokens
 from .background import BackgroundLoop
 from .blocks import BlockPool
+from .launched import launch_picks
 from .request import Request, RequestOutput, Status
 from .scheduler import Scheduler
 from .step_inputs import BlockTables, prepare
@@ -63,11 +65,16 @@ class LoRazorEngine:
             (less `GPU_HEADROOM_BYTES` for activations and graphs).
         max_model_len: the longest prompt + output a request may have; None: the model's
             `max_position_embeddings`, at most `DEFAULT_MAX_MODEL_LEN`.
+        async_scheduling: queue each step before the step in flight is read back, so the host's
+            work (reading tokens back, stop checks, outputs, scheduling, preparing inputs) overlaps
+            the GPU's; `step()` then returns the step before's outputs. A request that stops is
+            found one step late and that step's token for it is dropped. False: each step is read
+            back before the next is scheduled.
     """
 
     def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  num_kv_blocks: int | None = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, async_scheduling: bool = True):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size), ("max_model_len", max_model_len or 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -110,6 +117,10 @@ class LoRazorEngine:
         self._loads_at_start = model.registry.loads
         self._ids = itertools.count()
         self._background: BackgroundLoop | None = None
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
+        self.async_scheduling = async_scheduling
+        self._in_flight = None  # the launched step not read back yet (async scheduling)
 
     def warm_up(self, batch_sizes=None) -> int:
         """Capture the step CUDA graphs now (every batch bucket up to `max_num_seqs`, or those of
@@ -276,9 +287,17 @@ class LoRazorEngine:
 
     # ---- steps ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output per request that got a token or finished in it."""
+        """Run one step; returns an output per request that got a token or finished.
+
+        With async scheduling the outputs are those of the step before (read back while this one
+        runs on the GPU), and a call with nothing new to run reads the last one back."""
         with self.model.guard.hold("run an engine step"):
-            chunks = self.scheduler.schedule()
+            previous, self._in_flight = self._in_flight, None
+            chunks = self.scheduler.schedule(preempt=previous is None)
+            outputs = []
+            if chunks is None:  # preemption needed: the running requests' tokens must be on the host first
+                outputs, previous = self._read_back(previous), None
+                chunks = self.scheduler.schedule()
             now = time.monotonic()
             for chunk in chunks:
                 if chunk.request.scheduled_time is None:
@@ -286,34 +305,63 @@ class LoRazorEngine:
             failed = self._load_adapters(chunks)
             if failed:
                 chunks = [c for c in chunks if c.request.status is not Status.FINISHED]
-            if not chunks:
-                if self.requests and not failed:
-                    raise RuntimeError(f"{len(self.requests)} requests wait but none can be scheduled")
-                return failed
-            if self.graphs is not None and self.graphs.grid != self.runner.context.grid:
-                # `model.reconfigure(grid=...)` since the capture: the old graphs run the old kernels.
-                self.graphs = self.runner.paged_graphs(self.cache, self.scheduler.max_num_seqs,
-                                                       self.scheduler.max_num_batched_tokens)
-            inputs = prepare(self.model.registry, self.cache.block_size, self.tables, chunks)
-            logits, hidden = self.runner.run_paged_step(self.cache, inputs, self.tables.upload(), self.graphs)
-            self._prefetch_waiting(chunks)
-            for chunk in chunks:
-                chunk.request.num_computed += chunk.num_tokens
-            # A prefill chunk short of the prompt's end produces no token.
-            rows = [i for i, c in enumerate(chunks) if c.request.status is Status.RUNNING
-                    and c.request.num_computed >= len(c.request.tokens)]
-            tokens = self._read_step(chunks, rows, logits, hidden)
-        outputs = failed
-        now = time.monotonic()
-        for i, token in zip(rows, tokens):
-            request = chunks[i].request
-            request.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            reason = "error" if request.error else self._stop_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason)
-            outputs.append(request.report([token], None if request.logprobs is None else [request.last_logprobs]))
+            outputs += failed
+            if chunks:
+                launched = self._launch(chunks, previous)
+                if self.async_scheduling and launched.overlappable:
+                    self._in_flight = launched
+                else:
+                    outputs += self._read_back(previous, launched)
+                    previous = None
+            elif previous is None and self.requests and not failed:
+                raise RuntimeError(f"{len(self.requests)} requests wait but none can be scheduled")
+            if previous is not None:
+                outputs += self._read_back(previous)
+        return outputs
+
+    def _launch(self, chunks, previous):
+        """Queue the step's forward and its device picks (no host sync); `previous`: the step in
+        flight, whose tokens some decode rows take as input."""
+        if self.graphs is not None and self.graphs.grid != self.runner.context.grid:
+            # `model.reconfigure(grid=...)` since the capture: the old graphs run the old kernels.
+            self.graphs = self.runner.paged_graphs(self.cache, self.scheduler.max_num_seqs,
+                                                   self.scheduler.max_num_batched_tokens)
+        inputs = prepare(self.model.registry, self.cache.block_size, self.tables, chunks)
+        pending = None if previous is None else previous.pending_for(inputs)
+        logits, hidden = self.runner.run_paged_step(self.cache, inputs, self.tables.upload(), self.graphs, pending)
+        self._prefetch_waiting(chunks)
+        for chunk in chunks:
+            chunk.request.num_computed += chunk.num_tokens
+        rows = [i for i, c in enumerate(chunks) if c.request.status is Status.RUNNING
+                and c.request.num_computed >= c.request.num_tokens]
+        launched = launch_picks(chunks, rows, logits, hidden, self.model.bank.slot_of, self.policies)
+        for request in launched.requests:
+            request.pending += 1
+        return launched
+
+    def _read_back(self, launched, *more) -> list[RequestOutput]:
+        """Read launched steps back in order: their tokens (the host samples the rows the device
+        did not), stop checks, outputs. A request that finished or was aborted while a step was in
+        flight drops that step's token."""
+        outputs = []
+        for step in (launched, *more):
+            if step is None:
+                continue
+            tokens = step.read()
+            now = time.monotonic()
+            for i, token, request in zip(step.rows, tokens, step.requests):
+                request.pending -= 1
+                if request.status is not Status.RUNNING:
+                    continue
+                if token is None:
+                    token = self._sample(request, step.logits[i])
+                request.append(token)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                reason = "error" if request.error else self._stop_reason(request, token)
+                if reason is not None:
+                    self._finish(request, reason)
+                outputs.append(request.report([token], None if request.logprobs is None else [request.last_logprobs]))
         return outputs
 
     def _load_adapters(self, chunks) -> list[RequestOutput]:
@@ -349,56 +397,6 @@ class LoRazorEngine:
             # A failing load marks its adapter broken; its requests end when they are scheduled.
             registry.load_each(wanted, protected=busy)
 
-    def _read_step(self, chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
-        """The next token of each row in `rows`, and the release decisions for each one's next decode
-        forward. Plain greedy rows, rows with batchable sampling settings (`runner/sampling.py`) and
-        the decisions (`runner/release.py`) run as batched device ops read back in one copy (the
-        step's one host sync); other rows then run HF's processors one request at a time."""
-        requests = [chunks[i].request for i in rows]
-        plain = [j for j, r in enumerate(requests) if r.plain_greedy]
-        sampled = [j for j, r in enumerate(requests) if r.sampling is not None]
-        # Grouped by policy (None: fixed lengths only); decode forward d = tokens generated so far.
-        groups: dict = {}
-        slot_of = self.model.bank.slot_of
-        for j, r in enumerate(requests):
-            if r.needs_decisions:
-                policy = None if r.release is not None else r.policy
-                groups.setdefault(policy, []).append((j, (rows[j], slot_of[r.adapter], len(r.output), r.release)))
-        pick = lambda tensor, js: tensor.index_select(0, torch.tensor([rows[j] for j in js], device=tensor.device))  # noqa: E731
-        parts = []
-        if plain:
-            parts.append(pick(logits, plain).argmax(-1))
-        if sampled:
-            parts.append(sample(pick(logits, sampled), [requests[j].sampling for j in sampled]))
-        deciding = []
-        for policy, members in groups.items():
-            try:
-                parts.append(decide_group(policy, [m for _, m in members], hidden, self.policies))
-            except Exception as err:  # a policy that raises ends only its own requests, after this token
-                log.error("release policy %s failed: %s; ending its %d requests", type(policy).__name__, err,
-                          len(members))
-                for j, _ in members:
-                    requests[j].error = f"release policy {type(policy).__name__} failed: {type(err).__name__}: {err}"
-                continue
-            deciding += [j for j, _ in members]
-        values = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
-        if values.is_cuda:  # wait for the GPU with the GIL released: a server's event loop runs meanwhile
-            host = values.to("cpu", non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()
-            values = host
-        values = values.tolist()
-        tokens: list[int | None] = [None] * len(rows)
-        for j, value in zip(plain + sampled, values):
-            tokens[j] = value
-        for j, value in zip(deciding, values[len(plain) + len(sampled):]):
-            requests[j].next_keep = bool(value)
-        for j, request in enumerate(requests):
-            if tokens[j] is None:
-                tokens[j] = self._sample(request, logits[rows[j]])
-        return tokens
-
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
         seq = torch.tensor([request.tokens], dtype=torch.long, device=logits.device)
         raw = float_scores(logits[None])
@@ -430,8 +428,10 @@ class LoRazorEngine:
 
     # ---- offline and streaming ------------------------------------------------------------------
     def generate(self, requests: list[dict], progress: bool = False) -> list[RequestOutput]:
-        """Run a list of requests (each a dict of `add_request` arguments) to the end; outputs in order."""
+        """Run a list of requests (each a dict of `add_request` arguments) to the end; outputs in order.
+        Requests queued before keep running alongside; their outputs are not returned here."""
         ids = [self.add_request(**r) for r in requests]
+        wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = None
         if progress:
@@ -440,7 +440,7 @@ class LoRazorEngine:
             bar = tqdm(total=len(ids), desc="requests")
         while len(done) < len(ids):
             for out in self.step():
-                if out.finished:
+                if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
                     if bar is not None:
                         bar.update(1)

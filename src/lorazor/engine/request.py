@@ -82,8 +82,8 @@ class Request:
     num_computed: int = 0  # positions whose keys and values are in the cache
     block_table: list[int] = field(default_factory=list)
     release_step: int = -1
-    decided: int = 0  # decode forwards whose release decision is taken (a recompute replays them)
-    next_keep: bool = True  # the device's decision for decode forward `decided` (read back per step)
+    # Tokens computed on the device but not read back yet (async scheduling: the step in flight).
+    pending: int = 0
     table_row: int | None = None  # row of the engine's device block table while running
     table_synced: int = 0  # blocks of `block_table` already written to that row
     finish_reason: str | None = None
@@ -107,6 +107,22 @@ class Request:
     def append(self, token: int) -> None:
         self.output.append(token)
         self.tokens.append(token)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and generated tokens, those still on the device included."""
+        return len(self.tokens) + self.pending
+
+    @property
+    def has_all_tokens(self) -> bool:
+        """Whether the tokens on the device already reach `max_new_tokens`: nothing more to compute."""
+        return len(self.output) + self.pending >= self.plan.max_new_tokens
+
+    def record_decision(self, forward: int, keep: bool) -> None:
+        """The device's release decision for decode forward `forward` (one-way: the first release
+        stays; a recompute after preemption replays it through `release_step`)."""
+        if not keep and self.release_step < 0:
+            self.release_step = forward
 
     @property
     def needs_decisions(self) -> bool:

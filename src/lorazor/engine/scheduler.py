@@ -12,6 +12,9 @@ Every step:
    running requests hold (`max_adapters` distinct adapters) waits at the front of the queue
    without blocking later requests whose adapters are already running. A prompt longer than the
    budget is prefilled in chunks over several steps.
+4. With async scheduling a step is scheduled while the one before is still on the GPU: a running
+   request whose tokens there reach its `max_new_tokens` gets no more, and where the pool would need
+   a preemption the engine first reads that step back (`schedule(preempt=False)` returns None).
 """
 
 from __future__ import annotations
@@ -69,7 +72,10 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def schedule(self) -> list[Chunk]:
+    def schedule(self, preempt: bool = True) -> list[Chunk] | None:
+        """The step's chunks. With `preempt=False` (a step is in flight, whose tokens the running
+        requests still wait for) returns None instead of preempting; the caller reads that step
+        back and schedules again."""
         budget = self.max_num_batched_tokens
         chunks: list[Chunk] = []
         preempted = set()
@@ -78,8 +84,12 @@ class Scheduler:
                 break
             if request in preempted:
                 continue  # preempted below for an older request
-            n = min(len(request.tokens) - request.num_computed, budget)
+            if request.has_all_tokens:
+                continue  # its last token is on the device: it finishes when that step is read back
+            n = min(request.num_tokens - request.num_computed, budget)
             while not self.pool.grow(request.block_table, request.num_computed + n):
+                if not preempt:
+                    return None
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.add(victim)
@@ -97,7 +107,7 @@ class Scheduler:
                 # it keeps its place at the front, so it is admitted first once a slot frees.
                 skipped.append(request)
                 continue
-            n = min(len(request.tokens) - request.num_computed, budget)
+            n = min(request.num_tokens - request.num_computed, budget)
             if not self.pool.grow(request.block_table, request.num_computed + n):
                 self.waiting.appendleft(request)
                 break

@@ -7,36 +7,24 @@ table, one row per running request, rewritten only where a request gained blocks
 a few small arrays.
 
 StepTrim: the decision for decode forward d is taken on the device at the end of the step that ran
-forward d - 1 (`runner/release.py`, the same `policy.keep` `generate()` calls) and read back with
-that step's tokens; `apply_release` turns it into the slot of the forward here.
+forward d - 1 (`runner/release.py`, the same `policy.keep` `generate()` calls) and recorded on the
+request when that step is read back (`Request.record_decision`); a forward's slot follows it here.
+
+With async scheduling a step is prepared before the step in flight is read back, so a decode row's
+input token (and the decision for its forward) may still be on the device: such a token is listed
+in `StepInputs.pending`, prepared as the adapter's slot, and filled in on the device from the step
+in flight (`ModelRunner.run_paged_step`'s `pending`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ..runner.uploads import upload_into
 from .scheduler import Chunk
-
-
-def apply_release(chunk: Chunk) -> None:
-    """The release decisions of the decode forwards in this chunk. Each forward is decided once,
-    before it runs; a recomputed request (after preemption) replays its earlier decisions through
-    `release_step`."""
-    request = chunk.request
-    if request.adapter is None or request.release_step >= 0:
-        return
-    first_decode = len(request.prompt)
-    for position in range(max(chunk.start, first_decode), chunk.start + chunk.num_tokens):
-        d = position - first_decode
-        if d < request.decided:
-            continue
-        request.decided = d + 1
-        if not request.next_keep:
-            request.release_step = d
-            return
 
 
 class BlockTables:
@@ -71,7 +59,7 @@ class BlockTables:
 
     def upload(self) -> torch.Tensor:
         if self._dirty:
-            self.device.copy_(torch.from_numpy(self.host))
+            upload_into(self.device, self.host)
             self._dirty = False
         return self.device
 
@@ -88,6 +76,8 @@ class StepInputs:
     chunks: list[tuple[int, int, int]]
     last: list[int]
     num_adapters: int
+    # (token index, request) of each token still on the device: the output of the step in flight.
+    pending: list = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
@@ -96,11 +86,10 @@ class StepInputs:
 
 def prepare(registry, block_size: int, tables: BlockTables, chunks: list[Chunk]) -> StepInputs:
     """The step's host lists; loads the step's adapters that are not in GPU slots."""
-    ids, positions, names, pool_positions, rows, last = [], [], [], [], [], []
+    ids, positions, names, pool_positions, rows, last, pending = [], [], [], [], [], [], []
     page = block_size
     for chunk in chunks:
         request = chunk.request
-        apply_release(chunk)
         row = tables.row_of(request)
         table, start = request.block_table, chunk.start
         # Plain Python on purpose: a step has up to max_num_batched_tokens tokens, and per-chunk
@@ -108,7 +97,11 @@ def prepare(registry, block_size: int, tables: BlockTables, chunks: list[Chunk])
         # chunks) skip the loops.
         if chunk.num_tokens == 1:
             pool_positions.append(table[start // page] * page + start % page)
-            ids.append(request.tokens[start])
+            if start < len(request.tokens):
+                ids.append(request.tokens[start])
+            else:  # the output of the step in flight
+                pending.append((len(ids), request))
+                ids.append(0)
             positions.append(start)
             names.append(request.adapter if request.uses_adapter_at(start) else None)
         else:
@@ -124,4 +117,4 @@ def prepare(registry, block_size: int, tables: BlockTables, chunks: list[Chunk])
     registry.make_resident(distinct)
     slot_of = registry.bank.slot_of
     slots = [-1 if n is None else slot_of[n] for n in names]
-    return StepInputs(ids, positions, slots, pool_positions, rows, last, len(distinct))
+    return StepInputs(ids, positions, slots, pool_positions, rows, last, len(distinct), pending)

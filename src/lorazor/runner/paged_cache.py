@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from lorazor_kernels import paged_attention_op, tile_shape
 
+from .uploads import to_device
+
 # Keyword argument through which a step's `PagedStep` reaches LoRazor's attention function.
 PAGED_KWARG = "lorazor_paged"
 
@@ -49,8 +51,8 @@ class PagedStep:
         """From per request (block-table row, first position computed this step, tokens this step),
         packed in this order; `slot_mapping` and `block_tables` are already on the device."""
         decode, prefill = tile_columns(chunks, cache.block_q)
-        packed = torch.tensor([v for part in (decode, prefill) for column in part for v in column], dtype=torch.int32)
-        columns = packed.to(device).split([len(decode[0])] * 4 + [len(prefill[0])] * 4)
+        packed = to_device([v for part in (decode, prefill) for column in part for v in column], device, torch.int32)
+        columns = packed.split([len(decode[0])] * 4 + [len(prefill[0])] * 4)
         return cls(slot_mapping, block_tables, tuple(columns[:4]), tuple(columns[4:]), cache.block_q)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from .graphs import TOKEN_BUCKET, StepGraphs, batch_bucket, token_bucket
 from .paged_cache import PagedKVCache, PagedStep, tile_columns
+from .uploads import upload_into
 
 
 def decode_bucket(batch: int) -> int:
@@ -44,6 +45,29 @@ def paged_step(cache: PagedKVCache, bucket, forward):
             cache.step = None
 
     return step
+
+
+@dataclass
+class PendingTokens:
+    """A step's input tokens that are outputs of the step before, still on the device (the engine's
+    async scheduling prepares a step before it reads the one in flight back).
+
+    Attributes:
+        index: `[3, k]` long: each such token's index in this step, the index of its token in
+            `values`, and of the release decision for its forward (-1: none, it keeps its adapter).
+        values: the step before's sampled tokens and release decisions (1: keep), long.
+    """
+
+    index: torch.Tensor
+    values: torch.Tensor
+
+    def fill(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the tokens into `ids` and drop the adapter (slot -1) of the forwards whose
+        decision released it; `slots` was prepared as if every such forward kept it."""
+        dst, token, decision = self.index
+        ids.index_copy_(0, dst, self.values.index_select(0, token))
+        keep = (self.values.index_select(0, decision.clamp(min=0)) != 0) | (decision < 0)
+        slots.index_copy_(0, dst, torch.where(keep, slots.index_select(0, dst), -1).to(slots.dtype))
 
 
 @dataclass
@@ -137,7 +161,7 @@ class PackedStepGraphs(StepGraphs):
             tok[0, :n], tok[1, :n], tok[2, :n], tok[3, :n] = inputs.ids, inputs.positions, inputs.slot_mapping, \
                 inputs.slots
             host[offset:offset + len(inputs.last)] = inputs.last
-        bucket.staging.copy_(torch.from_numpy(host))
+        upload_into(bucket.staging, host)
         staged = bucket.staging[:4 * T].view(4, T)
         for target, source in zip((bucket.ids, bucket.positions, bucket.slot_mapping, bucket.token_slot), staged):
             target.copy_(source)
@@ -149,11 +173,13 @@ class PackedStepGraphs(StepGraphs):
             offset += 4 * cap
         bucket.last.copy_(bucket.staging[offset:])
 
-    def run(self, inputs, block_tables: torch.Tensor):
-        """Replay the packed step for `inputs` (the engine's `StepInputs`); returns (logits, hidden) of
-        each request's last token, views of static buffers."""
+    def run(self, inputs, block_tables: torch.Tensor, pending: PendingTokens | None = None):
+        """Replay the packed step for `inputs` (the engine's `StepInputs`; `pending`: its tokens still
+        on the device); returns (logits, hidden) of each request's last token, views of static buffers."""
         bucket = self._bucket(token_bucket(len(inputs.ids)), block_tables)
         self._fill(bucket, inputs)
+        if pending is not None:
+            pending.fill(bucket.ids, bucket.token_slot)
         self._replay(bucket)
         rows = len(inputs.last)
         return bucket.logits[:rows], bucket.hidden[:rows]
@@ -210,12 +236,14 @@ class PagedDecodeGraphs(StepGraphs):
                                                ints(), step, hidden, logits)
         return self.buckets[size]
 
-    def run(self, inputs, block_tables: torch.Tensor):
-        """Replay the step for `inputs` (a decode-only `StepInputs`); returns (logits `[n, V]`,
-        hidden `[n, H]`), views of the bucket's static outputs."""
+    def run(self, inputs, block_tables: torch.Tensor, pending: PendingTokens | None = None):
+        """Replay the step for `inputs` (a decode-only `StepInputs`; `pending`: its tokens still on
+        the device); returns (logits `[n, V]`, hidden `[n, H]`), views of the bucket's static outputs."""
         n = len(inputs.ids)
         bucket = self._bucket(decode_bucket(n), block_tables)
         self._fill(bucket, inputs)
+        if pending is not None:
+            pending.fill(bucket.tokens, bucket.row_slot)
         self._replay(bucket)
         return bucket.logits[:n], bucket.hidden[:n]
 
@@ -233,7 +261,7 @@ class PagedDecodeGraphs(StepGraphs):
             host[2, :n] = inputs.slot_mapping
             host[3, :n] = inputs.slots
             host[4, :n] = [row for row, _, _ in inputs.chunks]
-        bucket.inputs.copy_(torch.from_numpy(host))
+        upload_into(bucket.inputs, host)
         rows, _, pos, _ = bucket.step.decode_tiles
         for target, source in ((bucket.tokens, 0), (bucket.positions, 1), (bucket.slot_mapping, 2),
                                (bucket.row_slot, 3), (rows, 4), (pos, 1)):

@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from ..policies.base import NEVER, NEVER_STEP, ReleasePolicy, ReleaseState
+from .uploads import to_device
 
 
 def decide_release(policy: ReleasePolicy | None, step: int | torch.Tensor, hidden: torch.Tensor | None,
@@ -78,9 +79,9 @@ def decide_group(policy: ReleasePolicy | None, rows: list[tuple], hidden: torch.
     """
     index, slots, steps, overrides = zip(*rows)
     # One upload: slot, decode index, fixed length (NEVER_STEP: never), overridden, hidden row.
-    host = torch.tensor([slots, steps, [NEVER_STEP if o in (None, NEVER) else o for o in overrides],
-                         [o is not None for o in overrides], index], dtype=torch.long)
-    slot, step, override_k, use_override, index = host.to(hidden.device, non_blocking=True)
+    slot, step, override_k, use_override, index = to_device(
+        [slots, steps, [NEVER_STEP if o in (None, NEVER) else o for o in overrides],
+         [o is not None for o in overrides], index], hidden.device)
     state = ReleaseState(slot=slot.int(), active=slot >= 0, release_step=torch.full_like(step, -1),
                          override_k=override_k, use_override=use_override.bool())
     if policy is not None:

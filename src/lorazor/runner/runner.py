@@ -20,8 +20,9 @@ from .graphs import batch_bucket
 from .kv_cache import KVCache
 from .lora_context import StepContext
 from .paged_cache import PAGED_KWARG, PagedKVCache, PagedStep
-from .paged_graphs import PagedDecodeGraphs
+from .paged_graphs import PagedDecodeGraphs, PendingTokens
 from .release import decide_release
+from .uploads import to_device
 
 # Compiled decode-step specializations allowed (batch buckets x grid layouts, plus backbone).
 COMPILED_STEP_VARIANTS = 256
@@ -316,21 +317,25 @@ class ModelRunner:
         return None
 
     def run_paged_step(self, cache: PagedKVCache, inputs, block_tables: torch.Tensor,
-                       graphs: PagedDecodeGraphs | None = None):
-        """Forward one engine step (`inputs`: the engine's `StepInputs`, adapters already in slots);
-        returns `[chunks, V]` logits and `[chunks, H]` final hidden states at each chunk's last token
-        (views of static buffers after a graph replay: read them before the next step)."""
+                       graphs: PagedDecodeGraphs | None = None, pending: PendingTokens | None = None):
+        """Forward one engine step (`inputs`: the engine's `StepInputs`, adapters already in slots;
+        `pending`: its input tokens that the step before left on the device). Returns `[chunks, V]`
+        logits and `[chunks, H]` final hidden states at each chunk's last token (views of static
+        buffers after a graph replay: read them, or queue what reads them, before the next step).
+        Nothing here waits for the GPU."""
         # The host knows how many distinct adapters the step uses: no sync to bound the exact grid.
         self.context.set_distinct(inputs.num_adapters)
         if graphs is not None:
             if inputs.decode_only and graphs.serves(len(inputs.chunks)):
-                return graphs.run(inputs, block_tables)
+                return graphs.run(inputs, block_tables, pending)
             if not inputs.decode_only and graphs.packed.serves(len(inputs.ids)):
-                return graphs.packed.run(inputs, block_tables)
+                return graphs.packed.run(inputs, block_tables, pending)
         device = self.device
-        host = torch.tensor([inputs.slot_mapping, inputs.ids, inputs.positions, inputs.slots], dtype=torch.long)
-        slot_mapping, ids, positions, token_slot = host.to(device)
+        slot_mapping, ids, positions, token_slot = to_device(
+            [inputs.slot_mapping, inputs.ids, inputs.positions, inputs.slots], device)
         token_slot = token_slot.int()
+        if pending is not None:
+            pending.fill(ids, token_slot)
         step = PagedStep.build(cache, inputs.chunks, slot_mapping, block_tables, device)
         cache.step = step
         try:
@@ -338,7 +343,7 @@ class ModelRunner:
                 # The decode step `generate()` runs: one token per row.
                 hidden, logits = self.decode_step(ids, positions, step.slot_mapping, cache, token_slot)
                 return logits, hidden
-            last = torch.tensor(inputs.last, dtype=torch.long, device=device)
+            last = to_device(inputs.last, device)
             return self.packed_forward(cache, ids, positions, token_slot, last)
         finally:
             cache.step = None

@@ -22,6 +22,8 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
+from .uploads import to_device
+
 ORDER = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
 
@@ -76,8 +78,7 @@ def batchable(plan, generator) -> SamplingParams | None:
 def warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """HF's warpers, row by row settings, on `[n, V]` float scores (a new tensor)."""
     device = scores.device
-    column = lambda name, dtype: torch.tensor([getattr(p, name) for p in params], dtype=dtype,  # noqa: E731
-                                              device=device)[:, None]
+    column = lambda name, dtype: to_device([getattr(p, name) for p in params], device, dtype)[:, None]  # noqa: E731
     scores = scores / column("temperature", torch.float32)
     if any(p.top_k for p in params):
         k = column("top_k", torch.long).clamp(max=scores.shape[-1])

@@ -1,0 +1,131 @@
+"""A launched engine step: its next tokens and release decisions, picked on the device, read back later.
+
+Right after a step's forward is queued, `launch_picks` queues what picks from its outputs, all on
+the device: the argmax of plain greedy rows, batched sampling of rows with batchable settings
+(`runner/sampling.py`), and the release decisions of each policy's rows for their next decode
+forward (`runner/release.py`). Their values go to the host in one non-blocking copy, which
+`LaunchedStep.read` waits for: the step's one host sync.
+
+With async scheduling (`LoRazorEngine(async_scheduling=True)`, the default) the engine queues step
+n+1 before it reads step n back, so the GPU does not wait while the host post-processes step n and
+prepares step n+2. Step n+1 takes the decode rows' input tokens and release decisions from
+`values` on the device (`PendingTokens`). A step with a row the host must sample (HF logits
+processors, log-probabilities) is read back at once: its logits are graph buffers that the next
+step overwrites.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..runner.paged_graphs import PendingTokens
+from ..runner.release import decide_group
+from ..runner.sampling import sample
+from ..runner.uploads import to_device
+
+log = logging.getLogger("lorazor.engine")
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """One step whose forward and picks are queued.
+
+    Attributes:
+        chunks: the step's scheduled chunks.
+        rows: indices of the chunks that produce a token (a prefill chunk short of its prompt's end
+            produces none); `requests`: their requests.
+        values: device `[m]` long: the picked tokens, then the release decisions (1: keep).
+        token_at: request -> index of its token in `values` (rows the host samples are absent).
+        decision_at: request -> (index of its decision in `values`, the decode forward it decides).
+        logits, hidden: the step's outputs per chunk (graph buffers: valid until the next step runs).
+    """
+
+    chunks: list
+    rows: list[int]
+    requests: list
+    values: torch.Tensor
+    token_at: dict
+    decision_at: dict
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    host: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether the next step may run before this one is read back: every token is on the device."""
+        return len(self.token_at) == len(self.requests)
+
+    def pending_for(self, inputs) -> PendingTokens | None:
+        """Where the next step's `inputs.pending` tokens are in `values` (None: it has none)."""
+        if not inputs.pending:
+            return None
+        index = [[], [], []]
+        for position, request in inputs.pending:
+            index[0].append(position)
+            index[1].append(self.token_at[request])
+            index[2].append(self.decision_at.get(request, (-1, 0))[0])
+        return PendingTokens(to_device(index, self.values.device), self.values)
+
+    def read(self) -> list:
+        """Wait for the values, then record each decision on its request; returns the token of
+        each row (None where the host samples it)."""
+        if self.done is not None:
+            # Waits with the GIL released: a server's event loop runs meanwhile.
+            self.done.synchronize()
+        values = self.host.tolist()
+        for request, (index, forward) in self.decision_at.items():
+            request.record_decision(forward, bool(values[index]))
+        return [None if r not in self.token_at else values[self.token_at[r]] for r in self.requests]
+
+
+def launch_picks(chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor, slot_of,
+                 policies) -> LaunchedStep:
+    """Queue the step's device picks (see the module docstring) and their copy to the host.
+
+    A release policy that raises ends only its own requests (after this token: `Request.error`)."""
+    requests = [chunks[i].request for i in rows]
+    plain = [j for j, r in enumerate(requests) if r.plain_greedy]
+    sampled = [j for j, r in enumerate(requests) if r.sampling is not None]
+    # Grouped by policy (None: fixed lengths only); the forward decided is d = tokens generated so
+    # far, those still on the device included.
+    groups: dict = {}
+    for j, r in enumerate(requests):
+        if r.needs_decisions:
+            policy = None if r.release is not None else r.policy
+            d = len(r.output) + r.pending
+            groups.setdefault(policy, []).append((r, (rows[j], slot_of[r.adapter], d, r.release)))
+    device = logits.device
+    pick = lambda tensor, js: tensor.index_select(0, to_device([rows[j] for j in js], device))  # noqa: E731
+    parts = []
+    if plain:
+        parts.append(pick(logits, plain).argmax(-1))
+    if sampled:
+        parts.append(sample(pick(logits, sampled), [requests[j].sampling for j in sampled]))
+    token_at = {requests[j]: i for i, j in enumerate(plain + sampled)}
+    decision_at = {}
+    offset = len(token_at)
+    for policy, members in groups.items():
+        try:
+            parts.append(decide_group(policy, [m for _, m in members], hidden, policies))
+        except Exception as err:
+            log.error("release policy %s failed: %s; ending its %d requests", type(policy).__name__, err,
+                      len(members))
+            for request, _ in members:
+                request.error = f"release policy {type(policy).__name__} failed: {type(err).__name__}: {err}"
+            continue
+        for request, member in members:
+            decision_at[request] = (offset, member[2])
+            offset += 1
+    values = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+    launched = LaunchedStep(chunks, rows, requests, values, token_at, decision_at, logits, hidden)
+    if values.is_cuda:
+        launched.host = values.to("cpu", non_blocking=True)
+        launched.done = torch.cuda.Event()
+        launched.done.record()
+    else:
+        launched.host = values
+    return launched
