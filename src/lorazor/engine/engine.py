@@ -11,8 +11,9 @@ Requests join and leave at every step: a step packs the running requests' decode
 next prefill chunks of new ones into one forward: `schedule -> runner.run_paged_step ->
 device picks -> read back` (`scheduler.py`, `step_inputs.py`, the model's `ModelRunner`, the runner
 `generate()` uses, then `launched.py`). With async scheduling (the default) the engine queues step
-n+1 before it reads step n back, so the host's work overlaps the GPU's. Each request keeps its own sampling settings (HF's semantics, as in
-`LoRazorModel.generate`) and its own StepTrim policy, decided on the device as `generate()` decides.
+n+1 before it reads step n back, so the host's work overlaps the GPU's. Each request keeps its own
+sampling settings (HF's semantics, as in `LoRazorModel.generate`) and its own StepTrim policy,
+decided on the device as `generate()` decides.
 On the GPU the attention reads the paged pool with a Triton kernel and every step replays a CUDA
 graph (`runner/paged_graphs.py`); on the CPU everything runs the pure-torch reference.
 """
