@@ -8,7 +8,8 @@ Llama-3.2-3B shape, bf16, 128 random rank-8 adapters on every projection, engine
 - `floors`: read bandwidth (a graph-timed reduction over 4 GiB), copy bandwidth, bf16 matmul TFLOPS.
 - `warmup`: `engine.warm_up()` wall time and graph count.
 - `decode`: decode-only steps at batch 1 and 256 (backbone, 128 adapters, every row released after
-  prefill, half released): wall per `engine.step()` (median of 30), and from torch.profiler over
+  prefill, half released), with async scheduling and then step by step over the same requests:
+  wall per `engine.step()` (median of 30), and from torch.profiler over
   5 steps the CUDA kernels per step and GPU busy time; the bytes floor (weights + KV read +
   active adapters) at the measured read bandwidth.
 - `prefill`: a step of 8 prompts of 256 tokens (2,048 tokens) against its FLOPs floor.
@@ -130,7 +131,8 @@ class Probe:
             ids = torch.randint(3, self.vocab, (prompt,), generator=g).tolist()
             self.engine.add_request(ids, adapter=adapters(i), max_new_tokens=new, release=release(i), pad_token_id=0)
 
-    def decode(self, batch: int, kind: str, steps: int = 30, label: str = "decode") -> dict:
+    def decode(self, batch: int, kind: str, steps: int = 30, label: str = "decode", modes=("async",)) -> dict:
+        """The decode rows, one per scheduling mode ("async", "sync") over the same requests; returns the first."""
         names = self.names
         adapters = (lambda i: None) if kind == "backbone" else (lambda i: names[i % len(names)])
         release = {"backbone": lambda i: "never", "lora": lambda i: "never", "released": lambda i: 0,
@@ -139,25 +141,30 @@ class Probe:
         engine = self.engine
         while any(len(r.output) == 0 for r in engine.requests.values()):
             engine.step()
-        for _ in range(3):
-            engine.step()
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            engine.step()
-            times.append((time.perf_counter() - t) * 1e3)
-        prof = profile_steps(engine)
-        context = PROMPT + 3 + steps + 5
-        kv = batch * context * self.model.runner.kv_bytes_per_token()
-        active = 0 if kind in ("backbone", "released") else min(batch, ADAPTERS)
-        floor_ms = (self.weight_bytes + kv + active * self.adapter_bytes) / self.bandwidth * 1e3
-        median = statistics.median(times)
+        rows = []
+        for mode in modes:
+            engine.async_scheduling = mode == "async"
+            for _ in range(3):
+                engine.step()
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                engine.step()
+                times.append((time.perf_counter() - t) * 1e3)
+            prof = profile_steps(engine)
+            context = PROMPT + 3 + len(rows) * (steps + 8) + steps + 5
+            kv = batch * context * self.model.runner.kv_bytes_per_token()
+            active = 0 if kind in ("backbone", "released") else min(batch, ADAPTERS)
+            floor_ms = (self.weight_bytes + kv + active * self.adapter_bytes) / self.bandwidth * 1e3
+            median = statistics.median(times)
+            row = dict(phase=label, batch=batch, kind=kind, scheduling=mode, step_ms=round(median, 3),
+                       floor_ms=round(floor_ms, 3), vs_floor=round(median / floor_ms, 2), **prof,
+                       host_gap=round(1 - prof["gpu_busy_ms"] / prof["profiled_wall_ms"], 3), **gpu_state())
+            self.record(**row)
+            rows.append(row)
+        engine.async_scheduling = True
         engine.abort_all()
-        row = dict(phase=label, batch=batch, kind=kind, step_ms=round(median, 3), floor_ms=round(floor_ms, 3),
-                   vs_floor=round(median / floor_ms, 2), **prof,
-                   host_gap=round(1 - prof["gpu_busy_ms"] / prof["profiled_wall_ms"], 3), **gpu_state())
-        self.record(**row)
-        return row
+        return rows[0]
 
     def prefill(self, kind: str, reps: int = 5):
         names = self.names
@@ -217,7 +224,7 @@ def main() -> None:
         if "decode" in phases:
             for batch, kind in ((1, "backbone"), (1, "lora"), (256, "backbone"), (256, "lora"), (256, "released"),
                                 (256, "half")):
-                probe.decode(batch, kind)
+                probe.decode(batch, kind, modes=("async", "sync"))
         if "prefill" in phases:
             probe.prefill("backbone")
             probe.prefill("lora")

@@ -202,9 +202,18 @@ class LoRazorEngine:
         config, flags = resolve_config(self.runner.hf_model, generation_config, kwargs)
         if (config.num_return_sequences or 1) != 1:
             raise ValueError(f"num_return_sequences={config.num_return_sequences}: add one request per sequence")
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.model.device)
+        # Planned on the CPU first: building a plan for the device makes tensors there, which waits
+        # for the step in flight. Only a request the host samples needs its processors on the device.
+        ids = torch.tensor([prompt], dtype=torch.long)
         plan = plan_generation(self.runner.hf_model, config, flags, ids, torch.ones_like(ids),
                                logits_processor=logits_processor, tokenizer=tokenizer)
+        plain_greedy = (not plan.config.do_sample and len(plan.processors) == 0 and plan.stopping is None
+                        and logprobs is None)
+        sampling = batchable(plan, generator) if logprobs is None else None
+        if not plain_greedy and sampling is None and self.model.device.type != "cpu":
+            ids = ids.to(self.model.device)
+            plan = plan_generation(self.runner.hf_model, config, flags, ids, torch.ones_like(ids),
+                                   logits_processor=logits_processor, tokenizer=tokenizer)
         if plan.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 for an engine request, got {plan.max_new_tokens}")
         self.check_length(len(prompt), plan.max_new_tokens)
@@ -212,9 +221,8 @@ class LoRazorEngine:
         request.logprobs = logprobs
         request.logprob_processors = LogitsProcessorList(logits_processor or [])
         # A request that reports log-probabilities is sampled on its own (`_sample`), where its scores are.
-        request.plain_greedy = (not plan.config.do_sample and len(plan.processors) == 0 and plan.stopping is None
-                                and logprobs is None)
-        request.sampling = batchable(plan, generator) if logprobs is None else None
+        request.plain_greedy = plain_greedy
+        request.sampling = sampling
         return request
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:

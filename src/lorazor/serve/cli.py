@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (GPU; fewer, fused kernels; a longer start-up)")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizers without one")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="read each step back before scheduling the next (default: the next step is queued "
+                        "while the host reads this one back)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: from free GPU memory; 256 on the CPU)")
@@ -130,7 +133,8 @@ def build_engine(args: argparse.Namespace):
         model.load_release_policy(args.release_policy)
     engine = LoRazorEngine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
+                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                           async_scheduling=args.async_scheduling)
     # On the GPU every step graph is captured before the first request (no-op on the CPU); the
     # engine logs how many and how long.
     engine.warm_up()
@@ -149,7 +153,8 @@ def describe(engine, policy) -> str:
             f"{bank.r_max}; KV cache {engine.pool.num_blocks} blocks x {engine.pool.block_size} tokens; "
             f"max_model_len {engine.max_model_len}; max_num_seqs {engine.scheduler.max_num_seqs}, "
             f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}; decode step "
-            f"{'compiled' if model.config.compile else 'eager'}; release policy: {release}")
+            f"{'compiled' if model.config.compile else 'eager'}, "
+            f"{'async' if engine.async_scheduling else 'step-by-step'} scheduling; release policy: {release}")
 
 
 def _policy_adapters(policy) -> list[str]:
