@@ -7,7 +7,8 @@ from .decode_attention import decode_attention, decode_attention_op, decode_atte
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound, slot_bound_class
-from .paged_attention import paged_attention, paged_attention_op, paged_attention_reference, tile_shape
+from .paged_attention import (paged_attention, paged_attention_call, paged_attention_op, paged_attention_reference,
+                              tile_shape)
 from .ops import add_batched_lora_, batched_lora, linear_lora_op
 from .reference import NO_ADAPTER, lora_delta_reference
 
@@ -29,6 +30,7 @@ __all__ = [
     "lora_fused",
     "lora_shrink",
     "paged_attention",
+    "paged_attention_call",
     "paged_attention_op",
     "paged_attention_reference",
     "row_bound",

@@ -98,8 +98,7 @@ def _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments):
     return y
 
 
-@torch.library.custom_op("lorazor::linear_lora", mutates_args=())
-def _linear_lora_op(
+def _linear_lora(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor,
     scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor,
     slot_start: torch.Tensor, tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None,
@@ -116,6 +115,11 @@ def _linear_lora_op(
     y = torch.nn.functional.linear(x, weight, bias)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank=mask_rank,
                              segments=segments or None)
+
+
+# The registered op: torch.compile needs it (an opaque node in the graph); eager callers skip its
+# dispatcher, whose Python checks per call cost more than the kernels of a small step (`linear_lora_op`).
+_linear_lora_op = torch.library.custom_op("lorazor::linear_lora", mutates_args=())(_linear_lora)
 
 
 def _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments):
@@ -161,7 +165,8 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
     """
     if meta.has_lora is False:
         return torch.nn.functional.linear(x, weight, bias)
-    return torch.ops.lorazor.linear_lora(
+    op = torch.ops.lorazor.linear_lora if torch.compiler.is_compiling() else _linear_lora
+    return op(
         x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
         meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
         meta.row_bound, meta.class_split, backend, mask_rank, list(segments), _config_key(cfg),

@@ -150,8 +150,7 @@ def paged_attention_reference(query, k_pool, v_pool, block_tables, tile_req, til
     return out
 
 
-@torch.library.custom_op("lorazor::paged_attention", mutates_args=())
-def paged_attention_op(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+def paged_attention_step(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                        decode_req: torch.Tensor, decode_q: torch.Tensor, decode_pos: torch.Tensor,
                        decode_num: torch.Tensor, prefill_req: torch.Tensor, prefill_q: torch.Tensor,
                        prefill_pos: torch.Tensor, prefill_num: torch.Tensor, scale: float, page_size: int,
@@ -173,6 +172,16 @@ def paged_attention_op(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         if tiles[0].shape[0]:
             paged_attention(query, k_pool, v_pool, block_tables, *tiles, scale, page_size, bq, out=out)
     return out
+
+
+# The registered op: torch.compile needs it (an opaque node in the graph); eager callers may call
+# `paged_attention_step` itself and skip the op's dispatcher (`paged_attention_call`).
+paged_attention_op = torch.library.custom_op("lorazor::paged_attention", mutates_args=())(paged_attention_step)
+
+
+def paged_attention_call(*args) -> torch.Tensor:
+    """`paged_attention_op`'s arguments: the op under torch.compile, else the function itself."""
+    return (paged_attention_op if torch.compiler.is_compiling() else paged_attention_step)(*args)
 
 
 @paged_attention_op.register_fake

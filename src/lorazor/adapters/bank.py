@@ -12,7 +12,7 @@ graphs stay valid; on the GPU the copy runs on a side stream that the compute st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,14 +35,22 @@ class ModuleLoRA:
     scaling: torch.Tensor
     rank: torch.Tensor
     host_rank: list[int]
+    _mask_rank: bool | None = field(default=None, init=False, repr=False)
+
+    def set_host_rank(self, slot: int, rank: int) -> None:
+        self.host_rank[slot] = rank
+        self._mask_rank = None
 
     @property
     def mask_rank(self) -> bool:
         """True when some slot's rank is between 0 and the bank's r_max: the kernels then read each
         slot's rank and load only that many rows. Otherwise weights past a slot's rank are zero
-        (rank-0 slots: all zero) and the kernels skip the rank load."""
-        r_max = self.lora_a.shape[1]
-        return any(0 < r < r_max for r in self.host_rank)
+        (rank-0 slots: all zero) and the kernels skip the rank load. Cached until a rank changes
+        (every layer asks, every step)."""
+        if self._mask_rank is None:
+            r_max = self.lora_a.shape[1]
+            self._mask_rank = any(0 < r < r_max for r in self.host_rank)
+        return self._mask_rank
 
     def slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot `slot`'s A `[r_max, K]` and B storage `[r_max, N]` (B is stored N-contiguous)."""
@@ -188,7 +196,7 @@ class AdapterBank:
                 self._pending[slot] = self._stream.record_event()
         host_rank = image.rank.tolist()
         for m, r in zip(self.modules.values(), host_rank):
-            m.host_rank[slot] = r
+            m.set_host_rank(slot, r)
         self.names[slot] = name
         self.slot_of[name] = slot
 

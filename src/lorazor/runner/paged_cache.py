@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from lorazor_kernels import paged_attention_op, tile_shape
+from lorazor_kernels import paged_attention_call, tile_shape
 
 from .uploads import to_device
 
@@ -126,12 +126,13 @@ class PagedKVCache:
 
 def paged_attention_forward(module, query: torch.Tensor, cache: PagedKVCache, scaling):
     """query `[B, H, q, D]` (B = 1 packed, or q = 1 per row) -> `[B, q, H, D]` over the paged pool,
-    through one opaque custom op (the Triton kernel, or its reference off the GPU)."""
+    through one call (the Triton kernel, or its reference off the GPU; an opaque custom op under
+    torch.compile)."""
     B, H, q_len, D = query.shape
     flat = query.transpose(1, 2).reshape(B * q_len, H, D)
     layer, step = module.layer_idx, cache.step
     scale = scaling if scaling is not None else D**-0.5
-    out = paged_attention_op(flat, cache.keys[layer], cache.values[layer], step.block_tables, *step.decode_tiles,
-                             *step.prefill_tiles, scale, cache.block_size, step.block_q, step.zero_fill,
-                             cache.use_kernel)
+    out = paged_attention_call(flat, cache.keys[layer], cache.values[layer], step.block_tables, *step.decode_tiles,
+                               *step.prefill_tiles, scale, cache.block_size, step.block_q, step.zero_fill,
+                               cache.use_kernel)
     return out.reshape(B, q_len, H, D)
