@@ -330,12 +330,17 @@ def test_engine_refuses_too_long_requests(pair):
     assert eng.generate([dict(prompt_ids=list(range(3, 13)), max_new_tokens=10, **GEN)])[0].finish_reason
 
 
-def test_padded_packed_steps_equal_static_generate():
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_padded_packed_steps_equal_static_generate(compile):
     # The GPU's graphed steps with prefill chunks, run eagerly under the Triton interpreter: tokens
-    # padded to a bucket of 256, attention tiles padded with empty tiles, last-token indices.
+    # padded to a bucket of 256, attention tiles padded with empty tiles, last-token indices; with
+    # compile, through torch.compile with a dynamic token count.
     from lorazor.runner.paged_graphs import PackedStepGraphs
+    from torch._dynamo.utils import counters
 
-    model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False, backend="triton", attention="triton"))
+    counters.clear()
+    model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False, backend="triton", attention="triton",
+                                                      compile=compile))
     eng = engine(model, max_num_batched_tokens=44, num_kv_blocks=40)
 
     class PaddedOnly:  # decode-only steps eager, packed ones through the padded bucket
@@ -355,6 +360,11 @@ def test_padded_packed_steps_equal_static_generate():
         ref = model.generate(torch.tensor([p], device=model.device), adapter_ids=[a], release=[[None, 1][i % 2]],
                              max_new_tokens=5, do_sample=False, **GEN)
         assert o.token_ids == ref.sequences[0, len(p):].tolist(), a
+    assert dict(counters["graph_break"]) == {}
+    if compile:  # one compiled graph per graph key (LoRA, backbone), no recompile per step
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        assert 1 <= len(_debug_get_cache_entry_list(model.runner._packed_core.__code__)) <= 2
 
 
 def test_sliding_window_models_are_refused_past_the_window(pair):

@@ -74,7 +74,7 @@ def test_no_recapture_after_warm_up():
 
 
 def test_compiled_engine_steps_equal_eager_and_peft():
-    # torch.compile inside the captured decode graphs, one compile for every batch bucket: bf16
+    # torch.compile inside the captured step graphs, one compile for every bucket: bf16
     # replays equal the same compiled step run eagerly as requests join and leave; fp32 equals PEFT.
     from torch._dynamo.utils import counters
 
@@ -84,7 +84,8 @@ def test_compiled_engine_steps_equal_eager_and_peft():
     counters.clear()
     graph.warm_up()
     compiled = counters["stats"]["unique_graphs"]
-    assert 1 <= compiled <= 2  # LoRA and backbone steps, not one per bucket
+    # Decode and packed steps, each with LoRA and backbone only: not one per bucket.
+    assert 2 <= compiled <= 4
     for requests, want in zip(traces, expected):
         assert [(o.token_ids, o.release_step) for o in run_staggered(graph, requests)] == want
     assert counters["stats"]["unique_graphs"] == compiled

@@ -35,21 +35,26 @@ class ModuleLoRA:
     scaling: torch.Tensor
     rank: torch.Tensor
     host_rank: list[int]
-    _mask_rank: bool | None = field(default=None, init=False, repr=False)
+    # `mask_rank`, kept up to date by `set_host_rank`: every layer reads it every step, and a plain
+    # bool is one guard for torch.compile (not one per slot's rank, nor a cache state to recompile on).
+    _mask_rank: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self):
+        self._mask_rank = self._partial_ranks()
+
+    def _partial_ranks(self) -> bool:
+        r_max = self.lora_a.shape[1]
+        return any(0 < r < r_max for r in self.host_rank)
 
     def set_host_rank(self, slot: int, rank: int) -> None:
         self.host_rank[slot] = rank
-        self._mask_rank = None
+        self._mask_rank = self._partial_ranks()
 
     @property
     def mask_rank(self) -> bool:
         """True when some slot's rank is between 0 and the bank's r_max: the kernels then read each
         slot's rank and load only that many rows. Otherwise weights past a slot's rank are zero
-        (rank-0 slots: all zero) and the kernels skip the rank load. Cached until a rank changes
-        (every layer asks, every step)."""
-        if self._mask_rank is None:
-            r_max = self.lora_a.shape[1]
-            self._mask_rank = any(0 < r < r_max for r in self.host_rank)
+        (rank-0 slots: all zero) and the kernels skip the rank load."""
         return self._mask_rank
 
     def slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

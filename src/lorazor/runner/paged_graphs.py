@@ -189,8 +189,10 @@ class PackedStepGraphs(StepGraphs):
         if bucket.logits is None:
             bucket.hidden, bucket.logits = self.runner.new_step_outputs(self.max_rows)
 
+        # Token counts here are padded to buckets: the compiled step (if any) serves them all.
         return paged_step(self.cache, bucket, lambda: self.runner.packed_forward(
-            self.cache, bucket.ids, bucket.positions, bucket.token_slot, bucket.last, logits_out=bucket.logits)[1])
+            self.cache, bucket.ids, bucket.positions, bucket.token_slot, bucket.last, logits_out=bucket.logits,
+            compile=True)[1])
 
 
 class PagedDecodeGraphs(StepGraphs):

@@ -59,6 +59,7 @@ class ModelRunner:
         self.cache_kwarg = "cache" if accepts_kwarg(self.decoder.forward, "cache") else "past_key_values"
         self.graphs: DecodeGraphs | None = None  # generate()'s decode graphs, built on first use
         self._compiled_core = None
+        self._compiled_packed = None  # the engine's packed step, compiled (see `packed_forward`)
 
     # ---- geometry --------------------------------------------------------------------------------
     @property
@@ -240,18 +241,44 @@ class ModelRunner:
             # it can write into a caller's buffer.
             return last, self.logits(last, logits_out)
 
-    def packed_forward(self, cache: PagedKVCache, ids, positions, token_slot, last, logits_out=None):
+    def _packed_core(self, ids, positions, cache, token_slot, meta=None):
+        # Straight-line, as `_decode_core`, so torch.compile traces it whole.
+        self.context.begin(token_slot, 1, meta)
+        out = self.decoder(
+            input_ids=ids[None], attention_mask=cache.packed_mask(ids.shape[0]), position_ids=positions[None],
+            use_cache=True, **{self.cache_kwarg: cache}, **{PAGED_KWARG: cache},
+        )
+        self.context.meta = None
+        return out.last_hidden_state[0]
+
+    def packed_forward(self, cache: PagedKVCache, ids, positions, token_slot, last, logits_out=None,
+                       compile: bool = False):
         """One packed sequence of tokens from many requests over the paged pool (`cache.step` set):
-        returns (logits, hidden) at the packed indices `last`."""
-        hidden = self.forward_tokens(ids[None], positions[None], cache.packed_mask(ids.shape[0]), cache, token_slot,
-                                     1, **{PAGED_KWARG: cache})
+        returns (logits, hidden) at the packed indices `last`.
+
+        `compile` (with `LoRazorConfig(compile=True)`): through torch.compile with a dynamic token
+        count, for callers whose counts are padded to a few buckets (the engine's packed step graphs):
+        two compiles, LoRA and backbone, serve every bucket. Unpadded counts would recompile."""
         with torch.inference_mode():
-            hidden = hidden[0].index_select(0, last)
+            if not (compile and self.config.compile):
+                hidden = self._packed_core(ids, positions, cache, token_slot)
+            else:
+                meta = self.context.build(token_slot) if self.context.enabled else None  # outside, as in decode_step
+                if self._compiled_packed is None:
+                    self._compiled_packed = torch.compile(self._packed_core, dynamic=False)
+                step = cache.step
+                mark_dim0_dynamic(ids, positions, token_slot, step.slot_mapping, *step.decode_tiles,
+                                  *step.prefill_tiles, *(() if meta is None else (
+                                      meta.row_slot, meta.sorted_rows,
+                                      *(t for t in (meta.tile_slot, meta.tile_rows) if t is not None))))
+                with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_VARIANTS):
+                    hidden = self._compiled_packed(ids, positions, cache, token_slot, meta)
+            hidden = hidden.index_select(0, last)
             return self.logits(hidden, logits_out), hidden
 
     def reset_compiled(self) -> None:
         """Drop the compiled decode step and captured graphs (after a grid or compile change)."""
-        self._compiled_core = None
+        self._compiled_core = self._compiled_packed = None
         if self.graphs is not None:
             self.graphs.clear()
 
