@@ -79,6 +79,7 @@ def test_compiled_engine_steps_equal_eager_and_peft():
     from torch._dynamo.utils import counters
 
     eager, graph, _ = engines(torch.bfloat16, compile=True, eager_compile=True)
+    pad_packed_steps(eager)
     traces = [trace(seed=seed, n=16) for seed in (5, 6)]
     expected = [[(o.token_ids, o.release_step) for o in run_staggered(eager, t)] for t in traces]
     counters.clear()
@@ -91,6 +92,22 @@ def test_compiled_engine_steps_equal_eager_and_peft():
     assert counters["stats"]["unique_graphs"] == compiled
     assert dict(counters["graph_break"]) == {}
     check_fp32_engine_equals_peft(compile=True)
+
+
+def pad_packed_steps(engine):
+    """Run an engine without graphs through the graphed engine's padded packed step, uncaptured (the
+    packed step compiles only there, where token counts are padded); decode-only steps stay eager."""
+    from lorazor.runner.paged_graphs import PackedStepGraphs
+
+    class PaddedPacked:
+        grid = engine.model.context.grid
+        packed = PackedStepGraphs(engine.model.runner, engine.cache, engine.scheduler.max_num_batched_tokens,
+                                  engine.scheduler.max_num_seqs, capture=False)
+
+        def serves(self, batch):
+            return False
+
+    engine.graphs = PaddedPacked()
 
 
 def test_fp32_engine_with_graphs_equals_peft():
