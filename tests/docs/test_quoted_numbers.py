@@ -87,6 +87,19 @@ def test_compiled_engine_numbers_equal_the_roofline_run():
     assert f"took {warm['seconds']} s" in engine and f"{warm['graphs']} / {warm['seconds']} s" in table
 
 
+def test_async_scheduling_numbers_equal_their_run():
+    rows = json.loads((RESULTS / "step_roofline_h200" / "step_roofline_async_compiled_0141323.json").read_text())
+    step = {(r["kind"], r["scheduling"]): r for r in rows if r["phase"] == "decode" and r["batch"] == 256}
+    engine, changelog = page("docs/engine.md"), page("CHANGELOG.md")
+    backbone, lora = step[("backbone", "async")], step[("lora", "async")]
+    assert f"{backbone['step_ms']:.3f} ms with\nasync scheduling against {step[('backbone', 'sync')]['step_ms']:.3f} ms" \
+        in engine
+    assert f"{lora['step_ms']:.3f} ms against\n{step[('lora', 'sync')]['step_ms']:.3f} ms with 128 adapters" in engine
+    assert f"busy {backbone['gpu_busy_ms']:.3f} ms" in engine
+    assert f"{step[('backbone', 'sync')]['step_ms']:.3f} -> {backbone['step_ms']:.3f} ms" in changelog
+    assert f"{step[('lora', 'sync')]['step_ms']:.3f} -> {lora['step_ms']:.3f} ms" in changelog
+
+
 def rows_of(path: Path) -> list[dict]:
     if path.suffix == ".jsonl":
         return [json.loads(line) for line in path.read_text().splitlines()]
