@@ -24,8 +24,9 @@ def prompts(n, seed):
 
 
 def engine(model, **kw):
+    """Async by default here (on the CPU the engine's default is step by step)."""
     return LoRazorEngine(model, **{"max_num_seqs": 6, "max_num_batched_tokens": 24, "num_kv_blocks": 40,
-                                   "block_size": 4, **kw})
+                                   "block_size": 4, "async_scheduling": True, **kw})
 
 
 def outcome(outputs):
@@ -119,6 +120,7 @@ def test_a_request_aborted_in_flight_gets_nothing_more(model):
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
-def test_async_scheduling_must_be_a_bool(model):
-    with pytest.raises(ValueError, match="async_scheduling must be True or False, got 'yes'"):
+def test_async_scheduling_is_on_where_a_gpu_runs_the_steps(model):
+    assert LoRazorEngine(model, num_kv_blocks=8).async_scheduling is (model.device.type == "cuda")
+    with pytest.raises(ValueError, match="async_scheduling must be True, False or None, got 'yes'"):
         engine(model, async_scheduling="yes")

@@ -70,12 +70,13 @@ class LoRazorEngine:
             work (reading tokens back, stop checks, outputs, scheduling, preparing inputs) overlaps
             the GPU's; `step()` then returns the step before's outputs. A request that stops is
             found one step late and that step's token for it is dropped. False: each step is read
-            back before the next is scheduled.
+            back before the next is scheduled. None (default): on where the model runs on a GPU;
+            off on the CPU, where the host computes the steps itself and nothing can overlap.
     """
 
     def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  num_kv_blocks: int | None = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
-                 max_model_len: int | None = None, async_scheduling: bool = True):
+                 max_model_len: int | None = None, async_scheduling: bool | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size), ("max_model_len", max_model_len or 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -118,8 +119,10 @@ class LoRazorEngine:
         self._loads_at_start = model.registry.loads
         self._ids = itertools.count()
         self._background: BackgroundLoop | None = None
+        if async_scheduling is None:
+            async_scheduling = model.device.type == "cuda"
         if not isinstance(async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
+            raise ValueError(f"async_scheduling must be True, False or None, got {async_scheduling!r}")
         self.async_scheduling = async_scheduling
         self._in_flight = None  # the launched step not read back yet (async scheduling)
 
