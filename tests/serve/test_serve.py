@@ -191,6 +191,39 @@ def test_64_concurrent_streaming_clients_over_mixed_adapters(served):
     assert idle(served)
 
 
+def test_an_async_engine_process_serves_concurrent_streams_and_stops():
+    # The served engine in its own process with async scheduling (a GPU's default; forced on here):
+    # 24 concurrent streams equal offline generate, and the process ends with the server.
+    import functools
+
+    from lorazor import LoRazorModel
+    from lorazor.serve import build_app
+    from lorazor.serve.cli import build_engine
+    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.testbed import load
+
+    peft_model, tokenizer, tasks = load()
+    engine = EngineProcess(functools.partial(build_engine, serve_args("--async-scheduling")))
+    assert engine.info["async_scheduling"] is True
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, tokenizer, model_name="testbed"), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url)
+        served = dict(url=url, model=LoRazorModel.from_peft(peft_model), tokenizer=tokenizer, tasks=tasks)
+        prompts, adapters = task_prompts(served, 24)
+        _, got = asyncio.run(stream_all(served, prompts, adapters, 8))
+        assert got == offline(served, prompts, adapters, max_new_tokens=8)
+        assert idle(served)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert not engine.process.is_alive()
+
+
 def test_adapters_load_and_unload_while_streams_run(served):
     """Loads and unloads run between two engine steps (on the engine's thread), never inside one:
     the streams running meanwhile keep their offline outputs."""

@@ -28,9 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (GPU; fewer, fused kernels; a longer start-up)")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizers without one")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False,
-                   default=None, help="read each step back before scheduling the next (default on a GPU: the next "
-                                      "step is queued while the host reads this one back; the CPU always reads back)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="queue each step before the one in flight is read back (default: on where the model runs "
+                        "on a GPU, off on the CPU); --no-async-scheduling reads each step back first")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: from free GPU memory; 256 on the CPU)")

@@ -34,9 +34,9 @@ def engine_stats(engine) -> dict:
 
 
 def engine_info(engine) -> dict:
-    """The engine's fixed settings the app needs (length limit for `/tokenize`, ...)."""
+    """The engine's fixed settings the app needs (length limit for `/tokenize`, ...) or reports."""
     return dict(max_model_len=engine.max_model_len, max_loras=engine.model.bank.num_slots,
-                vocab_size=engine.runner.vocab_size)
+                vocab_size=engine.runner.vocab_size, async_scheduling=engine.async_scheduling)
 
 
 def register(model, name: str, path: str, replace: bool = False) -> None:
