@@ -1,12 +1,13 @@
 """Probe: where `engine.warm_up()` spends its time, and where a 2,048-token packed step spends its GPU time.
 
-    python benchmarks/probes/warmup_profile.py --out /tmp/probe [--compile]
+    python benchmarks/probes/warmup_profile.py --out /tmp/probe [--compile] [--cprofile]
 
 Llama-3.2-3B shape, bf16, 128 random rank-8 adapters, engine defaults (`max_num_seqs=256`,
 `max_num_batched_tokens=2048`), the step_roofline probe's engine. Writes `warmup_profile.json`:
 - every capture in order (graph family, bucket, graph key, seconds; the seconds of each run of the
   step inside it: two warm-up runs, then the captured run);
-- the top functions of a cProfile of the whole `warm_up()` (cumulative and own time);
+- with `--cprofile`, the top functions of a cProfile of the whole `warm_up()` (cumulative and own
+  time; the profiler slows Python, so the times are then shares, not the warm-up a user sees);
 - the top CUDA kernels of one packed step of 8 prompts x 256 tokens (torch.profiler, graph replay).
 """
 
@@ -39,6 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--cprofile", action="store_true", help="profile warm_up() with cProfile (slows it)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
@@ -77,18 +79,22 @@ def main() -> None:
         return out
 
     graph_module.capture_graph = timed_capture
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile() if args.cprofile else None
     start = time.perf_counter()
-    profiler.enable()
+    if profiler is not None:
+        profiler.enable()
     captured = engine.warm_up()
-    profiler.disable()
+    if profiler is not None:
+        profiler.disable()
     seconds = time.perf_counter() - start
     graph_module.capture_graph = real_capture
     # Which bucket each capture was: the decode buckets first, then the token buckets, each over its keys.
     result = dict(environment=environment(), compile=args.compile, warm_up_s=round(seconds, 2), graphs=captured,
                   capture_s_sum=round(sum(c["seconds"] for c in captures), 2),
                   step_runs_s_sum=round(sum(sum(c["runs"]) for c in captures), 2), captures=captures,
-                  cumulative=top_functions(profiler, "cumulative"), own=top_functions(profiler, "tottime"))
+                  cprofile=profiler is not None)
+    if profiler is not None:
+        result.update(cumulative=top_functions(profiler, "cumulative"), own=top_functions(profiler, "tottime"))
     print(json.dumps({k: v for k, v in result.items() if k not in ("captures", "cumulative", "own")}), flush=True)
 
     # One packed step of 8 x 256 prompt tokens, profiled by kernel.
@@ -118,8 +124,8 @@ def main() -> None:
     result["packed_step_kernels"] = [dict(name=n, ms=round(us / 1e3, 3), share=round(us / total, 3))
                                      for n, us in kernels.most_common(25)]
     print(json.dumps(dict(packed_step_gpu_ms=result["packed_step_gpu_ms"])), flush=True)
-    (args.out / f"warmup_profile{'_compiled' if args.compile else ''}.json").write_text(
-        json.dumps(result, indent=1) + "\n")
+    name = f"warmup_profile{'_compiled' if args.compile else ''}{'_cprofile' if args.cprofile else ''}.json"
+    (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
