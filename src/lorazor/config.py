@@ -39,8 +39,9 @@ class LoRazorConfig:
             backend; the reference backend syncs with the host and always runs eagerly).
         compile: run the decode step through torch.compile (fuses the backbone's elementwise ops;
             the LoRA and attention kernels stay opaque custom ops), captured in the step graphs.
-            `generate()` compiles once per batch bucket; the engine's batch is dynamic, so it
-            compiles once for steps with LoRA and once for backbone-only steps.
+            `generate()` compiles once per batch bucket; the engine's batch and token counts are
+            dynamic, so it compiles its decode-only and its packed step (prefill chunks) once each
+            for steps with LoRA and once each for backbone-only steps.
         backend: "auto" (Triton kernels on the GPU, the pure-torch reference on the CPU),
             "triton" or "reference".
         attention: decode attention: "auto" (the Triton kernel that reads only each row's valid
