@@ -276,8 +276,11 @@ class LoRazorEngine:
         return request.report([])
 
     def abort_all(self) -> list[RequestOutput]:
-        """Abort every unfinished request; returns their final outputs."""
-        return [self.abort(request_id) for request_id in list(self.requests)]
+        """Abort every unfinished request; returns their final outputs. The step in flight, if
+        any, is dropped (its requests are among them)."""
+        outputs = [self.abort(request_id) for request_id in list(self.requests)]
+        self._in_flight = None
+        return outputs
 
     def step_or_abort_all(self) -> list[RequestOutput]:
         """`step()` for servers: a step that raises is logged and aborts every request, so no
@@ -302,7 +305,9 @@ class LoRazorEngine:
         """Run one step; returns an output per request that got a token or finished.
 
         With async scheduling the outputs are those of the step before (read back while this one
-        runs on the GPU), and a call with nothing new to run reads the last one back."""
+        runs on the GPU), and a call with nothing new to run reads the last one back. A step that
+        raises leaves the running requests' state unknown (a step in flight may be lost): abort
+        them (`abort_all`), as `step_or_abort_all` does."""
         with self.model.guard.hold("run an engine step"):
             previous, self._in_flight = self._in_flight, None
             chunks = self.scheduler.schedule(preempt=previous is None)
