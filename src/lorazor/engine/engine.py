@@ -10,7 +10,7 @@
 Requests join and leave at every step: a step packs the running requests' decode tokens and the
 next prefill chunks of new ones into one forward: `schedule -> runner.run_paged_step ->
 device picks -> read back` (`scheduler.py`, `step_inputs.py`, the model's `ModelRunner`, the runner
-`generate()` uses, then `launched.py`). With async scheduling (the default) the engine queues step
+`generate()` uses, then `launched.py`). With async scheduling (the default on a GPU) the engine queues step
 n+1 before it reads step n back, so the host's work overlaps the GPU's. Each request keeps its own
 sampling settings (HF's semantics, as in `LoRazorModel.generate`) and its own StepTrim policy,
 decided on the device as `generate()` decides.
@@ -356,14 +356,12 @@ class LoRazorEngine:
             request.pending += 1
         return launched
 
-    def _read_back(self, launched, *more) -> list[RequestOutput]:
-        """Read launched steps back in order: their tokens (the host samples the rows the device
-        did not), stop checks, outputs. A request that finished or was aborted while a step was in
-        flight drops that step's token."""
+    def _read_back(self, *steps) -> list[RequestOutput]:
+        """Read launched steps back in order (None: skipped): their tokens (the host samples the
+        rows the device did not), stop checks, outputs. A request that finished or was aborted
+        while a step was in flight drops that step's token."""
         outputs = []
-        for step in (launched, *more):
-            if step is None:
-                continue
+        for step in filter(None, steps):
             tokens = step.read()
             now = time.monotonic()
             for i, token, request in zip(step.rows, tokens, step.requests):

@@ -6,7 +6,7 @@ the device: the argmax of plain greedy rows, batched sampling of rows with batch
 forward (`runner/release.py`). Their values go to the host in one non-blocking copy, which
 `LaunchedStep.read` waits for: the step's one host sync.
 
-With async scheduling (`LoRazorEngine(async_scheduling=True)`, the default) the engine queues step
+With async scheduling (`LoRazorEngine(async_scheduling=...)`, on by default on a GPU) the engine queues step
 n+1 before it reads step n back, so the GPU does not wait while the host post-processes step n and
 prepares step n+2. Step n+1 takes the decode rows' input tokens and release decisions from
 `values` on the device (`PendingTokens`). A step with a row the host must sample (HF logits
@@ -34,16 +34,14 @@ class LaunchedStep:
     """One step whose forward and picks are queued.
 
     Attributes:
-        chunks: the step's scheduled chunks.
-        rows: indices of the chunks that produce a token (a prefill chunk short of its prompt's end
-            produces none); `requests`: their requests.
+        rows: indices of the step's chunks that produce a token (a prefill chunk short of its
+            prompt's end produces none); `requests`: their requests.
         values: device `[m]` long: the picked tokens, then the release decisions (1: keep).
         token_at: request -> index of its token in `values` (rows the host samples are absent).
         decision_at: request -> (index of its decision in `values`, the decode forward it decides).
         logits, hidden: the step's outputs per chunk (graph buffers: valid until the next step runs).
     """
 
-    chunks: list
     rows: list[int]
     requests: list
     values: torch.Tensor
@@ -121,7 +119,7 @@ def launch_picks(chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Te
             decision_at[request] = (offset, member[2])
             offset += 1
     values = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
-    launched = LaunchedStep(chunks, rows, requests, values, token_at, decision_at, logits, hidden)
+    launched = LaunchedStep(rows, requests, values, token_at, decision_at, logits, hidden)
     if values.is_cuda:
         launched.host = values.to("cpu", non_blocking=True)
         launched.done = torch.cuda.Event()

@@ -15,19 +15,21 @@ import numpy as np
 import torch
 
 
+def _pinned(data, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """`data` (a list, a numpy array or a CPU tensor) as a CPU tensor of `dtype`, in pinned memory
+    with `pin` (a copy, so the caller's array may change at once)."""
+    host = (torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.as_tensor(data)).to(dtype)
+    return host.pin_memory() if pin else host
+
+
 def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """`data` (a list, a numpy array or a CPU tensor) as a new tensor on `device`, without a host wait."""
-    host = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.as_tensor(data)
-    host = host.to(dtype)
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    """`data` as a new tensor on `device`, without a host wait."""
+    on_gpu = torch.device(device).type == "cuda"
+    host = _pinned(data, dtype, on_gpu)
+    return host.to(device, non_blocking=True) if on_gpu else host
 
 
 def upload_into(target: torch.Tensor, data) -> None:
     """Copy host `data` into the device tensor `target` (same shape), without a host wait."""
-    host = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.as_tensor(data)
-    if target.device.type != "cuda":
-        target.copy_(host)
-        return
-    target.copy_(host.to(target.dtype).pin_memory(), non_blocking=True)
+    on_gpu = target.device.type == "cuda"
+    target.copy_(_pinned(data, target.dtype, on_gpu), non_blocking=on_gpu)
