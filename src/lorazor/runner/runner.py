@@ -34,6 +34,12 @@ def mark_dim0_dynamic(*tensors: torch.Tensor) -> None:
         torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
+def meta_tables(meta) -> tuple:
+    """The `exact` grid's tile tables of LoRA metadata (none for other grids): their length varies
+    with the adapters in a step, so compiled steps mark them dynamic."""
+    return tuple(t for t in (meta.tile_slot, meta.tile_rows) if t is not None)
+
+
 def accepts_kwarg(fn, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
@@ -225,7 +231,7 @@ class ModelRunner:
                 if meta is not None:
                     # The tile table's length is dynamic: one compiled step serves every slot-bound
                     # class instead of one compile (~a minute) per class.
-                    mark_dim0_dynamic(*(t for t in (meta.tile_slot, meta.tile_rows) if t is not None))
+                    mark_dim0_dynamic(*meta_tables(meta))
                 if isinstance(cache, PagedKVCache):
                     # The engine's batch is dynamic too: one compile serves every batch bucket (each
                     # bucket is still its own CUDA graph), so warm-up compiles a few times, not per bucket.
@@ -268,9 +274,8 @@ class ModelRunner:
                     self._compiled_packed = torch.compile(self._packed_core, dynamic=False)
                 step = cache.step
                 mark_dim0_dynamic(ids, positions, token_slot, step.slot_mapping, *step.decode_tiles,
-                                  *step.prefill_tiles, *(() if meta is None else (
-                                      meta.row_slot, meta.sorted_rows,
-                                      *(t for t in (meta.tile_slot, meta.tile_rows) if t is not None))))
+                                  *step.prefill_tiles,
+                                  *(() if meta is None else (meta.row_slot, meta.sorted_rows, *meta_tables(meta))))
                 with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_VARIANTS):
                     hidden = self._compiled_packed(ids, positions, cache, token_slot, meta)
             hidden = hidden.index_select(0, last)
