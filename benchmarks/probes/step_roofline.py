@@ -83,7 +83,30 @@ def profile_steps(engine, steps: int = 5) -> dict:
             busy += e - max(s, end)
             end = e
     return dict(kernels_per_step=round(len(kernels) / steps), gpu_busy_ms=round(busy / 1e3 / steps, 3),
-                profiled_wall_ms=round(wall, 3))
+                profiled_wall_ms=round(wall, 3), **kernel_breakdown(kernels, steps))
+
+
+# Kernel name fragments -> category, first match wins (cuBLAS names its Hopper GEMMs nvjet/sm90_xmma).
+CATEGORIES = (("attention", ("paged_attention", "decode_attention", "flash", "fmha")),
+              ("lora", ("lora", "_zero_rows")),
+              ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce")),
+              ("fused (inductor)", ("triton_",)),
+              ("copy/memset", ("memcpy", "memset", "copy")))
+
+
+def kernel_breakdown(kernels, steps: int) -> dict:
+    """GPU ms per step by category, and the ten kernels with the most time per step (name, ms, count)."""
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    categories: dict[str, float] = {}
+    for name, times in by_name.items():
+        low = name.lower()
+        category = next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
+        categories[category] = categories.get(category, 0.0) + sum(times)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    return dict(category_ms={c: round(us / 1e3 / steps, 3) for c, us in sorted(categories.items())},
+                top_kernels=[(name[:90], round(sum(t) / 1e3 / steps, 3), round(len(t) / steps, 1)) for name, t in top])
 
 
 class Probe:
@@ -186,8 +209,11 @@ class Probe:
             self.engine.abort_all()
         median = statistics.median(times[2:])
         floor = flops / (self.tflops * 1e12) * 1e3
+        self._fill(tokens // prompt, adapters, lambda i: "never", prompt=prompt, new=2, seed=reps + 2)
+        prof = profile_steps(self.engine, steps=1)  # the same step under torch.profiler: where its GPU time goes
+        self.engine.abort_all()
         self.record(phase="prefill", kind=kind, tokens=tokens, step_ms=round(median, 3), floor_ms=round(floor, 3),
-                    vs_floor=round(median / floor, 2))
+                    vs_floor=round(median / floor, 2), **prof)
 
     def drift(self, traces: int = 3, requests: int = 1024):
         before = self.decode(256, "lora", label="drift_before")
@@ -212,6 +238,7 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--phases", default="floors,warmup,decode,prefill,drift")
+    ap.add_argument("--modes", default="async,sync", help="decode scheduling modes to measure, in order")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     phases = args.phases.split(",")
@@ -224,7 +251,7 @@ def main() -> None:
         if "decode" in phases:
             for batch, kind in ((1, "backbone"), (1, "lora"), (256, "backbone"), (256, "lora"), (256, "released"),
                                 (256, "half")):
-                probe.decode(batch, kind, modes=("async", "sync"))
+                probe.decode(batch, kind, modes=tuple(args.modes.split(",")))
         if "prefill" in phases:
             probe.prefill("backbone")
             probe.prefill("lora")

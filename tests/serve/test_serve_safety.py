@@ -498,6 +498,33 @@ def test_lora_modules_in_both_of_vllms_forms():
         adapter_paths(serve_args("--adapter", "a=/1", "--lora-modules", "a=/2"))
 
 
+def test_the_device_flag_picks_the_gpu_by_default_and_refuses_bad_devices(monkeypatch):
+    import torch
+
+    from lorazor.serve.cli import serving_device
+
+    def device(*flags, testbed=False):
+        args = serve_args(*flags)
+        args.testbed = testbed  # serve_args serves the testbed; most rows here serve a --model
+        return serving_device(args)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert device() == torch.device("cuda")  # a model goes to the GPU by default
+    assert device(testbed=True) == torch.device("cpu")  # the testbed stays on the CPU unless told
+    assert device("--device", "cuda:1", testbed=True) == torch.device("cuda:1")
+    assert device("--device", "cpu") == torch.device("cpu")
+    for bad in ("gpu", "tpu:0", "meta"):
+        with pytest.raises(SystemExit, match=f"--device takes auto, cpu, cuda or cuda:N, got '{bad}'"):
+            device("--device", bad)
+    with pytest.raises(SystemExit, match="'cuda:2': this machine has 2 CUDA devices"):
+        device("--device", "cuda:2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device() == torch.device("cpu")
+    with pytest.raises(SystemExit, match="'cuda': this machine has"):
+        device("--device", "cuda")
+
+
 def test_the_serve_command_names_its_extra_when_it_is_missing(monkeypatch):
     import importlib.util
 

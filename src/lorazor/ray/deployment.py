@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 
+import ray
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -123,6 +124,8 @@ class LoRazorReplicaBase:
         from ..serve.cli import build
 
         args = serve_args(options)
+        if args.device == "auto" and ray.is_initialized() and not ray.get_gpu_ids():
+            args.device = "cpu"  # a replica given no GPU stays off the host's GPUs
         logging.basicConfig(level=args.log_level.upper())
         self.app, self.model_name = build(args)
         context = serve.get_replica_context()

@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, help="the largest adapter rank")
     p.add_argument("--max-cpu-loras", type=int, help="host copies of adapters kept for fast reloads")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto",
+                   help="where the model runs: auto (the GPU when there is one; the testbed: cpu), cpu, cuda, cuda:N")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (GPU; fewer, fused kernels; a longer start-up)")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizers without one")
@@ -99,6 +101,24 @@ def adapter_paths(args: argparse.Namespace) -> dict[str, str]:
     return adapters
 
 
+def serving_device(args: argparse.Namespace):
+    """The torch device `--device` names; `auto` is the first GPU when there is one (the testbed: the CPU)."""
+    import torch
+
+    spec = args.device
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() and not args.testbed else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError as err:
+        raise SystemExit(f"--device takes auto, cpu, cuda or cuda:N, got {spec!r}") from err
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device takes auto, cpu, cuda or cuda:N, got {spec!r}")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise SystemExit(f"--device {spec!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
 def load_tokenizer(args: argparse.Namespace):
     """The served model's tokenizer: the testbed's, or the one beside `--model`."""
     if args.testbed:
@@ -117,6 +137,7 @@ def build_engine(args: argparse.Namespace):
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     log = logging.getLogger("lorazor.serve")
     adapters = adapter_paths(args)
+    device = serving_device(args)
     policy = load_release_policy(args.release_policy) if args.release_policy else None
     config = LoRazorConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                            max_cpu_loras=args.max_cpu_loras, dtype=args.dtype,
@@ -124,11 +145,13 @@ def build_engine(args: argparse.Namespace):
     if args.testbed:
         from lorazor.testbed import load
 
-        model = LoRazorModel.from_peft(load()[0], config)
+        model = LoRazorModel.from_peft(load()[0].to(device), config)
         for name, path in adapters.items():
             model.register_adapter(name, path)
     else:
-        model = LoRazorModel.from_pretrained(args.model, adapters=adapters, config=config)
+        # Loaded straight onto the device (HF's device_map), not through host memory first.
+        placement = {} if device.type == "cpu" else {"device_map": str(device)}
+        model = LoRazorModel.from_pretrained(args.model, adapters=adapters, config=config, **placement)
     if policy is not None:
         model.load_release_policy(args.release_policy)
     engine = LoRazorEngine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -193,7 +216,8 @@ def build(args: argparse.Namespace, on_engine_dead=None):
         raise SystemExit("--testbed and --model exclude each other")
     if not args.testbed and not args.model:
         raise SystemExit("lorazor serve needs --model PATH_OR_ID or --testbed")
-    adapter_paths(args)  # a malformed --adapter stops here, before any model loads
+    adapter_paths(args)  # a malformed --adapter or --device stops here, before any model loads
+    serving_device(args)
     if args.model:
         check_model(args.model)
     settings = settings_of(args)
