@@ -238,7 +238,10 @@ def _lora_shrink_kernel(
     tl.store(u_tile, acc, mask=mask_m[:, None] & mask_r[None, :])
 
 
-@triton.jit
+# The row count and the tile table's length change with every batch bucket and adapter class:
+# specializing on them (== 1, divisible by 16) would compile the kernel again for many buckets of a
+# warm-up. Neither feeds an address, so nothing is lost by treating them as plain integers.
+@triton.jit(do_not_specialize=["M", "n_tiles"])
 def _lora_expand_kernel(
     x_ptr, a_ptr, u_ptr, b_ptr, y_ptr, scaling_ptr, rank_ptr,
     sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, slot_list_ptr,

@@ -26,9 +26,13 @@ import triton.language as tl
 MAX_ROWS = 1024
 MAX_SLOTS = 1023
 TILE_CHUNK = 32
+# The smallest sort width: steps of 1 to 64 rows share one compile (a 64-wide sort costs the one program
+# next to nothing).
+MIN_BLOCK_ROWS = 64
 
 
-@triton.jit
+# M and T change with every bucket: not specialized on, so one compile serves a BLOCK_ROWS class.
+@triton.jit(do_not_specialize=["M", "T"])
 def _batch_meta_kernel(
     row_slot_ptr, sorted_rows_ptr, slot_start_ptr, tile_slot_ptr, tile_rows_ptr, needed_ptr,
     M, L, T,
@@ -83,7 +87,7 @@ def build_meta_tensors(row_slot: torch.Tensor, num_slots: int, block_m: int, num
     needed = torch.empty(1, dtype=torch.int32, device=device)
     _batch_meta_kernel[(1,)](
         row_slot, sorted_rows, slot_start, tile_slot, tile_rows, needed, M, num_slots, T,
-        BLOCK_ROWS=triton.next_power_of_2(M), BLOCK_SLOTS=triton.next_power_of_2(num_slots + 1),
+        BLOCK_ROWS=max(MIN_BLOCK_ROWS, triton.next_power_of_2(M)), BLOCK_SLOTS=triton.next_power_of_2(num_slots + 1),
         TILE_CHUNK=TILE_CHUNK, BM=block_m, TILES=tiles, num_warps=8,
     )
     if not tiles:

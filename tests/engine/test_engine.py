@@ -378,3 +378,24 @@ def test_sliding_window_models_are_refused_past_the_window(pair):
         assert eng.generate([dict(prompt_ids=prompts(1)[0], max_new_tokens=3, **GEN)])[0].finish_reason
     finally:
         cfg.sliding_window = None
+
+
+def test_warm_up_captures_only_the_adapter_classes_a_bucket_can_reach():
+    # A step of b rows uses at most b distinct adapters, so its graph key's class is at most b's class:
+    # the warm-up leaves the larger classes of small buckets out, and a step never asks for one.
+    from lorazor.runner.lora_context import StepContext
+    from lorazor.runner.paged_graphs import reachable_keys
+
+    context = StepContext(num_slots=128, grid="exact", backend="reference")
+    assert reachable_keys(context, 1) == reachable_keys(context, 16) == [(True, 16), (False, None)]
+    assert reachable_keys(context, 17) == [(True, 16), (True, 32), (False, None)]
+    assert reachable_keys(context, 48) == [(True, 16), (True, 32), (True, 64), (False, None)]
+    assert reachable_keys(context, 256) == [(True, b) for b in (16, 32, 64, 128)] + [(False, None)]
+    for rows in range(1, 300):
+        keys = reachable_keys(context, rows)
+        for distinct in range(1, min(rows, 128) + 1):  # every key a step of this many rows can have
+            context.set_distinct(distinct)
+            assert (True, context.slot_bound) in keys, (rows, distinct)
+    assert reachable_keys(StepContext(20, "exact", "reference"), 8) == [(True, 16), (False, None)]
+    assert reachable_keys(StepContext(20, "exact", "reference"), 17) == [(True, 16), (True, 20), (False, None)]
+    assert reachable_keys(StepContext(20, "full", "reference"), 300) == [(True, None), (False, None)]

@@ -90,3 +90,27 @@ def test_model_with_gemm_adds_lora_gives_peft_tokens(gemm_adds_lora):
                          eos_token_id=EOS)
     assert torch.equal(out.sequences, ref)
     assert gemm_adds_lora, "the model's layers did not take the gemm_adds_lora path"
+
+
+def compiled_variants(kernel) -> int:
+    """How many binaries Triton's JIT holds for `kernel` (over every device)."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_one_compile_serves_every_batch_size_of_a_class():
+    # A warm-up launches each kernel at 20+ row counts and tile-table lengths: they must not each
+    # compile a specialization of their own (== 1, divisible by 16).
+    from lorazor_kernels import lora_kernels, meta_kernel
+
+    kernels = (lora_kernels._lora_shrink_kernel, lora_kernels._lora_expand_kernel, meta_kernel._batch_meta_kernel)
+    counts = []
+    for M in (1, 2, 3, 8, 16, 17, 32, 48, 64):
+        x, a, b, s, slot, rank = make_case(M, 64, 48, 8, 6, torch.bfloat16, seed=M)
+        meta = build_batch_meta(slot, 6, "exact", max_active_slots=16 if M > 1 else None, builder="triton")
+        y = torch.empty(M, 48, dtype=torch.bfloat16, device=DEVICE)
+        lora_expand(lora_shrink(x, a, rank, meta), b, s, rank, y, meta, write_only=True, mask_rank=True)
+        ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), slot, rank)
+        torch.testing.assert_close(y.double(), ref, **TOL[torch.bfloat16])
+        counts.append([compiled_variants(k) for k in kernels])
+    assert counts[-1] == counts[0], counts  # every row count after the first reused its binaries

@@ -42,19 +42,18 @@ def graph_key(context) -> tuple:
 
 
 def capture_graph(step, pool, measure_memory: bool = True):
-    """Capture `step()` (no arguments) as a CUDA graph in memory pool `pool`, after two warm-up runs
-    on a side stream (Triton compiles, cuBLAS picks algorithms). The step must be idempotent for its
-    inputs: the warm-ups run it for real. Returns (graph, what the captured call returned, seconds,
-    bytes the capture reserved: measured only with `measure_memory`, which empties the allocator's
-    cache first and costs time per capture)."""
+    """Capture `step()` (no arguments) as a CUDA graph in memory pool `pool`, after one warm-up run
+    on a side stream (Triton compiles, cuBLAS picks algorithms, torch.compile traces: all on the
+    first call). The step must be idempotent for its inputs: the warm-up runs it for real. Returns
+    (graph, what the captured call returned, seconds, bytes the capture reserved: measured only with
+    `measure_memory`, which empties the allocator's cache first and costs time per capture)."""
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     start.record()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
+        step()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     if measure_memory:

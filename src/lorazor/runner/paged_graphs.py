@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from lorazor_kernels import slot_bound_class
 
 from .graphs import TOKEN_BUCKET, StepGraphs, batch_bucket, token_bucket
 from .paged_cache import PagedKVCache, PagedStep, tile_columns
@@ -45,6 +46,14 @@ def paged_step(cache: PagedKVCache, bucket, forward):
             cache.step = None
 
     return step
+
+
+def reachable_keys(context, rows: int) -> list[tuple]:
+    """The graph keys a step of at most `rows` requests can have: backbone only, and each class of
+    distinct adapters up to the class of `rows` (a bucket of 8 rows never sees 32 adapters)."""
+    top = slot_bound_class(min(rows, context.num_slots), context.num_slots)
+    bounds = [b for b in context.slot_bound_classes() if b is None or b <= top]
+    return [(True, bound) for bound in bounds] + [(False, None)]
 
 
 @dataclass
@@ -276,11 +285,13 @@ class PagedDecodeGraphs(StepGraphs):
         context = self.runner.context
         saved = context.enabled, context.slot_bound
         sizes = sorted({decode_bucket(b) for b in (batch_sizes or range(1, self.max_bucket + 1))})
-        keys = [(True, bound) for bound in context.slot_bound_classes()] + [(False, None)]
         before = self.num_captures
         try:
-            self.capture_sizes(sizes, keys, block_tables)
-            self.packed.capture_sizes(self.packed.bucket_sizes(), keys, block_tables)
+            for size in sizes:
+                self.capture_sizes([size], reachable_keys(context, size), block_tables)
+            for size in self.packed.bucket_sizes():
+                self.packed.capture_sizes([size], reachable_keys(context, min(size, self.packed.max_rows)),
+                                          block_tables)
         finally:
             context.enabled, context.slot_bound = saved
         return self.num_captures - before
