@@ -11,6 +11,7 @@ from .paged_attention import (paged_attention, paged_attention_call, paged_atten
                               tile_shape)
 from .ops import add_batched_lora_, batched_lora, linear_lora_op
 from .reference import NO_ADAPTER, lora_delta_reference
+from .token_fill import fill_pending, fill_pending_reference
 
 __all__ = [
     "GRID_MODES",
@@ -23,6 +24,8 @@ __all__ = [
     "decode_attention",
     "decode_attention_op",
     "decode_attention_reference",
+    "fill_pending",
+    "fill_pending_reference",
     "get_kernel_config",
     "linear_lora_op",
     "lora_delta_reference",

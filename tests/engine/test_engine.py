@@ -367,6 +367,54 @@ def test_padded_packed_steps_equal_static_generate(compile):
         assert 1 <= len(_debug_get_cache_entry_list(model.runner._packed_core.__code__)) <= 2
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_bucketed_steps_async_equal_static_generate(compile, monkeypatch):
+    # The GPU's bucketed steps, decode-only and packed, run eagerly under the Triton interpreter
+    # (no capture): rows padded to a bucket, inputs uploaded into the bucket's staging rows, and with
+    # async scheduling each decode row's token and release decision filled on the device from the step
+    # before. Each request equals static generate; compiled, one compile per step kind.
+    from lorazor.runner import paged_graphs
+    from lorazor.runner.paged_graphs import PagedDecodeGraphs
+    from torch._dynamo.utils import counters
+
+    filled = []
+    real_fill = paged_graphs.fill_pending
+    monkeypatch.setattr(paged_graphs, "fill_pending", lambda *a: filled.append(a[0].shape[0]) or real_fill(*a))
+    counters.clear()
+    model, _ = build_pair("llama", LoRazorConfig(cuda_graphs=False, backend="triton", attention="triton",
+                                                 compile=compile))
+    eng = engine(model, max_num_batched_tokens=44, num_kv_blocks=60, async_scheduling=True)
+    eng.graphs = PagedDecodeGraphs(model.runner, eng.cache, 8, 44, capture=False)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def compiles():  # dynamo's cache entries of the decode step (its code object: every runner's so far)
+        return len(_debug_get_cache_entry_list(model.runner._decode_core.__code__))
+
+    before = compiles()
+    ps = prompts(7, seed=31)
+    adapters = ["med", "math", None, "sql", "math", "med", None]
+    releases = [None, 1, "never", 2, 0, None, "never"]
+    requests = [dict(prompt_ids=p, adapter=a, max_new_tokens=6 + i % 3, release=r, **GEN)
+                for i, (p, a, r) in enumerate(zip(ps, adapters, releases))]
+    ids = [eng.add_request(**r) for r in requests[:4]]
+    for _ in range(3):  # a running batch, then a second wave joins it
+        eng.step()
+    ids += [eng.add_request(**r) for r in requests[4:]]
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng.graphs.buckets and eng.graphs.packed.buckets, "a step kind did not go through its buckets"
+    assert len(filled) >= 5 and set(filled) <= {1, 2, 4, 8, 256}  # bucket tensors, filled on the device
+    engine_compiles = compiles() - before
+    for i, (p, a, r) in enumerate(zip(ps, adapters, releases)):
+        ref = model.generate(torch.tensor([p], device=model.device), adapter_ids=[a], release=[r],
+                             max_new_tokens=6 + i % 3, do_sample=False, **GEN)
+        assert done[ids[i]].token_ids == ref.sequences[0, len(p):].tolist(), (i, a, r)
+    assert dict(counters["graph_break"]) == {}
+    if compile:  # the engine's decode step: at most one compile per graph key (LoRA, backbone), not per bucket
+        assert 1 <= engine_compiles <= 2, engine_compiles
+
+
 def test_sliding_window_models_are_refused_past_the_window(pair):
     model, _ = pair
     cfg = model.model.config

@@ -25,7 +25,8 @@ GRIDS = [(True, False, 0), (False, False, 0), (False, True, 0), (False, False, 1
 # the exact grid's tiles_per_slot), pointers and integers divisible by 16 are marked so (every size
 # and stride of the H200 decode shapes but the rank), which turns on vector loads and cp.async.
 UNIT_ARGS = ("stride_xk", "stride_ak", "stride_ur", "stride_bn", "stride_yn", "tiles_per_slot")
-NOT_DIVISIBLE_BY_16 = ("r_max",)
+# ... but not the row count and tile-table length, which the kernels mark `do_not_specialize`.
+NOT_DIVISIBLE_BY_16 = ("r_max", "M", "n_tiles")
 
 
 def resources(compiled) -> str:
@@ -117,7 +118,13 @@ def main() -> None:
         compile_sm90(mk._batch_meta_kernel, dict(BLOCK_ROWS=rows, BLOCK_SLOTS=slots, TILE_CHUNK=mk.TILE_CHUNK, BM=16,
                                                  TILES=tiles),
                      meta_pointers)
-    print(f"compiled {count + 5 + 3}")
+    # The async step's token fill.
+    from lorazor_kernels import token_fill
+
+    for slots in ("*i32", "*i64"):
+        compile_sm90(token_fill._fill_pending_kernel, dict(BLOCK=token_fill.BLOCK),
+                     dict(ids_ptr="*i64", slots_ptr=slots, index_ptr="*i64", values_ptr="*i64"))
+    print(f"compiled {count + 5 + 3 + 2}")
 
 
 if __name__ == "__main__":

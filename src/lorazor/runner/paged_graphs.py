@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from lorazor_kernels import slot_bound_class
+from lorazor_kernels import fill_pending, slot_bound_class
 
 from .graphs import TOKEN_BUCKET, StepGraphs, batch_bucket, token_bucket
 from .paged_cache import PagedKVCache, PagedStep, tile_columns
@@ -72,16 +72,18 @@ class PendingTokens:
 
     def fill(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the tokens into `ids` and drop the adapter (slot -1) of the forwards whose
-        decision released it; `slots` was prepared as if every such forward kept it."""
-        dst, token, decision = self.index
-        ids.index_copy_(0, dst, self.values.index_select(0, token))
-        keep = (self.values.index_select(0, decision.clamp(min=0)) != 0) | (decision < 0)
-        slots.index_copy_(0, dst, torch.where(keep, slots.index_select(0, dst), -1).to(slots.dtype))
+        decision released it; `slots` was prepared as if every such forward kept it. One launch
+        on a GPU (`lorazor_kernels.fill_pending`)."""
+        fill_pending(ids, slots, self.index, self.values)
 
 
 @dataclass
 class _DecodeBucket:
-    inputs: torch.Tensor  # [5, B] int64 staging: tokens, positions, pool positions, slots, table rows
+    # The step's inputs, uploaded as two copies: [3, B] int64 (tokens, positions, pool positions) and
+    # [3, B] int32 (slots, table rows, positions); the tensors below are their rows, so no copy kernel
+    # runs between the upload and the graph.
+    inputs: torch.Tensor
+    inputs32: torch.Tensor
     tokens: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -212,14 +214,16 @@ class PagedDecodeGraphs(StepGraphs):
         cache: the engine's `PagedKVCache`.
         max_batch: the most requests a step can hold (`max_num_seqs`).
         max_tokens: the most tokens a step can hold (`max_num_batched_tokens`).
+        capture: False runs the same padded steps eagerly instead of replaying graphs (the CPU tests
+            check the buckets with it).
     """
 
-    def __init__(self, runner, cache: PagedKVCache, max_batch: int, max_tokens: int):
-        super().__init__(runner)
+    def __init__(self, runner, cache: PagedKVCache, max_batch: int, max_tokens: int, capture: bool = True):
+        super().__init__(runner, capture=capture)
         self.cache = cache
         self.grid = runner.context.grid  # graphs hold this grid's kernels: a new grid needs new graphs
         self.max_bucket = decode_bucket(max_batch)
-        self.packed = PackedStepGraphs(runner, cache, max_tokens, max_batch, self.pool)
+        self.packed = PackedStepGraphs(runner, cache, max_tokens, max_batch, self.pool, capture=capture)
 
     @property
     def num_captures(self) -> int:
@@ -235,16 +239,17 @@ class PagedDecodeGraphs(StepGraphs):
     def _bucket(self, size: int, block_tables: torch.Tensor) -> _DecodeBucket:
         if size not in self.buckets:
             device = self.runner.device
-            inputs = torch.zeros(5, size, dtype=torch.long, device=device)
-            ints = lambda: torch.zeros(size, dtype=torch.int32, device=device)  # noqa: E731
-            rows, q_index, pos, ones = ints(), torch.arange(size, dtype=torch.int32, device=device), ints(), ints() + 1
+            inputs = torch.zeros(3, size, dtype=torch.long, device=device)
+            inputs32 = torch.zeros(3, size, dtype=torch.int32, device=device)
+            tokens, positions, slot_mapping = inputs
+            row_slot, rows, pos = inputs32
+            q_index = torch.arange(size, dtype=torch.int32, device=device)
+            ones = torch.ones(size, dtype=torch.int32, device=device)
             empty = tuple(torch.zeros(0, dtype=torch.int32, device=device) for _ in range(4))
-            slot_mapping = torch.zeros(size, dtype=torch.long, device=device)
             step = PagedStep(slot_mapping, block_tables, (rows, q_index, pos, ones), empty, self.cache.block_q)
             hidden, logits = self.runner.new_step_outputs(size)
-            self.buckets[size] = _DecodeBucket(inputs, torch.zeros(size, dtype=torch.long, device=device),
-                                               torch.zeros(size, dtype=torch.long, device=device), slot_mapping,
-                                               ints(), step, hidden, logits)
+            self.buckets[size] = _DecodeBucket(inputs, inputs32, tokens, positions, slot_mapping, row_slot, step,
+                                               hidden, logits)
         return self.buckets[size]
 
     def run(self, inputs, block_tables: torch.Tensor, pending: PendingTokens | None = None):
@@ -263,20 +268,18 @@ class PagedDecodeGraphs(StepGraphs):
         requests are padding: token 0 at position 0, writing and reading the scratch block."""
         size = bucket.tokens.shape[0]
         n = 0 if inputs is None else len(inputs.ids)
-        host = np.empty((5, size), dtype=np.int64)
-        host[:, n:] = np.array([[0], [0], [self.cache.scratch_block * self.cache.block_size], [-1],
-                                [bucket.step.block_tables.shape[0] - 1]])
+        host = np.empty((3, size), dtype=np.int64)
+        host32 = np.empty((3, size), dtype=np.int32)
+        host[:, n:] = np.array([[0], [0], [self.cache.scratch_block * self.cache.block_size]])
+        host32[:, n:] = np.array([[-1], [bucket.step.block_tables.shape[0] - 1], [0]])
         if inputs is not None:
             host[0, :n] = inputs.ids
-            host[1, :n] = inputs.positions
+            host[1, :n] = host32[2, :n] = inputs.positions
             host[2, :n] = inputs.slot_mapping
-            host[3, :n] = inputs.slots
-            host[4, :n] = [row for row, _, _ in inputs.chunks]
+            host32[0, :n] = inputs.slots
+            host32[1, :n] = [row for row, _, _ in inputs.chunks]
         upload_into(bucket.inputs, host)
-        rows, _, pos, _ = bucket.step.decode_tiles
-        for target, source in ((bucket.tokens, 0), (bucket.positions, 1), (bucket.slot_mapping, 2),
-                               (bucket.row_slot, 3), (rows, 4), (pos, 1)):
-            target.copy_(bucket.inputs[source])
+        upload_into(bucket.inputs32, host32)
 
     def capture_all(self, block_tables: torch.Tensor, batch_sizes=None) -> int:
         """Capture every graph a step can need up front (each batch bucket up to `max_num_seqs`, or
