@@ -20,6 +20,8 @@
 #   engine-sweep     bench_engine.py --part exact at 4-64 adapters only (lorazor and exact), rows_exact_sweep.jsonl
 #   testbed-v2       python -m lorazor.testbed.train --version 2 on the GPU, then the paper's tables on it
 #                    (python -m lorazor.testbed.paper); assets come back as $OUT/testbed_v2.tgz.part-*
+#   roofline         probes/step_roofline.py --compile (decode rows async, prefill, drift; kernel split) and
+#                    probes/warmup_profile.py (eager warm-up, cold caches): the numbers of issue #37
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
 #                    (needs fastapi, uvicorn, pydantic: carry their wheels as .whl/, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
@@ -99,6 +101,10 @@ PY
                cp "$TB/train_log.json" "$W/" 2>/dev/null
                timeout ${V2_PAPER_TIMEOUT:-150} python3 -m lorazor.testbed.paper --assets "$TB" --device cuda \
                  --out "$W/testbed_paper" > "$W/testbed_paper.log" 2>&1 ;;
+    roofline) # issue #37's numbers: the decode rows (async), prefill and drift with compile, then warm-up (eager)
+             timeout 330 python3 benchmarks/probes/step_roofline.py --compile --modes async \
+               --phases floors,decode,prefill,drift --out "$W" --tag "_${LORAZOR_COMMIT:-head}" > "$W/roofline.log" 2>&1
+             timeout 200 python3 benchmarks/probes/warmup_profile.py --out "$W" > "$W/warmup.log" 2>&1 ;;
     serving) if [ -d .whl ]; then  # fastapi, uvicorn, pydantic wheels carried in (device README)
                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
                  .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH

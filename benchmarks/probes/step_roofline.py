@@ -10,8 +10,9 @@ Llama-3.2-3B shape, bf16, 128 random rank-8 adapters on every projection, engine
 - `decode`: decode-only steps at batch 1 and 256 (backbone, 128 adapters, every row released after
   prefill, half released), with async scheduling and then step by step over the same requests:
   wall per `engine.step()` (median of 30), and from torch.profiler over
-  5 steps the CUDA kernels per step and GPU busy time; the bytes floor (weights + KV read +
-  active adapters) at the measured read bandwidth.
+  5 steps the CUDA kernels per step, GPU busy time and its split by kernel kind; the bytes floor
+  (weights + KV read + active adapters) at the measured read bandwidth, the FLOPs floor at the
+  measured matmul rate, and the step against the larger of the two (`vs_roofline`).
 - `prefill`: a step of 8 prompts of 256 tokens (2,048 tokens) against its FLOPs floor.
 - `drift`: the batch-256 decode probe, then three traces of 1,024 requests (`engine_workload`),
   then the probe again; GPU clock, temperature and Python heap recorded with each.
@@ -88,7 +89,7 @@ def profile_steps(engine, steps: int = 5) -> dict:
 
 # Kernel name fragments -> category, first match wins (cuBLAS names its Hopper GEMMs nvjet/sm90_xmma).
 CATEGORIES = (("attention", ("paged_attention", "decode_attention", "flash", "fmha")),
-              ("lora", ("lora", "_zero_rows")),
+              ("lora", ("lora", "_zero_rows", "_batch_meta")),
               ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce")),
               ("fused (inductor)", ("triton_",)),
               ("copy/memset", ("memcpy", "memset", "copy")))
@@ -179,15 +180,27 @@ class Probe:
             kv = batch * context * self.model.runner.kv_bytes_per_token()
             active = 0 if kind in ("backbone", "released") else min(batch, ADAPTERS)
             floor_ms = (self.weight_bytes + kv + active * self.adapter_bytes) / self.bandwidth * 1e3
+            # The matmul floor: at batch 256 the GEMMs sit near the H200's ridge (~190 FLOP/byte), so
+            # bytes alone understate what the step must take; the roofline is the larger of the two.
+            flops_ms = batch * self.decode_flops(context) / (self.tflops * 1e12) * 1e3
             median = statistics.median(times)
             row = dict(phase=label, batch=batch, kind=kind, scheduling=mode, step_ms=round(median, 3),
-                       floor_ms=round(floor_ms, 3), vs_floor=round(median / floor_ms, 2), **prof,
+                       floor_ms=round(floor_ms, 3), vs_floor=round(median / floor_ms, 2),
+                       flops_floor_ms=round(flops_ms, 3), vs_roofline=round(median / max(floor_ms, flops_ms), 2),
+                       **prof,
                        host_gap=round(1 - prof["gpu_busy_ms"] / prof["profiled_wall_ms"], 3), **gpu_state())
             self.record(**row)
             rows.append(row)
         engine.async_scheduling = True
         engine.abort_all()
         return rows[0]
+
+    def decode_flops(self, context: int) -> float:
+        """FLOPs of one decode token: every linear layer and the LM head, and attention over `context` keys."""
+        cfg = self.base.config
+        linear = sum(p.numel() for p in self.base.model.layers.parameters() if p.dim() == 2)
+        head = cfg.vocab_size * cfg.hidden_size
+        return 2 * (linear + head) + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
 
     def prefill(self, kind: str, reps: int = 5):
         names = self.names
