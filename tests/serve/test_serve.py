@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from servers import free_port, start_serve_command, stop_process_group, wait_healthy
 
 openai = pytest.importorskip("openai")
@@ -205,6 +206,8 @@ def test_an_async_engine_process_serves_concurrent_streams_and_stops():
     peft_model, tokenizer, tasks = load()
     engine = EngineProcess(functools.partial(build_engine, serve_args("--async-scheduling")))
     assert engine.info["async_scheduling"] is True
+    # The spawned engine takes this process's torch threads (the test run's 1), not one per core.
+    assert engine.info["torch_threads"] == torch.get_num_threads()
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, tokenizer, model_name="testbed"), host="127.0.0.1",
                                            port=port, log_level="warning"))

@@ -58,11 +58,18 @@ def _picklable(err: BaseException) -> BaseException:
 
 
 # ---- the engine's side ------------------------------------------------------------------------------
-def engine_main(factory, inbox, outbox) -> None:
+def engine_main(factory, inbox, outbox, threads: int | None = None) -> None:
     """The engine process: build the engine with `factory() -> (engine, tokenizer)`, then serve
-    messages and run steps until told to stop or the server goes away."""
+    messages and run steps until told to stop or the server goes away. `threads`: torch's
+    intra-op threads (the server process's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
     try:
+        if threads:
+            import torch
+
+            # A spawned process starts with one thread per core, whatever the server set: several
+            # servers on one machine (or a test run) would each take every core.
+            torch.set_num_threads(threads)
         engine, tokenizer = factory()
         model = engine.model
         if model.device.type == "cuda":
@@ -125,7 +132,10 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         engine_inbox, self._send_end = context.Pipe(duplex=False)
         self._recv_end, engine_outbox = context.Pipe(duplex=False)
-        self.process = context.Process(target=engine_main, args=(factory, engine_inbox, engine_outbox),
+        import torch
+
+        self.process = context.Process(target=engine_main, args=(factory, engine_inbox, engine_outbox,
+                                                                 torch.get_num_threads()),
                                        name="lorazor-engine", daemon=True)
         self.process.start()
         engine_inbox.close()

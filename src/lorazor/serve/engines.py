@@ -35,8 +35,11 @@ def engine_stats(engine) -> dict:
 
 def engine_info(engine) -> dict:
     """The engine's fixed settings the app needs (length limit for `/tokenize`, ...) or reports."""
+    import torch
+
     return dict(max_model_len=engine.max_model_len, max_loras=engine.model.bank.num_slots,
-                vocab_size=engine.runner.vocab_size, async_scheduling=engine.async_scheduling)
+                vocab_size=engine.runner.vocab_size, async_scheduling=engine.async_scheduling,
+                torch_threads=torch.get_num_threads())
 
 
 def register(model, name: str, path: str, replace: bool = False) -> None:
