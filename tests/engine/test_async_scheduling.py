@@ -83,7 +83,7 @@ def test_async_engine_equals_the_step_by_step_engine(model, blocks, host_sampled
     eng = engine(model, num_kv_blocks=blocks)
     assert outcome(run(eng, reqs)) == expected
     assert sum(overlapped) >= 5
-    assert expected["r3"]["finish_reason"] == "eos" and len(expected["r3"]["token_ids"]) == stop_at + 1
+    assert expected["r3"]["finish_reason"] == "eos" and len(expected["r3"]["tokens"]) == stop_at + 1
     assert (expected["r5"]["new_logprobs"] is not None) == host_sampled
     if blocks == 9:
         assert sync.scheduler.num_preemptions > 0 and eng.scheduler.num_preemptions > 0

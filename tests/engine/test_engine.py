@@ -447,3 +447,31 @@ def test_warm_up_captures_only_the_adapter_classes_a_bucket_can_reach():
     assert reachable_keys(StepContext(20, "exact", "reference"), 8) == [(True, 16), (False, None)]
     assert reachable_keys(StepContext(20, "exact", "reference"), 17) == [(True, 16), (True, 20), (False, None)]
     assert reachable_keys(StepContext(20, "full", "reference"), 300) == [(True, None), (False, None)]
+
+
+def test_outputs_share_the_tokens_but_each_keeps_its_own_snapshot(pair):
+    # A step's outputs point into their requests' token lists (no copy per step, so a step's host
+    # time does not grow with the outputs' lengths), yet an output read later still shows the tokens
+    # of its own step.
+    import copy
+    import dataclasses
+
+    from lorazor.engine.request import TokenPrefix
+
+    model, _ = pair
+    eng = engine(model, async_scheduling=False)
+    rid = eng.add_request(prompts(1, seed=40)[0], adapter="math", max_new_tokens=6, **GEN)
+    seen = []
+    while eng.has_unfinished():
+        seen += [o for o in eng.step() if o.request_id == rid]
+    assert [o.num_tokens for o in seen] == list(range(1, 7))
+    source = seen[-1].tokens.source
+    final = seen[-1].token_ids
+    for i, out in enumerate(seen[:-1]):
+        assert isinstance(out.tokens, TokenPrefix) and out.tokens.source is source
+        assert out.token_ids == final[:i + 1] and out.tokens == final[:i + 1] and out.tokens != final
+        assert list(out.tokens) == final[:i + 1] and out.tokens[-1] == final[i] and out.tokens[1:] == final[1:i + 1]
+        assert dataclasses.asdict(out)["tokens"] == final[:i + 1] and copy.deepcopy(out.tokens) == final[:i + 1]
+        with pytest.raises(IndexError):
+            out.tokens[i + 1]
+    assert seen[-1].token_ids is seen[-1].token_ids  # made once, then kept

@@ -19,6 +19,49 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class TokenPrefix:
+    """The first `n` tokens of a list that only grows (a request's output): what an output reports
+    without copying the whole list every step, which would make a step's host time grow with the
+    outputs' lengths. Length, indexing, slicing and iteration read the list in place; equality
+    compares with lists; `copy.deepcopy` (and `dataclasses.asdict`) give a plain list."""
+
+    __slots__ = ("source", "n")
+
+    def __init__(self, source: list, n: int | None = None):
+        self.source = source
+        self.n = len(source) if n is None else n
+
+    def as_list(self) -> list:
+        return self.source[:self.n]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return self.source[slice(*key.indices(self.n))]
+        index = key + self.n if key < 0 else key
+        if not 0 <= index < self.n:
+            raise IndexError("token index out of range")
+        return self.source[index]
+
+    def __iter__(self):
+        return iter(self.source[:self.n]) if self.n < len(self.source) else iter(self.source)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, TokenPrefix):
+            other = other.as_list()
+        return isinstance(other, list) and len(other) == self.n and self.as_list() == other
+
+    __hash__ = None
+
+    def __deepcopy__(self, memo) -> list:
+        return self.as_list()
+
+    def __repr__(self) -> str:
+        return repr(self.as_list())
+
+
 @dataclass
 class RequestOutput:
     """One request's state as `LoRazorEngine.step` reports it.
@@ -26,7 +69,8 @@ class RequestOutput:
     Attributes:
         request_id: the request.
         new_token_ids: tokens generated in this step (empty for a prefill chunk that produced none).
-        token_ids: every token generated so far.
+        tokens: every token generated so far, as a `TokenPrefix` (len, slices, iteration, no copy);
+            `token_ids` is the same as a list.
         finished: whether the request is done; finish_reason: "eos", "length", "stop", "abort", or
             "error" (it could not run: `error` says why, e.g. its adapter failed to load).
         release_step: the decode step at which it released its adapter (-1: never, or no adapter).
@@ -36,7 +80,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]
+    tokens: TokenPrefix
     finished: bool
     finish_reason: str | None
     release_step: int
@@ -52,6 +96,18 @@ class RequestOutput:
     scheduled_time: float | None = None  # when a step first ran it (queue time = this - arrival_time)
 
     @property
+    def token_ids(self) -> list[int]:
+        """Every token generated so far (a list, made on first use)."""
+        if not isinstance(self.tokens, list):
+            self.tokens = self.tokens.as_list()
+        return self.tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens were generated so far."""
+        return len(self.tokens)
+
+    @property
     def ttft(self) -> float | None:
         """Time to first token (s)."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
@@ -59,9 +115,9 @@ class RequestOutput:
     @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first (s)."""
-        if self.finish_time is None or self.first_token_time is None or len(self.token_ids) < 2:
+        if self.finish_time is None or self.first_token_time is None or self.num_tokens < 2:
             return None
-        return (self.finish_time - self.first_token_time) / (len(self.token_ids) - 1)
+        return (self.finish_time - self.first_token_time) / (self.num_tokens - 1)
 
 
 @dataclass(eq=False)
@@ -143,7 +199,7 @@ class Request:
 
     def report(self, new_tokens: list[int], new_logprobs: list | None = None) -> RequestOutput:
         decode_steps, lora_steps = decode_counts(len(self.output), self.release_step, self.adapter is not None)
-        return RequestOutput(self.request_id, new_tokens, list(self.output), self.status is Status.FINISHED,
+        return RequestOutput(self.request_id, new_tokens, TokenPrefix(self.output), self.status is Status.FINISHED,
                              self.finish_reason, self.release_step, decode_steps, lora_steps, self.arrival_time,
                              self.first_token_time, self.finish_time, self.error, new_logprobs,
                              self.scheduled_time)

@@ -100,8 +100,8 @@ class RayMetricsMirror:
     def observe(self, out, prompt_tokens: int) -> None:
         self.finished.inc(1, {**self.tags, "finished_reason": out.finish_reason or "abort"})
         self.prompt.inc(prompt_tokens, self.tags)
-        if out.token_ids:
-            self.generated.inc(len(out.token_ids), self.tags)
+        if out.num_tokens:
+            self.generated.inc(out.num_tokens, self.tags)
         if out.lora_decode_steps:
             self.lora_steps.inc(out.lora_decode_steps, self.tags)
         if out.ttft is not None:

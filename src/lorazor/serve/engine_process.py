@@ -27,7 +27,7 @@ import time
 import traceback
 
 from ..engine.background import merge
-from ..engine.request import RequestOutput
+from ..engine.request import RequestOutput, TokenPrefix
 from .engines import REQUEST_ERRORS, engine_info, engine_stats, register
 from .sampling import engine_arguments
 
@@ -46,7 +46,7 @@ def pack(out: RequestOutput) -> tuple:
 def unpack(row: tuple, tokens: list[int]) -> RequestOutput:
     """The output a row stands for; `tokens` (this request's tokens so far) grows by its new ones."""
     tokens.extend(row[1])
-    return RequestOutput(row[0], row[1], list(tokens), *row[2:])
+    return RequestOutput(row[0], row[1], TokenPrefix(tokens), *row[2:])
 
 
 def _picklable(err: BaseException) -> BaseException:

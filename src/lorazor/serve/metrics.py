@@ -81,7 +81,7 @@ class ServerMetrics:
         """Record a finished request (finished normally, aborted or failed)."""
         m = self.model_name
         self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc(len(out.token_ids))
+        self.generation_tokens.labels(m).inc(out.num_tokens)
         self.success.labels(m, out.finish_reason or "abort").inc()
         self.lora_decode_steps.labels(m).inc(out.lora_decode_steps)
         self.adapter_decode_steps.labels(m).inc(out.decode_steps)

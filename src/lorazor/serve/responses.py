@@ -86,7 +86,7 @@ class Response:
             async for out in stream:
                 if self.logprobs is not None and out.new_logprobs:
                     pending += list(zip(out.new_token_ids, out.new_logprobs))
-                text = visible_text(decoded.update(out.token_ids, out.finished), self.stops, out.finished)
+                text = visible_text(decoded.update(out.tokens, out.finished), self.stops, out.finished)
                 if not text.startswith(sent):  # the final full decode differs from the increments
                     text = sent
                 if len(text) > len(sent) or out.finished:
@@ -98,7 +98,7 @@ class Response:
         finally:
             if not observed:
                 arrival = out.arrival_time if out is not None else time.monotonic()
-                self.metrics.observe_left(len(choice.prompt_ids), len(out.token_ids) if out else 0, arrival)
+                self.metrics.observe_left(len(choice.prompt_ids), out.num_tokens if out else 0, arrival)
             await stream.aclose()  # a client that went away aborts its request
 
     # ---- shapes ----------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class Response:
                 "choices": [self._choice(c.index, c.echo + text, FINISH_REASONS[out.finish_reason],
                                          self._token_logprobs(entries, len(c.echo)), False)
                             for c, (text, out, entries) in zip(choices, parts)],
-                "usage": self._usage(self._prompt_tokens(choices), sum(len(o.token_ids) for _, o, _ in parts)),
+                "usage": self._usage(self._prompt_tokens(choices), sum(o.num_tokens for _, o, _ in parts)),
                 "lorazor": self._extension([o for _, o, _ in parts])}
         return body
 
@@ -202,7 +202,7 @@ class Response:
                 finish = FINISH_REASONS[out.finish_reason] if out.finished else None
                 extra = {}
                 if out.finished:
-                    completion_tokens += len(out.token_ids)
+                    completion_tokens += out.num_tokens
                     outs.append(out)
                     extra["lorazor"] = self._extension([out])
                 logprobs = self._token_logprobs(pending, offsets[choice.index])

@@ -35,11 +35,12 @@ class IncrementalText:
         self._prefix = 0
         self._read = 0
 
-    def update(self, token_ids: list[int], finished: bool = False) -> str:
-        """The full text so far. When `finished`, the whole output is decoded once, so the final
-        text is exactly the tokenizer's decode of all of it."""
+    def update(self, token_ids, finished: bool = False) -> str:
+        """The full text so far (`token_ids`: a list or an output's `TokenPrefix`; only its new tail
+        is read). When `finished`, the whole output is decoded once, so the final text is exactly
+        the tokenizer's decode of all of it."""
         if finished:
-            self.text = self._decode(token_ids)
+            self.text = self._decode(token_ids[:])
             return self.text
         known = self._decode(token_ids[self._prefix:self._read])
         new = self._decode(token_ids[self._prefix:])
