@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -46,7 +47,8 @@ class TokenPrefix:
         return self.source[index]
 
     def __iter__(self):
-        return iter(self.source[:self.n]) if self.n < len(self.source) else iter(self.source)
+        # islice: the list may grow while the iterator is in use (the engine's thread appends).
+        return itertools.islice(self.source, self.n)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, TokenPrefix):
