@@ -11,7 +11,7 @@ from .paged_attention import (paged_attention, paged_attention_call, paged_atten
                               tile_shape)
 from .ops import add_batched_lora_, batched_lora, linear_lora_op
 from .reference import NO_ADAPTER, lora_delta_reference
-from .token_fill import fill_pending, fill_pending_reference
+from .token_fill import fill_pending, fill_pending_reference, warm_up_fill
 
 __all__ = [
     "GRID_MODES",
@@ -39,4 +39,5 @@ __all__ = [
     "row_bound",
     "slot_bound_class",
     "tile_shape",
+    "warm_up_fill",
 ]

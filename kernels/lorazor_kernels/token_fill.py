@@ -64,3 +64,13 @@ def fill_pending(ids: torch.Tensor, slots: torch.Tensor, index: torch.Tensor, va
     count = index.shape[1]
     if count:
         _fill_pending_kernel[(1,)](ids, slots, index, values, count, index.stride(0), BLOCK=BLOCK)
+
+
+def warm_up_fill(device: torch.device) -> None:
+    """Compile `fill_pending`'s kernel for `device` now (a GPU's engine warm-up), so the first async
+    step does not wait for Triton. One compile serves every count (it is not specialized on)."""
+    if torch.device(device).type != "cuda":
+        return
+    ids = torch.zeros(1, dtype=torch.long, device=device)
+    fill_pending(ids, torch.zeros(1, dtype=torch.int32, device=device),
+                 torch.tensor([[0], [0], [-1]], device=device), ids.clone())

@@ -42,3 +42,18 @@ def test_fill_pending_refuses_a_malformed_index():
     ids, slots, index, values = random_step(8, 4, seed=0)
     with pytest.raises(ValueError, match=r"index must be \[3, k\], got \(2, 4\)"):
         fill_pending(ids, slots, index[:2], values)
+
+
+@pytest.mark.gpu
+def test_the_warm_up_compiles_the_one_fill_every_step_uses():
+    # The engine's warm-up compiles the fill kernel; async steps of any batch reuse that binary.
+    from lorazor_kernels import token_fill, warm_up_fill
+
+    kernel = token_fill._fill_pending_kernel
+    warm_up_fill(torch.device(DEVICE))
+    compiled = sum(len(caches[0]) for caches in kernel.device_caches.values())
+    assert compiled >= 1
+    for n, k in ((7, 5), (300, 257)):
+        ids, slots, index, values = random_step(n, k, seed=k)
+        fill_pending(ids, slots, index, values)
+    assert sum(len(caches[0]) for caches in kernel.device_caches.values()) == compiled

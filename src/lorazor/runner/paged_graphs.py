@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from lorazor_kernels import fill_pending, slot_bound_class
+from lorazor_kernels import fill_pending, slot_bound_class, warm_up_fill
 
 from .graphs import TOKEN_BUCKET, StepGraphs, batch_bucket, token_bucket
 from .paged_cache import PagedKVCache, PagedStep, tile_columns
@@ -297,6 +297,8 @@ class PagedDecodeGraphs(StepGraphs):
                                           block_tables)
         finally:
             context.enabled, context.slot_bound = saved
+        # The async steps' token fill runs before a graph, not in it: compiled now, not on the first request.
+        warm_up_fill(self.runner.device)
         return self.num_captures - before
 
     def _step_function(self, bucket: _DecodeBucket, key):
