@@ -282,7 +282,10 @@ def main(args: argparse.Namespace) -> int:
     log.info("serving %r on http://%s:%d/v1 (API key: %s; runtime adapter loading: %s; at most %d connections)",
              name, args.host, args.port, "required" if args.api_key else "none",
              "on" if args.enable_runtime_lora else "off", limit)
-    server[0].run()
+    try:
+        server[0].run()
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down gracefully: a normal stop
+        log.info("stopped")
     if died:
         log.error("exiting: the engine process died")
         return 1
