@@ -21,7 +21,8 @@ import triton.language as tl
 BLOCK = 256
 
 
-@triton.jit(do_not_specialize=["count"])
+# The count and the index's row stride (= the count) change every step: one compile serves them all.
+@triton.jit(do_not_specialize=["count", "stride_index"])
 def _fill_pending_kernel(ids_ptr, slots_ptr, index_ptr, values_ptr, count, stride_index, BLOCK: tl.constexpr):
     for start in range(0, count, BLOCK):
         j = start + tl.arange(0, BLOCK)
