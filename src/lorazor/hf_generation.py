@@ -18,7 +18,13 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
+                                                       StopStringCriteria)
+
+# Criteria that read at most a tail of the tokens and never the scores (a stop string reads its
+# `maximum_token_len` last tokens): the engine checks them on the host from that tail, so a request
+# with stop strings can still be sampled on the device.
+TAIL_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria, MaxTimeCriteria)
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 # Fields whose HF behaviour needs something LoRazor's loop does not do: refused, never ignored.
@@ -68,15 +74,32 @@ class GenerationPlan:
             return torch.isin(token, eos)
         return None
 
+    @property
+    def stop_window(self) -> int | None:
+        """How many of the last tokens the stopping criteria read, without scores: 0 when there are
+        none beyond length and EOS, None when one may read more or need the scores (user criteria)."""
+        if self.stopping is None:
+            return 0
+        if not all(isinstance(c, TAIL_CRITERIA) for c in self.stopping):
+            return None
+        return max((c.maximum_token_len for c in self.stopping if isinstance(c, StopStringCriteria)), default=1)
+
     def stop_reason(self, tokens: list[int], token: int, generated: int, scores: torch.Tensor | None) -> str | None:
         """Why one request stops after `token`, its `generated`-th token ("eos", "length", "stop"
-        for HF's other criteria such as stop strings), or None. `tokens`: prompt and output so far."""
+        for HF's other criteria such as stop strings), or None. `tokens`: prompt and output so far;
+        `scores`: the processed scores of `token` (None when the device sampled it: then every
+        criterion must be a tail criterion, checked on the CPU from the last `stop_window` tokens)."""
         if token in self.eos:
             return "eos"
         if generated >= self.max_new_tokens:
             return "length"
         if self.stopping is not None:
-            seq = torch.tensor([tokens], dtype=torch.long, device=scores.device)
+            window = self.stop_window
+            if window is None:
+                seq = torch.tensor([tokens], dtype=torch.long, device=scores.device)
+            else:  # length and EOS were checked above, on the whole sequence
+                seq = torch.tensor([tokens[-window:]], dtype=torch.long)
+                scores = None
             if bool(self.stopping(seq, scores)[0]):
                 return "stop"
         return None

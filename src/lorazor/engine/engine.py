@@ -210,7 +210,8 @@ class LoRazorEngine:
         ids = torch.tensor([prompt], dtype=torch.long)
         plan = plan_generation(self.runner.hf_model, config, flags, ids, torch.ones_like(ids),
                                logits_processor=logits_processor, tokenizer=tokenizer)
-        plain_greedy = (not plan.config.do_sample and len(plan.processors) == 0 and plan.stopping is None
+        # Stop strings do not need the host to sample: they are checked on the tokens read back.
+        plain_greedy = (not plan.config.do_sample and len(plan.processors) == 0 and plan.stop_window is not None
                         and logprobs is None)
         sampling = batchable(plan, generator) if logprobs is None else None
         if not plain_greedy and sampling is None and self.model.device.type != "cpu":

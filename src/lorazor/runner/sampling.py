@@ -8,8 +8,8 @@ Batched sampling for the engine: the common HF sampling settings of many request
 HF applies a request's logits processors to its own scores, and the engine would then read each
 sampled token back on its own: one host sync per request and step. A request whose processors are
 only HF's temperature, top-k, top-p and min-p warpers (in HF's order, with HF's defaults for the
-filter value and tokens to keep), with no seeded generator and no stopping criteria besides EOS and
-length, is sampled here together with every other such request of the step. Each row keeps its own
+filter value and tokens to keep), with no seeded generator and no stopping criteria besides EOS,
+length, stop strings and max time (checked on the host from the tokens), is sampled here together with every other such request of the step. Each row keeps its own
 settings, and a row's processed scores equal what HF's warpers give for that row alone
 (tests/engine/test_engine_sampler.py). Other requests are sampled one by one, as HF does.
 """
@@ -53,7 +53,7 @@ class SamplingParams:
 
 def batchable(plan, generator) -> SamplingParams | None:
     """The request's settings when it can be sampled in a batch, else None."""
-    if not plan.config.do_sample or generator is not None or plan.stopping is not None:
+    if not plan.config.do_sample or generator is not None or plan.stop_window is None:
         return None
     kinds = [type(p) for p in plan.processors]
     if any(k not in ORDER for k in kinds) or kinds != sorted(kinds, key=ORDER.index) or len(set(kinds)) != len(kinds):
