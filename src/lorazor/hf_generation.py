@@ -11,6 +11,7 @@ step (classifier-free guidance) are refused with an error that names them.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -74,7 +75,7 @@ class GenerationPlan:
             return torch.isin(token, eos)
         return None
 
-    @property
+    @functools.cached_property
     def stop_window(self) -> int | None:
         """How many of the last tokens the stopping criteria read, without scores: 0 when there are
         none beyond length and EOS, None when one may read more or need the scores (user criteria)."""
@@ -84,15 +85,33 @@ class GenerationPlan:
             return None
         return max((c.maximum_token_len for c in self.stopping if isinstance(c, StopStringCriteria)), default=1)
 
+    @functools.cached_property
+    def stop_string_criterion(self) -> StopStringCriteria | None:
+        """The stop-string criterion when it is the only criterion beyond length and EOS (the
+        engine then checks many requests' strings in one call), else None."""
+        if self.stopping is None:
+            return None
+        strings = [c for c in self.stopping if isinstance(c, StopStringCriteria)]
+        builtin = (StopStringCriteria, MaxLengthCriteria, EosTokenCriteria)
+        others = [c for c in self.stopping if not isinstance(c, builtin)]
+        return strings[0] if len(strings) == 1 and not others else None
+
+    def builtin_reason(self, token: int, generated: int) -> str | None:
+        """"eos" or "length" when `token`, the `generated`-th, ends the request by EOS or length."""
+        if token in self.eos:
+            return "eos"
+        if generated >= self.max_new_tokens:
+            return "length"
+        return None
+
     def stop_reason(self, tokens: list[int], token: int, generated: int, scores: torch.Tensor | None) -> str | None:
         """Why one request stops after `token`, its `generated`-th token ("eos", "length", "stop"
         for HF's other criteria such as stop strings), or None. `tokens`: prompt and output so far;
         `scores`: the processed scores of `token` (None when the device sampled it: then every
         criterion must be a tail criterion, checked on the CPU from the last `stop_window` tokens)."""
-        if token in self.eos:
-            return "eos"
-        if generated >= self.max_new_tokens:
-            return "length"
+        reason = self.builtin_reason(token, generated)
+        if reason is not None:
+            return reason
         if self.stopping is not None:
             window = self.stop_window
             if window is None:

@@ -61,3 +61,27 @@ def test_sampled_requests_with_stop_strings_are_batched(testbed):
     assert eng.requests[rid].sampling is not None
     while eng.has_unfinished():
         eng.step()
+
+
+def test_batched_stop_checks_equal_hf_on_every_sequence(testbed):
+    # Random sequences (some ending inside, some after a stop string): the engine's check (tail,
+    # prefilter on the last token, one call per group) says "stop" exactly where HF's criterion on
+    # the whole sequence does.
+    from lorazor.engine.stops import stop_reasons
+
+    model, tokenizer, _ = testbed
+    eng = LoRazorEngine(model, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=128, block_size=16)
+    g = torch.Generator().manual_seed(0)
+    vocab = len(tokenizer)
+    pairs, expected = [], []
+    for i in range(300):
+        stops = [["e ", " FROM"], ["th"], ["e ", " FROM"]][i % 3]  # two requests of three share their strings
+        request = eng.prepare_request([5, 6, 7], adapter=None, max_new_tokens=1000, stop_strings=stops,
+                                      tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id)
+        out = torch.randint(3, vocab, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        for token in out:
+            request.append(token)
+        pairs.append((request, out[-1]))
+        expected.append(bool(request.plan.stopping(torch.tensor([request.tokens]), None)[0]))
+    got = [reason == "stop" for reason in stop_reasons(pairs)]
+    assert got == expected and sum(expected) >= 5  # (7 stops with this seed)

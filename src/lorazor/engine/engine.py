@@ -37,6 +37,7 @@ from .launched import launch_picks
 from .request import Request, RequestOutput, Status
 from .scheduler import Scheduler
 from .step_inputs import BlockTables, prepare
+from .stops import stop_reasons
 
 # KV blocks on the CPU when `num_kv_blocks` is not given (on the GPU: `gpu_memory_utilization`).
 DEFAULT_CPU_BLOCKS = 256
@@ -365,6 +366,7 @@ class LoRazorEngine:
         for step in filter(None, steps):
             tokens = step.read()
             now = time.monotonic()
+            appended = []
             for i, token, request in zip(step.rows, tokens, step.requests):
                 request.pending -= 1
                 if request.status is not Status.RUNNING:
@@ -374,7 +376,8 @@ class LoRazorEngine:
                 request.append(token)
                 if request.first_token_time is None:
                     request.first_token_time = now
-                reason = "error" if request.error else self._stop_reason(request, token)
+                appended.append((request, token))
+            for (request, token), reason in zip(appended, stop_reasons(appended)):
                 if reason is not None:
                     self._finish(request, reason)
                 outputs.append(request.report([token], None if request.logprobs is None else [request.last_logprobs]))
@@ -429,9 +432,6 @@ class LoRazorEngine:
             request.last_logprobs = (float(logprobs[token]), [] if top is None else list(
                 zip(top.indices.tolist(), top.values.tolist())))
         return token
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        return request.plan.stop_reason(request.tokens, token, len(request.output), request.last_scores)
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.remove(request)

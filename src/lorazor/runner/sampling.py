@@ -9,8 +9,9 @@ HF applies a request's logits processors to its own scores, and the engine would
 sampled token back on its own: one host sync per request and step. A request whose processors are
 only HF's temperature, top-k, top-p and min-p warpers (in HF's order, with HF's defaults for the
 filter value and tokens to keep), with no seeded generator and no stopping criteria besides EOS,
-length, stop strings and max time (checked on the host from the tokens), is sampled here together with every other such request of the step. Each row keeps its own
-settings, and a row's processed scores equal what HF's warpers give for that row alone
+length, stop strings and max time (checked on the host from the tokens), is sampled here together
+with every other such request of the step. Each row keeps its own settings, and a row's processed
+scores equal what HF's warpers give for that row alone
 (tests/engine/test_engine_sampler.py). Other requests are sampled one by one, as HF does.
 """
 
