@@ -4,8 +4,8 @@ EOS and length are checked per request. Stop strings (OpenAI's `stop`) use HF's
 `StopStringCriteria` on the last tokens only, and only for requests whose new token can end one of
 their strings; those that share the same strings (and tokenizer) are checked together in one call.
 One call per request costs about a hundred microseconds of small torch ops, which at batch 256
-would outlast the GPU's step. Any other
-criterion is checked per request, as HF would (`GenerationPlan.stop_reason`).
+would outlast the GPU's step. Any other criterion is checked per request, as HF would
+(`GenerationPlan.stop_reason`).
 """
 
 from __future__ import annotations
@@ -22,17 +22,13 @@ _CAN_END_KEPT = 32
 
 
 def _can_end(criterion) -> list[bool]:
-    found = getattr(criterion, "_lorazor_can_end", None)
-    if found is not None:
-        return found
     vec = criterion.embedding_vec
     entry = _CAN_END.get(id(vec))
-    if entry is None or entry[0] is not vec:
+    if entry is None or entry[0] is not vec:  # kept by id, with the tensor itself to rule out a reused id
         start = criterion.max_valid_positions * criterion.num_stop_strings
         entry = _CAN_END[id(vec)] = (vec, (vec[:, start:-1] > 0).any(1).tolist())
         if len(_CAN_END) > _CAN_END_KEPT:
             _CAN_END.popitem(last=False)
-    criterion._lorazor_can_end = entry[1]
     return entry[1]
 
 
@@ -57,7 +53,7 @@ def stop_reasons(appended: list) -> list[str | None]:
             tail = request.tokens[-criterion.maximum_token_len:]
             # HF caches the vocabulary's embedding per (tokenizer, strings): requests with the same
             # strings share it, and so one call.
-            key = (criterion.stop_strings, id(criterion.embedding_vec), len(tail))
+            key = (id(criterion.embedding_vec), len(tail))
             group = groups.setdefault(key, (criterion, [], []))
             group[1].append(k)
             group[2].append(tail)
