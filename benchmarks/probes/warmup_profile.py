@@ -1,6 +1,6 @@
 """Probe: where `engine.warm_up()` spends its time, and where a 2,048-token packed step spends its GPU time.
 
-    python benchmarks/probes/warmup_profile.py --out /tmp/probe [--compile] [--cprofile]
+    python benchmarks/probes/warmup_profile.py --out /tmp/probe [--compile] [--cprofile] [--tag _restart]
 
 Llama-3.2-3B shape, bf16, 128 random rank-8 adapters, engine defaults (`max_num_seqs=256`,
 `max_num_batched_tokens=2048`), the step_roofline probe's engine. Writes `warmup_profile.json`:
@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--cprofile", action="store_true", help="profile warm_up() with cProfile (slows it)")
+    ap.add_argument("--tag", default="", help="appended to the result's file name (e.g. _restart)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
@@ -124,7 +125,7 @@ def main() -> None:
     result["packed_step_kernels"] = [dict(name=n, ms=round(us / 1e3, 3), share=round(us / total, 3))
                                      for n, us in kernels.most_common(25)]
     print(json.dumps(dict(packed_step_gpu_ms=result["packed_step_gpu_ms"])), flush=True)
-    name = f"warmup_profile{'_compiled' if args.compile else ''}{'_cprofile' if args.cprofile else ''}.json"
+    name = f"warmup_profile{'_compiled' if args.compile else ''}{'_cprofile' if args.cprofile else ''}{args.tag}.json"
     (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
 
 

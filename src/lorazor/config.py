@@ -37,11 +37,11 @@ class LoRazorConfig:
         dtype: "float32", "float16" or "bfloat16" to cast the model and adapters; None keeps them.
         cuda_graphs: capture and replay the decode step as a CUDA graph on the GPU (with the Triton
             backend; the reference backend syncs with the host and always runs eagerly).
-        compile: run the decode step through torch.compile (fuses the backbone's elementwise ops;
-            the LoRA and attention kernels stay opaque custom ops), captured in the step graphs.
-            `generate()` compiles once per batch bucket; the engine's batch and token counts are
-            dynamic, so it compiles its decode-only and its packed step (prefill chunks) once each
-            for steps with LoRA and once each for backbone-only steps.
+        compile: run the decoder's layers through torch.compile (fuses the backbone's elementwise
+            ops; the LoRA and attention kernels stay opaque custom ops), captured in the step graphs.
+            One decoder layer is compiled and reused by every layer, so compile time does not grow
+            with depth. Batch and token counts are dynamic: a few compiles per step kind (decode-only
+            and packed steps, with LoRA and backbone only) serve every batch bucket.
         backend: "auto" (Triton kernels on the GPU, the pure-torch reference on the CPU),
             "triton" or "reference".
         attention: decode attention: "auto" (the Triton kernel that reads only each row's valid

@@ -65,3 +65,46 @@ def test_gpu_compiled_graphs_match_fp32_peft_across_adapter_mixes():
         assert torch.equal(out.sequences, peft_generate(oracle, ids, mask, adapters, max_new_tokens=10))
         captured.append(model.graphs.num_graphs())
     assert captured[0] >= 1 and captured[1] == captured[0]  # the new mix replays the graphs it found
+
+
+def test_one_compiled_decoder_layer_serves_every_layer(monkeypatch):
+    # Regional compilation: an 8-layer model's decode steps compile the decoder layer a few times in
+    # all (batch 1, the layer number made dynamic, larger batches), not once per layer, and the
+    # engine's tokens still equal PEFT's. The KV writes of all layers land in their own layer.
+    import lorazor.tiny as tiny
+    from helpers import peft_names
+    from lorazor import LoRazorEngine
+    from torch._dynamo.utils import counters
+
+    real = tiny.tiny_config
+
+    def eight_layers(*args, **kwargs):
+        config = real(*args, **kwargs)
+        config.num_hidden_layers = 8
+        return config
+
+    monkeypatch.setattr(tiny, "tiny_config", eight_layers)
+    torch._dynamo.reset()  # count this model's compiles alone
+    counters.clear()
+    model, oracle = build_pair("llama", LoRazorConfig(compile=True, cuda_graphs=False))
+    assert len(model.runner.decoder.layers) == 8
+    eng = LoRazorEngine(model, num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, 90, (3 + i,), generator=g).tolist() for i in range(5)]
+    adapters = ["math", None, "sql", "med", "math"]
+    ids, done = [], {}
+    for p, a in zip(ps, adapters):  # staggered: decode batches of 1 to 5 rows
+        ids.append(eng.add_request(p, adapter=a, max_new_tokens=6, pad_token_id=PAD, eos_token_id=EOS))
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    compiles = model.runner.compiled_layers.compiles()
+    assert 1 <= compiles["LlamaDecoderLayer"] <= 4, compiles
+    assert dict(counters["graph_break"]) == {}
+    for i, p, a in zip(ids, ps, adapters):
+        with torch.no_grad():
+            ref = oracle.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  adapter_names=peft_names([a]), max_new_tokens=6, do_sample=False,
+                                  pad_token_id=PAD, eos_token_id=EOS)
+        assert done[i].token_ids == ref[0, len(p):].tolist(), a
+

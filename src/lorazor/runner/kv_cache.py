@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .layer_stack import LayerStack
+
 # Keyword argument through which the cache hands decode attention its per-row key ranges.
 KV_RANGE_KWARG = "lorazor_kv_range"
 
@@ -26,8 +28,8 @@ class KVCache:
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = LayerStack(num_layers, shape, dtype, device)
+        self.values = LayerStack(num_layers, shape, dtype, device)
         self.key_valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.write_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         # Valid keys of row b are exactly [key_start[b], key_end[b]): left padding comes first and
@@ -78,15 +80,15 @@ class KVCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Called by HF attention modules: store this step's keys/values, return what to attend over."""
-        k_cache, v_cache = self.keys[layer_idx], self.values[layer_idx]
+        k_cache, v_cache = self.keys.layer(layer_idx), self.values.layer(layer_idx)
         if self._prefill_len is not None:
             T = self._prefill_len
             k_cache[:, :, :T].copy_(key)
             v_cache[:, :, :T].copy_(value)
             return k_cache[:, :, :T], v_cache[:, :, :T]
         # One new token per row: [B, H_kv, 1, D] -> cache[b, :, write_pos[b]].
-        k_cache[self._rows, :, self.write_pos] = key[:, :, 0]
-        v_cache[self._rows, :, self.write_pos] = value[:, :, 0]
+        self.keys.put_(layer_idx, self._rows, self.write_pos, key[:, :, 0])
+        self.values.put_(layer_idx, self._rows, self.write_pos, value[:, :, 0])
         return k_cache, v_cache
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from lorazor_kernels import paged_attention_call, tile_shape
 
+from .layer_stack import LayerStack
 from .uploads import to_device
 
 # Keyword argument through which a step's `PagedStep` reaches LoRazor's attention function.
@@ -83,8 +84,8 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  num_heads: int, dtype: torch.dtype, device: torch.device, use_kernel: bool):
         shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = LayerStack(num_layers, shape, dtype, device)
+        self.values = LayerStack(num_layers, shape, dtype, device)
         self.block_size = block_size
         self.scratch_block = num_blocks
         self.block_q = tile_shape(num_heads // num_kv_heads, single_query=False)[0]
@@ -93,7 +94,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.keys + self.values)
+        return self.keys.nbytes + self.values.nbytes
 
     # ---- the interface the runner's decode step uses (shared with the contiguous KVCache) --------
     def begin_decode(self, write_pos: torch.Tensor) -> torch.Tensor:
@@ -106,7 +107,7 @@ class PagedKVCache:
 
     def packed_mask(self, num_tokens: int) -> torch.Tensor:
         """The placeholder mask of a packed step (the attention reads the `PagedStep` instead)."""
-        return torch.ones(1, 1, num_tokens, 1, dtype=torch.bool, device=self.keys[0].device)
+        return torch.ones(1, 1, num_tokens, 1, dtype=torch.bool, device=self.keys.device)
 
     def attention_kwargs(self, triton_attention: bool) -> dict:
         """What LoRazor's attention function needs: this cache (its `step` says where to read)."""
@@ -116,8 +117,8 @@ class PagedKVCache:
         """Called by HF attention modules with this step's keys and values, `[1, H_kv, N, D]` (packed)
         or `[B, H_kv, 1, D]` (one token per row)."""
         slots = self.step.slot_mapping
-        for pool, new in ((self.keys[layer_idx], key), (self.values[layer_idx], value)):
-            pool.index_copy_(0, slots, new.transpose(1, 2).reshape(-1, *pool.shape[1:]).to(pool.dtype))
+        for pool, new in ((self.keys, key), (self.values, value)):
+            pool.index_copy_(layer_idx, slots, new.transpose(1, 2).reshape(-1, *pool.flat.shape[1:]).to(pool.flat.dtype))
         return key, value
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -132,7 +133,7 @@ def paged_attention_forward(module, query: torch.Tensor, cache: PagedKVCache, sc
     flat = query.transpose(1, 2).reshape(B * q_len, H, D)
     layer, step = module.layer_idx, cache.step
     scale = scaling if scaling is not None else D**-0.5
-    out = paged_attention_call(flat, cache.keys[layer], cache.values[layer], step.block_tables, *step.decode_tiles,
+    out = paged_attention_call(flat, cache.keys.layer(layer), cache.values.layer(layer), step.block_tables, *step.decode_tiles,
                                *step.prefill_tiles, scale, cache.block_size, step.block_q, step.zero_fill,
                                cache.use_kernel)
     return out.reshape(B, q_len, H, D)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..policies.base import ReleasePolicy, ReleaseState
+from .compiled_layers import CompiledLayers
 from .decode_graphs import DecodeGraphs
 from .graphs import batch_bucket
 from .kv_cache import KVCache
@@ -23,10 +24,6 @@ from .paged_cache import PAGED_KWARG, PagedKVCache, PagedStep
 from .paged_graphs import PagedDecodeGraphs, PendingTokens
 from .release import decide_release
 from .uploads import to_device
-
-# Compiled decode-step specializations allowed (batch buckets x grid layouts, plus backbone).
-COMPILED_STEP_VARIANTS = 256
-
 
 def mark_dim0_dynamic(*tensors: torch.Tensor) -> None:
     """Let torch.compile treat dim 0 of these tensors as dynamic (it still specializes sizes 0 and 1)."""
@@ -64,8 +61,7 @@ class ModelRunner:
         # transformers 5.24 renamed the cache argument; 5.17 only knows `past_key_values`.
         self.cache_kwarg = "cache" if accepts_kwarg(self.decoder.forward, "cache") else "past_key_values"
         self.graphs: DecodeGraphs | None = None  # generate()'s decode graphs, built on first use
-        self._compiled_core = None
-        self._compiled_packed = None  # the engine's packed step, compiled (see `packed_forward`)
+        self._compiled_layers: CompiledLayers | None = None  # built on the first compiled step
 
     # ---- geometry --------------------------------------------------------------------------------
     @property
@@ -180,8 +176,14 @@ class ModelRunner:
         with torch.inference_mode():
             return last, self.logits(last)
 
+    @property
+    def compiled_layers(self) -> CompiledLayers:
+        """The decoder's compiled regions (`compiled_layers.py`), installed on first use."""
+        if self._compiled_layers is None:
+            self._compiled_layers = CompiledLayers(self.decoder)
+        return self._compiled_layers
+
     def _decode_core(self, tokens, positions, write_pos, cache, row_slot, meta=None):
-        # Straight-line code (no context managers) so torch.compile traces it whole.
         mask4d = cache.begin_decode(write_pos)
         self.context.begin(row_slot, 1, meta)
         extra = cache.attention_kwargs(self.triton_attention)
@@ -216,31 +218,27 @@ class ModelRunner:
         """One decode forward for every row: token `[B]` at position `[B]` written at `write_pos [B]`
         (a contiguous cache position, or a paged pool position with the cache's `step` set).
 
-        With `LoRazorConfig(compile=True)` the decoder runs through torch.compile (elementwise ops
-        fused; the LoRA kernels stay opaque custom ops). Returns (last hidden `[B, H]`, logits `[B, V]`);
+        With `LoRazorConfig(compile=True)` the decoder's layers run compiled (`compiled_layers.py`:
+        elementwise ops fused; the LoRA and attention kernels stay opaque custom ops). Returns (last hidden `[B, H]`, logits `[B, V]`);
         the logits are written into `logits_out` when given (CUDA graphs share one buffer).
         """
         with torch.inference_mode():
             if meta is None and self.context.enabled:
-                # Built here, once per step (inside a captured graph when graphs are on), and
-                # outside the compiled function: see below.
+                # Built here, once per step (inside a captured graph when graphs are on), not per
+                # layer.
                 meta = self.context.build(row_slot)
             if self.config.compile:
-                if self._compiled_core is None:
-                    self._compiled_core = torch.compile(self._decode_core, dynamic=False)
                 if meta is not None:
-                    # The tile table's length is dynamic: one compiled step serves every slot-bound
-                    # class instead of one compile (~a minute) per class.
+                    # The tile table's length is dynamic: one compile serves every slot-bound class
+                    # instead of one compile (~a minute) per class.
                     mark_dim0_dynamic(*meta_tables(meta))
                 if isinstance(cache, PagedKVCache):
                     # The engine's batch is dynamic too: one compile serves every batch bucket (each
                     # bucket is still its own CUDA graph), so warm-up compiles a few times, not per bucket.
-                    mark_dim0_dynamic(tokens, positions, write_pos, row_slot, *cache.step.decode_tiles,
+                    mark_dim0_dynamic(write_pos, *cache.step.decode_tiles,
                                        *(() if meta is None else (meta.row_slot, meta.sorted_rows)))
-                # One specialization per (batch bucket, grid layout): more than dynamo's default
-                # limit of 8, past which it would silently run the step eagerly.
-                with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_VARIANTS):
-                    last = self._compiled_core(tokens, positions, write_pos, cache, row_slot, meta)
+                with self.compiled_layers.active():
+                    last = self._decode_core(tokens, positions, write_pos, cache, row_slot, meta)
             else:
                 last = self._decode_core(tokens, positions, write_pos, cache, row_slot, meta)
             # The LM head stays outside the compiled function: it is one GEMM either way, and here
@@ -248,7 +246,6 @@ class ModelRunner:
             return last, self.logits(last, logits_out)
 
     def _packed_core(self, ids, positions, cache, token_slot, meta=None):
-        # Straight-line, as `_decode_core`, so torch.compile traces it whole.
         self.context.begin(token_slot, 1, meta)
         out = self.decoder(
             input_ids=ids[None], attention_mask=cache.packed_mask(ids.shape[0]), position_ids=positions[None],
@@ -269,21 +266,18 @@ class ModelRunner:
             if not (compile and self.config.compile):
                 hidden = self._packed_core(ids, positions, cache, token_slot)
             else:
-                meta = self.context.build(token_slot) if self.context.enabled else None  # outside, as in decode_step
-                if self._compiled_packed is None:
-                    self._compiled_packed = torch.compile(self._packed_core, dynamic=False)
+                meta = self.context.build(token_slot) if self.context.enabled else None
                 step = cache.step
-                mark_dim0_dynamic(ids, positions, token_slot, step.slot_mapping, *step.decode_tiles,
-                                  *step.prefill_tiles,
+                mark_dim0_dynamic(step.slot_mapping, *step.decode_tiles, *step.prefill_tiles,
                                   *(() if meta is None else (meta.row_slot, meta.sorted_rows, *meta_tables(meta))))
-                with torch._dynamo.config.patch(recompile_limit=COMPILED_STEP_VARIANTS):
-                    hidden = self._compiled_packed(ids, positions, cache, token_slot, meta)
+                with self.compiled_layers.active():
+                    hidden = self._packed_core(ids, positions, cache, token_slot, meta)
             hidden = hidden.index_select(0, last)
             return self.logits(hidden, logits_out), hidden
 
     def reset_compiled(self) -> None:
-        """Drop the compiled decode step and captured graphs (after a grid or compile change)."""
-        self._compiled_core = self._compiled_packed = None
+        """Drop the captured graphs (after a grid or compile change). The compiled regions stay:
+        their guards see the change and recompile."""
         if self.graphs is not None:
             self.graphs.clear()
 

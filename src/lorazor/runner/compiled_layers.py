@@ -1,0 +1,86 @@
+"""Regional compilation: torch.compile traces one decoder layer and every layer reuses it.
+
+Compiling the whole decoder traces all of its layers (tens of seconds per compile, four compiles
+per engine: decode and packed steps, with and without LoRA). The layers of a model run the same
+code, so LoRazor compiles a layer class's `forward` once and calls it for each layer, with the layer
+as an argument: dynamo's guards hold for every layer (their weights are inputs, and the layer number
+stays a symbolic int, see `layer_stack.py`), so a step kind compiles twice (the second compile
+makes the layer number dynamic) whatever the depth. The final norm and the rotary embedding are
+compiled the same way. The embedding lookup and the glue between regions run eagerly (inside the
+step's CUDA graph, so their Python costs nothing at replay).
+
+Regions run compiled only inside `active()`: the runner's compiled steps. Every other forward
+(`generate()`'s prefill, eager steps, `model.forward`) runs the layers' own code.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+# Specializations allowed per region (step kinds x batch classes x grid layouts): more than dynamo's
+# default limit of 8, past which it would silently run the region eagerly.
+REGION_VARIANTS = 256
+
+
+def mark_rows_dynamic(value) -> None:
+    """Let torch.compile treat every dim but the last of each tensor in `value` (a tensor, or a
+    tuple/list of them) as dynamic: the batch and token counts of a step (hidden states `[B, 1, H]`
+    or `[1, N, H]`, positions, RoPE's cos/sin); the last dim is a model width and stays static."""
+    if isinstance(value, torch.Tensor):
+        for dim in range(value.dim() - 1):
+            torch._dynamo.maybe_mark_dynamic(value, dim)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            mark_rows_dynamic(item)
+
+
+class CompiledLayers:
+    """Installs compiled regions on a decoder's layers, final norm and rotary embedding."""
+
+    def __init__(self, decoder: nn.Module):
+        self.active_regions = False
+        layers = getattr(decoder, "layers", None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+            raise ValueError(f"compile=True needs a decoder with a `layers` ModuleList; "
+                             f"{type(decoder).__name__} has none")
+        modules = list(layers)
+        modules += [m for name, m in decoder.named_children()
+                    if name == "norm" or type(m).__name__.endswith("RotaryEmbedding")]
+        compiled = {}  # one compiled forward per module class
+        for module in modules:
+            cls = type(module)
+            if cls not in compiled:
+                compiled[cls] = torch.compile(cls.forward)
+            self._install(module, compiled[cls])
+        self._codes = {cls: cls.forward.__code__ for cls in compiled}
+
+    def compiles(self) -> dict[str, int]:
+        """Dynamo's compiled entries per region class (its code object's, in every model so far)."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return {cls.__name__: len(_debug_get_cache_entry_list(code)) for cls, code in self._codes.items()}
+
+    def _install(self, module: nn.Module, compiled) -> None:
+        eager = module.forward
+
+        def forward(*args, **kwargs):
+            if not self.active_regions:
+                return eager(*args, **kwargs)
+            for value in (*args, *kwargs.values()):
+                mark_rows_dynamic(value)
+            return compiled(module, *args, **kwargs)
+
+        module.forward = forward
+
+    @contextmanager
+    def active(self):
+        """Run the regions compiled within this block (the runner's compiled steps)."""
+        self.active_regions = True
+        try:
+            with torch._dynamo.config.patch(recompile_limit=REGION_VARIANTS, allow_unspec_int_on_nn_module=True):
+                yield
+        finally:
+            self.active_regions = False
