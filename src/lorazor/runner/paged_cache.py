@@ -118,7 +118,8 @@ class PagedKVCache:
         or `[B, H_kv, 1, D]` (one token per row)."""
         slots = self.step.slot_mapping
         for pool, new in ((self.keys, key), (self.values, value)):
-            pool.index_copy_(layer_idx, slots, new.transpose(1, 2).reshape(-1, *pool.flat.shape[1:]).to(pool.flat.dtype))
+            rows = new.transpose(1, 2).reshape(-1, *pool.flat.shape[1:])
+            pool.index_copy_(layer_idx, slots, rows.to(pool.flat.dtype))
         return key, value
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -133,7 +134,7 @@ def paged_attention_forward(module, query: torch.Tensor, cache: PagedKVCache, sc
     flat = query.transpose(1, 2).reshape(B * q_len, H, D)
     layer, step = module.layer_idx, cache.step
     scale = scaling if scaling is not None else D**-0.5
-    out = paged_attention_call(flat, cache.keys.layer(layer), cache.values.layer(layer), step.block_tables, *step.decode_tiles,
-                               *step.prefill_tiles, scale, cache.block_size, step.block_q, step.zero_fill,
+    out = paged_attention_call(flat, cache.keys.layer(layer), cache.values.layer(layer), step.block_tables,
+                               *step.decode_tiles, *step.prefill_tiles, scale, cache.block_size, step.block_q, step.zero_fill,
                                cache.use_kernel)
     return out.reshape(B, q_len, H, D)

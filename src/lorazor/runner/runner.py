@@ -219,8 +219,9 @@ class ModelRunner:
         (a contiguous cache position, or a paged pool position with the cache's `step` set).
 
         With `LoRazorConfig(compile=True)` the decoder's layers run compiled (`compiled_layers.py`:
-        elementwise ops fused; the LoRA and attention kernels stay opaque custom ops). Returns (last hidden `[B, H]`, logits `[B, V]`);
-        the logits are written into `logits_out` when given (CUDA graphs share one buffer).
+        elementwise ops fused; the LoRA and attention kernels stay opaque custom ops). Returns (last
+        hidden `[B, H]`, logits `[B, V]`); the logits are written into `logits_out` when given (CUDA
+        graphs share one buffer).
         """
         with torch.inference_mode():
             if meta is None and self.context.enabled:
