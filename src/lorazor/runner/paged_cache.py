@@ -135,6 +135,6 @@ def paged_attention_forward(module, query: torch.Tensor, cache: PagedKVCache, sc
     layer, step = module.layer_idx, cache.step
     scale = scaling if scaling is not None else D**-0.5
     out = paged_attention_call(flat, cache.keys.layer(layer), cache.values.layer(layer), step.block_tables,
-                               *step.decode_tiles, *step.prefill_tiles, scale, cache.block_size, step.block_q, step.zero_fill,
-                               cache.use_kernel)
+                               *step.decode_tiles, *step.prefill_tiles, scale, cache.block_size, step.block_q,
+                               step.zero_fill, cache.use_kernel)
     return out.reshape(B, q_len, H, D)
