@@ -142,3 +142,68 @@ def test_a_failing_policy_ends_only_its_own_requests():
     ref = reference(model, ps[1], "math", StepOrNormRelease({"math": 2}), 8)
     assert good.token_ids == ref.sequences[0, len(ps[1]):].tolist()
     assert good.release_step == int(ref.release_steps[0]) == 2
+
+
+class FailsAfter:
+    """A logits processor (the engine samples its request on the host) that raises at its `n`-th call."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls >= self.n:
+            raise ValueError("this processor is broken")
+        return scores
+
+
+class StopFailsAfter:
+    """A request's stop check (`GenerationPlan.stop_reason`) that raises at its `n`-th call."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __call__(self, tokens, token, generated, scores):
+        self.calls += 1
+        if self.calls >= self.n:
+            raise ValueError("this criterion is broken")
+        return None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["step_by_step", "async"])
+def test_a_request_whose_own_code_raises_ends_alone(async_scheduling, monkeypatch):
+    # A request's logits processor raising mid-generation, and a stop check raising, end those two
+    # requests with finish reason "error" and the reason; the requests beside them finish as alone.
+    from lorazor.engine import stops
+
+    model, _ = build_pair("llama", LoRazorConfig())
+    ps = prompts(4, seed=43)
+    engine = LoRazorEngine(model, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64, block_size=4,
+                           async_scheduling=async_scheduling)
+    broken_stop = StopFailsAfter(3)
+    real_reasons = stops.stop_reasons
+
+    def reasons(appended):  # the stop check of one request raises at its third token
+        for request, _ in appended:
+            if request.request_id == "stop-raises":
+                request.plan.stop_reason = broken_stop
+        return real_reasons(appended)
+
+    monkeypatch.setattr("lorazor.engine.engine.stop_reasons", reasons)
+    specs = [dict(prompt_ids=ps[0], adapter="math", max_new_tokens=8, logits_processor=[FailsAfter(4)],
+                  request_id="sample-raises"),
+             dict(prompt_ids=ps[1], adapter="sql", max_new_tokens=8, request_id="stop-raises"),
+             dict(prompt_ids=ps[2], adapter="math", max_new_tokens=8, request_id="good-1"),
+             dict(prompt_ids=ps[3], adapter=None, max_new_tokens=8, logits_processor=[FailsAfter(99)],
+                  request_id="good-2")]
+    outs = {o.request_id: o for o in engine.generate([dict(s, **GEN) for s in specs])}
+    bad = outs["sample-raises"]
+    assert bad.finish_reason == "error" and "sampling failed: ValueError: this processor is broken" in bad.error
+    assert bad.num_tokens == 3  # the three tokens sampled before the processor broke
+    bad = outs["stop-raises"]
+    assert bad.finish_reason == "error" and "stop check failed: ValueError: this criterion is broken" in bad.error
+    for i, name in ((2, "good-1"), (3, "good-2")):
+        ref = model.generate(torch.tensor([ps[i]]), adapter_ids=[specs[i]["adapter"]], max_new_tokens=8,
+                             do_sample=False, **GEN)
+        assert outs[name].finish_reason == "length" and outs[name].error is None
+        assert outs[name].token_ids == ref.sequences[0, len(ps[i]):].tolist(), name

@@ -361,7 +361,8 @@ class LoRazorEngine:
     def _read_back(self, *steps) -> list[RequestOutput]:
         """Read launched steps back in order (None: skipped): their tokens (the host samples the
         rows the device did not), stop checks, outputs. A request that finished or was aborted
-        while a step was in flight drops that step's token."""
+        while a step was in flight drops that step's token. A request whose own code raises (its
+        logits processors, its stopping criteria) ends with finish reason "error"; the others go on."""
         outputs = []
         for step in filter(None, steps):
             tokens = step.read()
@@ -372,7 +373,14 @@ class LoRazorEngine:
                 if request.status is not Status.RUNNING:
                     continue
                 if token is None:
-                    token = self._sample(request, step.logits[i])
+                    try:
+                        token = self._sample(request, step.logits[i])
+                    except Exception as err:  # its own logits processor: it ends this request only
+                        log.error("request %s: sampling failed: %s", request.request_id, err)
+                        request.error = f"sampling failed: {type(err).__name__}: {err}"
+                        self._finish(request, "error")
+                        outputs.append(request.report([]))
+                        continue
                 request.append(token)
                 if request.first_token_time is None:
                     request.first_token_time = now

@@ -10,9 +10,12 @@ would outlast the GPU's step. Any other criterion is checked per request, as HF 
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import torch
+
+log = logging.getLogger("lorazor.engine")
 
 # Per stop-string vocabulary embedding (HF's, shared by requests with the same strings): whether each
 # token id can end a stop string. HF's criterion matches only when the last token can, so the others
@@ -44,7 +47,10 @@ def stop_reasons(appended: list) -> list[str | None]:
             continue
         criterion = plan.stop_string_criterion
         if criterion is None:
-            reasons.append(plan.stop_reason(request.tokens, token, len(request.output), request.last_scores))
+            try:
+                reasons.append(plan.stop_reason(request.tokens, token, len(request.output), request.last_scores))
+            except Exception as err:  # the request's own criteria: it ends this request only
+                reasons.append(failed(request, err))
             continue
         reason = plan.builtin_reason(token, len(request.output))
         reasons.append(reason)
@@ -58,8 +64,20 @@ def stop_reasons(appended: list) -> list[str | None]:
             group[1].append(k)
             group[2].append(tail)
     for criterion, indices, tails in groups.values():
-        hits = criterion(torch.tensor(tails, dtype=torch.long), None).tolist()
+        try:
+            hits = criterion(torch.tensor(tails, dtype=torch.long), None).tolist()
+        except Exception as err:  # ends the requests that share these strings, no others
+            for k in indices:
+                reasons[k] = failed(appended[k][0], err)
+            continue
         for k, hit in zip(indices, hits):
             if hit:
                 reasons[k] = "stop"
     return reasons
+
+
+def failed(request, err: Exception) -> str:
+    """Record why a request's stop check raised; its finish reason ("error")."""
+    log.error("request %s: stop check failed: %s", request.request_id, err)
+    request.error = f"stop check failed: {type(err).__name__}: {err}"
+    return "error"
