@@ -179,7 +179,9 @@ class Probe:
             prof = profile_steps(engine)
             context = PROMPT + 3 + len(rows) * (steps + 8) + steps + 5
             kv = batch * context * self.model.runner.kv_bytes_per_token()
-            active = 0 if kind in ("backbone", "released") else min(batch, ADAPTERS)
+            # Adapters whose rows keep them ("half": rows i and i + 128 share adapter i % 128 and
+            # their parity, so the odd adapters are released whole and 64 remain).
+            active = len({adapters(i) for i in range(batch) if release(i) == "never"} - {None})
             other_ms = (kv + active * self.adapter_bytes) / self.bandwidth * 1e3
             floor_ms = self.weight_bytes / self.bandwidth * 1e3 + other_ms
             # At batch 256 the GEMMs are past the H200's ridge (~190 FLOP/byte): their floor is their
