@@ -37,14 +37,19 @@ def test_family_equals_peft(arch):
     assert torch.equal(out.sequences, expected)
 
 
-@pytest.mark.parametrize("arch", [a for a in FAMILIES if a != "gemma2"])
-def test_family_in_the_engine_equals_generate(arch):
-    model, _ = pair(arch)
+def engine_outputs(model):
+    """Four prompts of mixed lengths (one chunked) with ADAPTERS through the engine: (prompts, outputs)."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in (5, 11, 3, 8)]
     engine = LoRazorEngine(model, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=32, block_size=4)
-    outs = engine.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=6, pad_token_id=PAD, eos_token_id=EOS)
-                            for p, a in zip(prompts, ADAPTERS)])
+    return prompts, engine.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=6, pad_token_id=PAD,
+                                          eos_token_id=EOS) for p, a in zip(prompts, ADAPTERS)])
+
+
+@pytest.mark.parametrize("arch", [a for a in FAMILIES if a != "gemma2"])
+def test_family_in_the_engine_equals_generate(arch):
+    model, _ = pair(arch)
+    prompts, outs = engine_outputs(model)
     for p, a, o in zip(prompts, ADAPTERS, outs):
         ref = model.generate(torch.tensor([p]), adapter_ids=[a], max_new_tokens=6, pad_token_id=PAD, eos_token_id=EOS,
                              do_sample=False)
@@ -135,11 +140,7 @@ def test_family_compiled_equals_peft_without_graph_breaks(arch):
     assert counters["stats"]["unique_graphs"] >= 1  # the decode steps did compile
     if arch == "gemma2":  # the engine refuses softcapped attention (above)
         return
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 96, (int(n),), generator=g).tolist() for n in (5, 11, 3, 8)]
-    engine = LoRazorEngine(model, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=32, block_size=4)
-    outs = engine.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=6, pad_token_id=PAD, eos_token_id=EOS)
-                            for p, a in zip(prompts, ADAPTERS)])
+    prompts, outs = engine_outputs(model)
     for p, a, o in zip(prompts, ADAPTERS, outs):
         ref = peft_generate(oracle, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), [a], max_new_tokens=6)
         assert o.token_ids == ref[0, len(p):].tolist(), a
