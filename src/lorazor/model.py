@@ -199,6 +199,7 @@ class LoRazorModel(nn.Module):
         (or the base model). This object is then unusable."""
         with self.guard.hold("unpatch"):
             unpatch_layers(self.model, self._replaced)
+            self.runner.remove_compiled_layers()
             self.model.set_attn_implementation(self._previous_attn)
             self._replaced = []
             self.guard.closed = True

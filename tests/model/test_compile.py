@@ -107,4 +107,8 @@ def test_one_compiled_decoder_layer_serves_every_layer(monkeypatch):
                                   adapter_names=peft_names([a]), max_new_tokens=6, do_sample=False,
                                   pad_token_id=PAD, eos_token_id=EOS)
         assert done[i].token_ids == ref[0, len(p):].tolist(), a
+    layers = model.runner.decoder.layers
+    assert all("forward" in layer.__dict__ for layer in layers)  # the compiled regions' entry points
+    model.unpatch()
+    assert not any("forward" in layer.__dict__ for layer in layers)  # the model is handed back as it was
 

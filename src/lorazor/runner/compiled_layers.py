@@ -49,6 +49,7 @@ class CompiledLayers:
         modules = list(layers)
         modules += [m for name, m in decoder.named_children()
                     if name == "norm" or type(m).__name__.endswith("RotaryEmbedding")]
+        self.modules = modules
         compiled = {}  # one compiled forward per module class
         for module in modules:
             cls = type(module)
@@ -74,6 +75,11 @@ class CompiledLayers:
             return compiled(module, *args, **kwargs)
 
         module.forward = forward
+
+    def remove(self) -> None:
+        """Give every module its own `forward` back (`LoRazorModel.unpatch`)."""
+        for module in self.modules:
+            module.__dict__.pop("forward", None)
 
     @contextmanager
     def active(self):

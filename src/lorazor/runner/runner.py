@@ -276,6 +276,12 @@ class ModelRunner:
             hidden = hidden.index_select(0, last)
             return self.logits(hidden, logits_out), hidden
 
+    def remove_compiled_layers(self) -> None:
+        """Uninstall the compiled regions from the decoder (before the model is handed back)."""
+        if self._compiled_layers is not None:
+            self._compiled_layers.remove()
+            self._compiled_layers = None
+
     def reset_compiled(self) -> None:
         """Drop the captured graphs (after a grid or compile change). The compiled regions stay:
         their guards see the change and recompile."""
