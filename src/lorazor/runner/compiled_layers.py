@@ -26,11 +26,13 @@ REGION_VARIANTS = 256
 
 
 def mark_rows_dynamic(value) -> None:
-    """Let torch.compile treat every dim but the last of each tensor in `value` (a tensor, or a
-    tuple/list of them) as dynamic: the batch and token counts of a step (hidden states `[B, 1, H]`
-    or `[1, N, H]`, positions, RoPE's cos/sin); the last dim is a model width and stays static."""
+    """Let torch.compile treat the batch and token counts of a step as dynamic in every tensor of
+    `value` (a tensor, or a tuple/list of them): every dim of an integer or bool tensor (positions
+    `[B, 1]` or `[1, N]`, masks), every dim but the last of a float tensor (hidden states `[B, 1, H]`
+    or `[1, N, H]`, RoPE's cos/sin), whose last dim is a model width and stays static."""
     if isinstance(value, torch.Tensor):
-        for dim in range(value.dim() - 1):
+        counts = value.dim() - 1 if value.is_floating_point() else value.dim()
+        for dim in range(counts):
             torch._dynamo.maybe_mark_dynamic(value, dim)
     elif isinstance(value, (tuple, list)):
         for item in value:
