@@ -112,3 +112,17 @@ def test_one_compiled_decoder_layer_serves_every_layer(monkeypatch):
     model.unpatch()
     assert not any("forward" in layer.__dict__ for layer in layers)  # the model is handed back as it was
 
+
+
+def test_generate_compiles_a_few_times_for_every_batch_size_and_length():
+    # generate()'s caches differ per call (batch size, prompt + max_new_tokens); the compiled layer's
+    # batch and lengths are dynamic, so five different calls share a few compiles, not one each.
+    torch._dynamo.reset()
+    model, oracle = build_pair("llama", LoRazorConfig(compile=True, cuda_graphs=False))
+    for b, t, n in [(3, 5, 4), (5, 7, 6), (9, 4, 10), (2, 12, 3), (16, 6, 5)]:
+        ids, mask = make_batch(b, t, seed=b, pad_rows=(1,))
+        adapters = (["math", None, "sql", "med"] * 4)[:b]
+        out = model.generate(ids, attention_mask=mask, adapter_ids=adapters, max_new_tokens=n, pad_token_id=PAD,
+                             eos_token_id=EOS)
+        assert torch.equal(out.sequences, peft_generate(oracle, ids, mask, adapters, max_new_tokens=n))
+    assert 1 <= model.runner.compiled_layers.compiles()["LlamaDecoderLayer"] <= 3
