@@ -82,11 +82,13 @@ def test_compiled_engine_steps_equal_eager_and_peft():
     pad_packed_steps(eager)
     traces = [trace(seed=seed, n=16) for seed in (5, 6)]
     expected = [[(o.token_ids, o.release_step) for o in run_staggered(eager, t)] for t in traces]
+    torch._dynamo.reset()  # count the graphed engine's compiles alone (compiled code is shared by code object)
     counters.clear()
     graph.warm_up()
     compiled = counters["stats"]["unique_graphs"]
-    # Decode and packed steps, each with LoRA and backbone only: not one per bucket.
-    assert 2 <= compiled <= 4
+    # Decode and packed steps, each with LoRA and backbone only, compile three regions (decoder layer,
+    # final norm, rotary embedding) a few times each, about 16 in all; one per bucket would be 48 or more.
+    assert 4 <= compiled <= 20, compiled
     for requests, want in zip(traces, expected):
         assert [(o.token_ids, o.release_step) for o in run_staggered(graph, requests)] == want
     assert counters["stats"]["unique_graphs"] == compiled
