@@ -377,7 +377,7 @@ class LoRazorEngine:
                         token = self._sample(request, step.logits[i])
                     except Exception as err:  # its own logits processor: it ends this request only
                         log.error("request %s: sampling failed: %s", request.request_id, err)
-                        request.error = f"sampling failed: {type(err).__name__}: {err}"
+                        request.fail("sampling", err)
                         self._finish(request, "error")
                         outputs.append(request.report([]))
                         continue

@@ -113,7 +113,7 @@ def launch_picks(chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Te
             log.error("release policy %s failed: %s; ending its %d requests", type(policy).__name__, err,
                       len(members))
             for request, _ in members:
-                request.error = f"release policy {type(policy).__name__} failed: {type(err).__name__}: {err}"
+                request.fail(f"release policy {type(policy).__name__}", err)
             continue
         for request, member in members:
             decision_at[request] = (offset, member[2])

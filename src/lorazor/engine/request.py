@@ -162,6 +162,11 @@ class Request:
     def __post_init__(self):
         self.tokens: list[int] = list(self.prompt)  # prompt and generated tokens (kept in step)
 
+    def fail(self, what: str, err: Exception) -> None:
+        """Record that this request's own code (`what`) raised `err`: it ends with finish reason "error"
+        and this reason; the requests beside it go on."""
+        self.error = f"{what} failed: {type(err).__name__}: {err}"
+
     def append(self, token: int) -> None:
         self.output.append(token)
         self.tokens.append(token)

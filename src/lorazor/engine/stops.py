@@ -79,5 +79,5 @@ def stop_reasons(appended: list) -> list[str | None]:
 def failed(request, err: Exception) -> str:
     """Record why a request's stop check raised; its finish reason ("error")."""
     log.error("request %s: stop check failed: %s", request.request_id, err)
-    request.error = f"stop check failed: {type(err).__name__}: {err}"
+    request.fail("stop check", err)
     return "error"

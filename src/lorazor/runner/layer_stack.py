@@ -22,12 +22,6 @@ class LayerStack:
         self.flat = torch.zeros(num_layers * self.rows, *shape[1:], dtype=dtype, device=device)
         self.layers = list(self.flat.split(self.rows))  # views, no copies
 
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        return self.layers[layer]
-
     @property
     def nbytes(self) -> int:
         return self.flat.nbytes
