@@ -2,7 +2,7 @@
 
     python benchmarks/probes/compile_time.py --out /tmp/probe [--layers 2,8,28] [--tag _regional]
 
-A tiny Llama (hidden 64, GQA, three adapters on every projection) with `num_hidden_layers` set to
+A tiny Llama (hidden 64, GQA, the three test adapters; `lorazor.tiny.tiny_peft_model(num_layers=...)`) at
 each depth (28: Llama-3.2-3B's) serves the same staggered requests step by step on the CPU: LoRA
 decode steps of 1 to 6 rows, then backbone-only steps as the LoRA requests end. Compilation happens
 in the steps that first meet a new step kind, so the sum of the step times is the compile time
@@ -33,19 +33,12 @@ def child(layers: int) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    import lorazor.tiny as tiny
     from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
+    from lorazor.tiny import tiny_peft_model
 
-    real = tiny.tiny_config
-
-    def deep(*args, **kwargs):
-        config = real(*args, **kwargs)
-        config.num_hidden_layers = layers
-        return config
-
-    tiny.tiny_config = deep
     torch.manual_seed(0)
-    model = LoRazorModel.from_peft(tiny.tiny_peft_model("llama"), LoRazorConfig(cuda_graphs=False, compile=True))
+    model = LoRazorModel.from_peft(tiny_peft_model("llama", num_layers=layers),
+                                   LoRazorConfig(cuda_graphs=False, compile=True))
     engine = LoRazorEngine(model, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64)
     names = model.adapter_names
     seconds = []

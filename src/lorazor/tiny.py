@@ -33,14 +33,15 @@ DEFAULT_ADAPTERS = (
 )
 
 
-def tiny_config(arch: str = "llama", vocab_size: int = 96, tie_embeddings: bool = False):
-    """A 2-layer model config of the given architecture, with GQA (4 heads, 2 KV heads). Gemma 2's
-    softcaps are set low (attention 2.0, final logits 1.5) so that they change a tiny model's outputs."""
+def tiny_config(arch: str = "llama", vocab_size: int = 96, tie_embeddings: bool = False, num_layers: int = 2):
+    """A model config of the given architecture with `num_layers` decoder layers and GQA (4 heads, 2 KV
+    heads). Gemma 2's softcaps are set low (attention 2.0, final logits 1.5) so that they change a
+    tiny model's outputs."""
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, Phi3Config,
                               Qwen2Config, Qwen3Config)
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=tie_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
@@ -70,15 +71,18 @@ def tiny_peft_model(
     seed: int = 0,
     tie_embeddings: bool = False,
     dtype: torch.dtype = torch.float32,
+    num_layers: int = 2,
 ):
-    """A random tiny causal LM wrapped in a PeftModel holding `adapters` (non-zero LoRA B)."""
+    """A random tiny causal LM (`num_layers` decoder layers) wrapped in a PeftModel holding `adapters`
+    (non-zero LoRA B)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     # Gemma 2's softcapping is in HF's eager attention only (SDPA has none): the PEFT reference uses it.
     extra = dict(attn_implementation="eager") if arch == "gemma2" else {}
-    base = AutoModelForCausalLM.from_config(tiny_config(arch, tie_embeddings=tie_embeddings), dtype=dtype, **extra)
+    config = tiny_config(arch, tie_embeddings=tie_embeddings, num_layers=num_layers)
+    base = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
     base.eval()
     peft_model = None
     for spec in adapters:

@@ -67,26 +67,17 @@ def test_gpu_compiled_graphs_match_fp32_peft_across_adapter_mixes():
     assert captured[0] >= 1 and captured[1] == captured[0]  # the new mix replays the graphs it found
 
 
-def test_one_compiled_decoder_layer_serves_every_layer(monkeypatch):
+def test_one_compiled_decoder_layer_serves_every_layer():
     # Regional compilation: an 8-layer model's decode steps compile the decoder layer a few times in
     # all (batch 1, the layer number made dynamic, larger batches), not once per layer, and the
     # engine's tokens still equal PEFT's. The KV writes of all layers land in their own layer.
-    import lorazor.tiny as tiny
     from helpers import peft_names
     from lorazor import LoRazorEngine
     from torch._dynamo.utils import counters
 
-    real = tiny.tiny_config
-
-    def eight_layers(*args, **kwargs):
-        config = real(*args, **kwargs)
-        config.num_hidden_layers = 8
-        return config
-
-    monkeypatch.setattr(tiny, "tiny_config", eight_layers)
     torch._dynamo.reset()  # count this model's compiles alone
     counters.clear()
-    model, oracle = build_pair("llama", LoRazorConfig(compile=True, cuda_graphs=False))
+    model, oracle = build_pair("llama", LoRazorConfig(compile=True, cuda_graphs=False), num_layers=8)
     assert len(model.runner.decoder.layers) == 8
     eng = LoRazorEngine(model, num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
     g = torch.Generator().manual_seed(5)
