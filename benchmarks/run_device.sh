@@ -3,7 +3,7 @@
 # device call returns few files). On the GPU machine, from the repository root:
 #   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh gpu-tests kernels e2e-quick
 # Steps:
-#   gpu-tests        every test on the GPU, in $SHARDS parallel shards over the GPUs (default 10, $SHARD_TIMEOUT s each,
+#   gpu-tests        every test on the GPU (or those under $TEST_PATHS), in $SHARDS parallel shards over the GPUs (default 10, $SHARD_TIMEOUT s each,
 #                    default 540; bf16 kernels, graph replay = eager, compile); check every shard's summary.
 #                    SHARD_PART=k/m runs shards i with i % m == k only: the whole suite over m calls
 #   kernels          bench_kernels.py: every grid mode per layer against the memory floor (Llama, Mistral shapes)
@@ -42,7 +42,7 @@ e2e() {  # bench_e2e.py on the Llama-3.2-3B shape with the given extra arguments
 for step in "$@"; do
   start=$(date +%s)
   case $step in
-    gpu-tests) python3 -m pytest tests --collect-only -q -p no:cacheprovider | grep :: > "$W/all_ids.txt"
+    gpu-tests) python3 -m pytest ${TEST_PATHS:-tests} --collect-only -q -p no:cacheprovider | grep :: > "$W/all_ids.txt"
                n=${SHARDS:-10}
                # Whole files per shard, the largest first onto the emptiest shard, so a module's fixtures
                # (a served engine) are built once per shard: pytest collects a module once per test id
@@ -106,13 +106,16 @@ PY
     roofline) # issue #37's numbers: the decode rows (async), prefill and drift with compile, then warm-up (eager)
              timeout 330 python3 benchmarks/probes/step_roofline.py --compile --modes async \
                --phases floors,decode,prefill,drift --out "$W" --tag "_${LORAZOR_COMMIT:-head}" > "$W/roofline.log" 2>&1 ;;
-    warmup)  export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_warmup TRITON_CACHE_DIR=/tmp/triton_warmup
-             rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
-             timeout 170 python3 benchmarks/probes/warmup_profile.py --out "$W" > "$W/warmup.log" 2>&1
+    warmup)  # compiled on cold caches, compiled again on the caches it left (a restart), then eager; tar after each
+             export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_warmup TRITON_CACHE_DIR=/tmp/triton_warmup
              rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
              timeout 200 python3 benchmarks/probes/warmup_profile.py --compile --out "$W" > "$W/warmup_compiled.log" 2>&1
+             tar czf "$OUT/all.tgz" -C "$W" .
              timeout 150 python3 benchmarks/probes/warmup_profile.py --compile --tag _restart --out "$W" \
-               > "$W/warmup_compiled_restart.log" 2>&1 ;;
+               > "$W/warmup_compiled_restart.log" 2>&1
+             tar czf "$OUT/all.tgz" -C "$W" .
+             rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
+             timeout 170 python3 benchmarks/probes/warmup_profile.py --out "$W" > "$W/warmup.log" 2>&1 ;;
     serving) if [ -d .whl ]; then  # fastapi, uvicorn, pydantic wheels carried in (device README)
                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
                  .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
