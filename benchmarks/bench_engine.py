@@ -59,7 +59,7 @@ def setup(args):
     base.config.eos_token_id = None
     model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(
         grid=args.part, max_loras=adapters, max_lora_rank=8, lora_target_modules=TARGETS, max_batch_size=seqs,
-        max_cache_len=max_len))
+        max_cache_len=max_len, compile=args.compile))
     names = fill_random_adapters(model, 0, adapters)
     cfg = base.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -132,6 +132,7 @@ def main() -> None:
         "--tag", default="", help="suffix of this run's rows and meta files (runs of one part side by side)"
     )
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on this machine (checks the logic)")
+    ap.add_argument("--compile", action="store_true", help="LoRazorConfig(compile=True): the compiled decoder layer")
     args = ap.parse_args()
     if args.render:
         return render(args.render)
@@ -158,6 +159,7 @@ def main() -> None:
         setup_s=time.perf_counter() - t0,
         kv_blocks=engine.pool.num_blocks,
         ttft_slo=args.ttft_slo,
+        compile=args.compile,
         **shape,
     )
     print(json.dumps(meta), flush=True)
