@@ -203,7 +203,7 @@ def test_a_request_whose_own_code_raises_ends_alone(async_scheduling, monkeypatc
     bad = outs["stop-raises"]
     assert bad.finish_reason == "error" and "stop check failed: ValueError: this criterion is broken" in bad.error
     for i, name in ((2, "good-1"), (3, "good-2")):
-        ref = model.generate(torch.tensor([ps[i]]), adapter_ids=[specs[i]["adapter"]], max_new_tokens=8,
-                             do_sample=False, **GEN)
+        ref = model.generate(torch.tensor([ps[i]], device=model.device), adapter_ids=[specs[i]["adapter"]],
+                             max_new_tokens=8, do_sample=False, **GEN)
         assert outs[name].finish_reason == "length" and outs[name].error is None
         assert outs[name].token_ids == ref.sequences[0, len(ps[i]):].tolist(), name

@@ -104,6 +104,34 @@ def test_one_compiled_decoder_layer_serves_every_layer():
     assert not any("forward" in layer.__dict__ for layer in layers)  # the model is handed back as it was
 
 
+def test_compile_counts_reach_a_region_whose_forward_a_torch_decorator_wraps():
+    # Some transformers versions wrap a rotary embedding's forward in `@torch.no_grad()`; dynamo
+    # files that region's compiles under its own wrapper's code, which `compiles()` must count.
+    from lorazor.runner.compiled_layers import CompiledLayers
+
+    class Layer(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x)
+
+    class NoGradRotaryEmbedding(torch.nn.Module):
+        @torch.no_grad()
+        def forward(self, x):
+            return x.sin()
+
+    decoder = torch.nn.Module()
+    decoder.layers = torch.nn.ModuleList([Layer(4, 4) for _ in range(2)])
+    decoder.rotary_emb = NoGradRotaryEmbedding()
+    torch._dynamo.reset()
+    regions = CompiledLayers(decoder)
+    x = torch.randn(3, 4)
+    assert regions.compiles() == {"Layer": 0, "NoGradRotaryEmbedding": 0}
+    with regions.active():
+        expected = x.sin()
+        torch.testing.assert_close(decoder.rotary_emb(x), expected)
+        decoder.layers[1](decoder.layers[0](x))
+    compiles = regions.compiles()
+    assert compiles["NoGradRotaryEmbedding"] == 1 and 1 <= compiles["Layer"] <= 2, compiles
+
 
 def test_generate_compiles_a_few_times_for_every_batch_size_and_length():
     # generate()'s caches differ per call (batch size, prompt + max_new_tokens); the compiled layer's

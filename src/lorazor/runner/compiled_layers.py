@@ -58,7 +58,12 @@ class CompiledLayers:
             if cls not in compiled:
                 compiled[cls] = torch.compile(cls.forward)
             self._install(module, compiled[cls])
-        self._codes = {cls: cls.forward.__code__ for cls in compiled}
+        # The code object dynamo files each region's compiled frames under: the function it traces.
+        # For a forward whose outer function is torch's own (`@torch.no_grad()` on a rotary embedding
+        # in some transformers versions) that is dynamo's wrapper, not `cls.forward`; its code is
+        # shared by every region wrapped so, whose counts are then one sum.
+        self._codes = {cls: getattr(fn, "_torchdynamo_orig_callable", cls.forward).__code__
+                       for cls, fn in compiled.items()}
 
     def compiles(self) -> dict[str, int]:
         """Dynamo's compiled entries per region class (its code object's, in every model so far)."""
