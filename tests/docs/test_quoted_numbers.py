@@ -192,3 +192,34 @@ def test_gridtrim_kernel_table_equals_the_kernel_benchmark():
     share = llama["exact_merged_us"] / llama["full_us"]
     assert f"`exact` takes {share:.2f}x the\ntime of `full` at 128 adapters and " \
            f"{llama['merged_over_floor']:.2f}x the memory floor" in page("docs/performance.md")
+
+
+def test_regional_compile_numbers_equal_their_runs():
+    # The step roofline, warm-up and engine runs of the one-compiled-layer round, as the docs quote them.
+    rows = json.loads((RESULTS / "step_roofline_h200" / "step_roofline_regional_compiled_bd5e01c.json").read_text())
+    decode = {(r["batch"], r["kind"]): r for r in rows if r["phase"] == "decode"}
+    prefill = {r["kind"]: r for r in rows if r["phase"] == "prefill"}
+    drift = next(r for r in rows if r["phase"] == "drift")
+    table, engine = page("benchmarks/results/step_roofline_h200/README.md"), page("docs/engine.md")
+    for (batch, kind), r in decode.items():
+        gap = 100 * (1 - r["gpu_busy_ms"] / r["step_ms"])
+        assert (f"| {batch} | {kind} | {r['step_ms']:.3f} / {r['vs_floor']:.2f}x | {r['vs_roofline']:.2f}x | "
+                f"{r['gpu_busy_ms']:.3f} | {gap:.1f}% | {r['kernels_per_step']} |") in table, (batch, kind)
+    backbone = decode[(256, "backbone")]
+    assert f"{backbone['step_ms']:.3f} ms for\nthe backbone at batch 256" in engine
+    assert f"takes {prefill['backbone']['step_ms']:.3f} ms, {prefill['backbone']['vs_floor']:.2f}x its" in engine
+    assert f"**{prefill['backbone']['vs_floor']:.2f}x / {prefill['lora']['vs_floor']:.2f}x**" in table
+    assert ", ".join(f"{x:.1f}" for x in drift["trace_req_s"]) + " req/s" in table
+    warm = {tag: json.loads((RESULTS / "warmup_profile_h200" / f"warmup_profile_{tag}_bd5e01c.json").read_text())
+            for tag in ("eager", "compiled", "compiled_restart")}
+    warm_table = page("benchmarks/results/warmup_profile_h200/README.md")
+    for tag in warm:
+        seconds = warm[tag]["warm_up_s"]
+        assert f"{seconds:.1f} s" in engine and f"{seconds:.1f} s" in warm_table, tag
+        assert f"| {warm[tag]['graphs']} | {warm[tag]['packed_step_gpu_ms']:.1f} ms |" in warm_table, tag
+    eager_engine = [json.loads(line) for line in
+                    (RESULTS / "engine" / "eager_189be60" / "rows_exact_eager.jsonl").read_text().splitlines()]
+    offline = {r["system"]: r for r in eager_engine if r["stage"] == "offline"}
+    performance = page("docs/performance.md")
+    for system in ("lorazor", "exact"):
+        assert f"{offline[system]['req_s']:.1f} req/s" in performance, system
