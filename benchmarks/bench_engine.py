@@ -55,6 +55,7 @@ def setup(args):
         base, adapters, seqs, tokens, max_len = AutoModelForCausalLM.from_config(tiny_config()).eval(), 8, 16, 128, 256
     else:
         base, adapters, seqs, tokens, max_len = build_base("llama-3.2-3b"), 128, SEQS, TOKENS, MAX_MODEL_LEN
+    tokens = getattr(args, "max_num_batched_tokens", None) or tokens
     base.generation_config.eos_token_id = None  # EOS ignored: each request runs its drawn length
     base.config.eos_token_id = None
     model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(
@@ -133,6 +134,8 @@ def main() -> None:
     )
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on this machine (checks the logic)")
     ap.add_argument("--compile", action="store_true", help="LoRazorConfig(compile=True): the compiled decoder layer")
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help=f"the engine's tokens per step (default {TOKENS}; --tiny: 128); the sweep behind the default")
     args = ap.parse_args()
     if args.render:
         return render(args.render)

@@ -17,6 +17,8 @@
 #   engine-quick     bench_engine.py on 512 requests, 4 and 128 adapters, two open-loop rates (a smoke run)
 #   engine-exact     bench_engine.py --part exact: LoRazor, exact without release, backbone, static, open loop
 #   engine-compiled  bench_engine.py --part exact --compile: LoRazor, exact and backbone at 128 adapters, compiled
+#   engine-tokens    bench_engine.py --part exact at 128 adapters with 1024, 4096 and 8192 tokens per step (lorazor,
+#                    exact; 2048 is engine-exact's): the measurement behind the default max_num_batched_tokens
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
 #   engine-sweep     bench_engine.py --part exact at 4-64 adapters only (lorazor and exact), rows_exact_sweep.jsonl
 #   testbed-v2       python -m lorazor.testbed.train --version 2 on the GPU, then the paper's tables on it
@@ -96,6 +98,12 @@ PY
     engine-compiled) timeout 560 python3 benchmarks/bench_engine.py --part exact --compile --out "$W/engine" \
                  --deadline ${ENGINE_DEADLINE:-520} --adapters 128 --skip static,open,skewed --tag _compiled \
                  > "$W/engine_compiled.log" 2>&1 ;;
+    engine-tokens) for t in 1024 4096 8192; do
+                   timeout 180 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 170 \
+                     --adapters 128 --skip backbone,static,open,skewed --max-num-batched-tokens $t --tag _tokens$t \
+                     > "$W/engine_tokens$t.log" 2>&1
+                   tar czf "$OUT/all.tgz" -C "$W" .
+                 done ;;
     engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  > "$W/engine_full.log" 2>&1 ;;
     testbed-v2) # Assets (about 18 MB compressed) come back as 15 MiB parts: cat testbed_v2.tgz.part-* | tar xz
