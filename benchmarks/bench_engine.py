@@ -116,6 +116,18 @@ def run_static(model, workload, identities, names, ks, batch: int) -> dict:
     return dict(requests=len(workload), seconds=elapsed, req_s=len(workload) / elapsed, out_tok_s=useful / elapsed)
 
 
+def gap_summary(record, rows_path: Path) -> None:
+    """Once lorazor, exact and the backbone have run at the most adapters: LoRazor against the
+    backbone, and the share of the `exact` -> backbone gap that StepTrim's release closes."""
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    by = {r["system"]: r["req_s"] for r in rows if r["stage"] in ("offline", "backbone")}  # all at the most
+    if {"lorazor", "exact", "backbone"} <= set(by):
+        lorazor, exact, backbone = by["lorazor"], by["exact"], by["backbone"]
+        record(stage="summary", system="lorazor", L=0, vs_backbone=lorazor / backbone,
+               exact_vs_backbone=exact / backbone,
+               gap_closed=(lorazor - exact) / (backbone - exact) if backbone != exact else float("nan"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=["exact", "full"], help="which grid's engine this process measures")
@@ -134,6 +146,9 @@ def main() -> None:
     )
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on this machine (checks the logic)")
     ap.add_argument("--compile", action="store_true", help="LoRazorConfig(compile=True): the compiled decoder layer")
+    ap.add_argument("--workload", choices=sorted(wl.SHAPES), default="mixed",
+                    help="request shape: the paper's mixed workload, or decode-heavy (outputs ~3x longer, "
+                         "release for >= 73%% of decode LoRA skipped)")
     ap.add_argument("--max-num-batched-tokens", type=int,
                     help=f"the engine's tokens per step (default {TOKENS}; --tiny: 128); the sweep behind the default")
     args = ap.parse_args()
@@ -146,15 +161,16 @@ def main() -> None:
     t0 = time.perf_counter()
     model, engine, names, vocab, shape = setup(args)
     captured = engine.warm_up()
-    workload = wl.build(args.requests, vocab)
+    workload = wl.build(args.requests, vocab, shape=args.workload)
     if args.tiny:  # a tiny model on the CPU: short prompts and outputs, same logic
         for r in workload:
             r.prompt, r.max_new_tokens = r.prompt[:16], min(r.max_new_tokens, 8)
-    ks = wl.release_lengths(workload)
+    ks = wl.release_lengths(workload, wl.TARGET_SKIPS[args.workload])
     meta = dict(
         environment(),
         part=args.part,
         requests=len(workload),
+        workload=args.workload,
         release_k=ks,
         planned_skip=wl.skip_fraction(workload, ks),
         graphs_captured=captured,
@@ -219,6 +235,7 @@ def main() -> None:
             offline("offline", "lorazor", most, uniform, release=True)
             offline("offline", "exact", most, uniform, release=False)
         offline("backbone", "backbone", 0, [0] * len(workload), backbone=True)
+        gap_summary(record, rows_path)
         if fits("static", 1.5 * last[0], "static generate"):  # the model is on the exact grid already
             run_static(model, workload[:shape["max_num_seqs"]], uniform, names, ks, shape["max_num_seqs"])  # warm-up
             record(stage="offline", system="static", L=most,

@@ -6,8 +6,12 @@ capped per group as in the paper: 256, 256, 128, 320). EOS is ignored: every req
 exactly its drawn length, so every system does the same work. Adapter identities: with L adapters,
 group g owns identities g, g + 4, ...; uniform traffic spreads each group's requests evenly over
 its identities, skewed traffic gives 6 of every 32 identities ~80% of the group (appendix A.2).
-StepTrim for the release rows: one profiled k per group, the smallest k whose decode-LoRA skip on
+StepTrim for the release rows: one profiled k per group, the largest k whose decode-LoRA skip on
 the group's own lengths is at least 50%.
+
+The decode-heavy shape (issue #37's StepTrim trace) keeps the groups and prompts of about 200
+tokens but draws outputs three times longer (median about 150 tokens, cap 512), and releases for
+at least 73% of decode-LoRA steps skipped: the workload where StepTrim has the most to save.
 """
 
 from __future__ import annotations
@@ -25,8 +29,17 @@ GROUPS = {
     "med": (240, 60, 96, 480, 50, 128),
     "science": (200, 60, 64, 440, 64, 320),
 }
+# The decode-heavy shape: prompts about 200 tokens, outputs with a mean of 186 (median about 151).
+DECODE_HEAVY = {
+    "math": (190, 50, 48, 400, 186, 512),
+    "sql": (210, 60, 96, 440, 186, 512),
+    "med": (200, 60, 96, 440, 186, 512),
+    "science": (200, 60, 64, 440, 186, 512),
+}
+SHAPES = {"mixed": GROUPS, "decode-heavy": DECODE_HEAVY}
 OUTPUT_SIGMA = 0.65  # log-normal shape of the output lengths: a long tail up to the cap
 TARGET_SKIP = 0.5
+TARGET_SKIPS = {"mixed": TARGET_SKIP, "decode-heavy": 0.73}
 
 
 @dataclass
@@ -42,12 +55,15 @@ def _output_lengths(rng, mean: float, cap: int, n: int) -> np.ndarray:
     return np.clip(np.round(rng.lognormal(mu, OUTPUT_SIGMA, n)), 2, cap).astype(int)
 
 
-def build(num_requests: int, vocab: int, seed: int = 0) -> list[Request]:
-    """`num_requests` requests (a multiple of 4), groups interleaved in a shuffled order."""
+def build(num_requests: int, vocab: int, seed: int = 0, shape: str = "mixed") -> list[Request]:
+    """`num_requests` requests (a multiple of 4) of `shape` ("mixed" or "decode-heavy"), groups
+    interleaved in a shuffled order."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown workload shape {shape!r}; choose from {sorted(SHAPES)}")
     rng = np.random.default_rng(seed)
     per = num_requests // len(GROUPS)
     requests = []
-    for g, (name, (p_mean, p_sd, p_min, p_max, o_mean, cap)) in enumerate(GROUPS.items()):
+    for g, (name, (p_mean, p_sd, p_min, p_max, o_mean, cap)) in enumerate(SHAPES[shape].items()):
         prompt_lens = np.clip(np.round(rng.normal(p_mean, p_sd, per)), p_min, p_max).astype(int)
         outputs = _output_lengths(rng, o_mean, cap, per)
         for n, out in zip(prompt_lens, outputs):
@@ -77,13 +93,13 @@ def assign(requests: list[Request], num_adapters: int, skewed: bool = False, see
     return out
 
 
-def release_lengths(requests: list[Request]) -> dict[str, int]:
-    """Per group, the largest k that still skips at least TARGET_SKIP of its decode-LoRA steps."""
+def release_lengths(requests: list[Request], target: float = TARGET_SKIP) -> dict[str, int]:
+    """Per group, the largest k that still skips at least `target` of its decode-LoRA steps."""
     out = {}
     for name in GROUPS:
         steps = np.array([r.max_new_tokens - 1 for r in requests if r.group == name])
         for k in range(int(steps.max()) + 1):
-            if 1 - np.minimum(steps, k).sum() / steps.sum() < TARGET_SKIP:
+            if 1 - np.minimum(steps, k).sum() / steps.sum() < target:
                 out[name] = max(k - 1, 0)
                 break
     return out

@@ -17,6 +17,9 @@
 #   engine-quick     bench_engine.py on 512 requests, 4 and 128 adapters, two open-loop rates (a smoke run)
 #   engine-exact     bench_engine.py --part exact: LoRazor, exact without release, backbone, static, open loop
 #   engine-compiled  bench_engine.py --part exact --compile: LoRazor, exact and backbone at 128 adapters, compiled
+#   engine-decode-heavy  bench_engine.py --workload decode-heavy (1,536 requests, outputs ~3x longer, >= 73% of decode
+#                    LoRA released): LoRazor, exact and backbone at 128 adapters, eager then compiled; the summary
+#                    row gives LoRazor vs the backbone and the share of the exact -> backbone gap it closes
 #   engine-tokens    bench_engine.py --part exact at 128 adapters with 1024, 4096 and 8192 tokens per step (lorazor,
 #                    exact; 2048 is engine-exact's): the measurement behind the default max_num_batched_tokens
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
@@ -98,6 +101,12 @@ PY
     engine-compiled) timeout 560 python3 benchmarks/bench_engine.py --part exact --compile --out "$W/engine" \
                  --deadline ${ENGINE_DEADLINE:-520} --adapters 128 --skip static,open,skewed --tag _compiled \
                  > "$W/engine_compiled.log" 2>&1 ;;
+    engine-decode-heavy) for mode in eager compiled; do
+                   timeout 280 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 270 \
+                     --workload decode-heavy --requests 1536 --adapters 128 --skip static,open,skewed \
+                     $([ $mode = compiled ] && echo --compile) --tag _decode_heavy_$mode > "$W/engine_decode_heavy_$mode.log" 2>&1
+                   tar czf "$OUT/all.tgz" -C "$W" .
+                 done ;;
     engine-tokens) for t in 1024 4096 8192; do
                    timeout 180 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 170 \
                      --adapters 128 --skip backbone,static,open,skewed --max-num-batched-tokens $t --tag _tokens$t \

@@ -120,7 +120,33 @@ def test_engine_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path):
             ("backbone", "backbone"), ("skewed", "lorazor"), ("skewed", "full"), ("open", "lorazor"), ("open", "full"),
             ("offline", "static")} <= stages, stages
     assert all(r["completed"] > 0 for r in rows if r["stage"] == "open")
+    at_most = {r["system"]: r["req_s"] for r in rows if r["stage"] in ("offline", "backbone") and r["L"] in (0, 8)}
+    summary = next(r for r in rows if r["stage"] == "summary")
+    gap = (at_most["lorazor"] - at_most["exact"]) / (at_most["backbone"] - at_most["exact"])
+    assert summary["gap_closed"] == pytest.approx(gap, abs=1e-4)
+    assert summary["vs_backbone"] == pytest.approx(at_most["lorazor"] / at_most["backbone"], abs=1e-4)
     done = subprocess.run([sys.executable, script, "--render", str(tmp_path)], capture_output=True, text=True,
                           timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| 8 |" in (tmp_path / "engine.md").read_text()
+
+
+def test_decode_heavy_workload_has_the_shape_of_the_steptrim_trace():
+    # Issue #37's StepTrim trace: prompts with a median near 197 tokens, outputs near 151, and
+    # release lengths that skip at least 73% of decode LoRA; the paper's mixed workload keeps 50%.
+    import numpy as np
+
+    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+    import engine_workload as wl
+
+    heavy, mixed = wl.build(1536, 32000, shape="decode-heavy"), wl.build(1536, 32000)
+    assert 185 <= np.median([len(r.prompt) for r in heavy]) <= 210
+    assert 140 <= np.median([r.max_new_tokens for r in heavy]) <= 160
+    assert np.median([r.max_new_tokens for r in mixed]) < 60
+    for workload, shape in ((heavy, "decode-heavy"), (mixed, "mixed")):
+        ks = wl.release_lengths(workload, wl.TARGET_SKIPS[shape])
+        skip = wl.skip_fraction(workload, ks)
+        assert wl.TARGET_SKIPS[shape] <= skip < wl.TARGET_SKIPS[shape] + 0.03, (shape, skip)
+        assert max(len(r.prompt) + r.max_new_tokens for r in workload) <= 1024  # bench_engine's max_model_len
+    with pytest.raises(ValueError, match="unknown workload shape 'long'"):
+        wl.build(16, 100, shape="long")
