@@ -217,8 +217,8 @@ def test_regional_compile_numbers_equal_their_runs():
         seconds = warm[tag]["warm_up_s"]
         assert f"{seconds:.1f} s" in engine and f"{seconds:.1f} s" in warm_table, tag
         assert f"| {warm[tag]['graphs']} | {warm[tag]['packed_step_gpu_ms']:.1f} ms |" in warm_table, tag
-    assert (f"took {warm['compiled']['warm_up_s']:.1f} s on cold caches and {warm['compiled_restart']['warm_up_s']:.1f} s"
-            in page("docs/deployment.md"))
+    cold, restart = warm["compiled"]["warm_up_s"], warm["compiled_restart"]["warm_up_s"]
+    assert f"took {cold:.1f} s on cold caches and {restart:.1f} s" in page("docs/deployment.md")
     eager_engine = [json.loads(line) for line in
                     (RESULTS / "engine" / "eager_189be60" / "rows_exact_eager.jsonl").read_text().splitlines()]
     offline = {r["system"]: r for r in eager_engine if r["stage"] == "offline"}
