@@ -20,6 +20,8 @@
 #   engine-decode-heavy  bench_engine.py --workload decode-heavy (1,536 requests, outputs ~3x longer, >= 73% of decode
 #                    LoRA released): LoRazor, exact and backbone at 128 adapters, eager then compiled; the summary
 #                    row gives LoRazor vs the backbone and the share of the exact -> backbone gap it closes
+#   trace-busy       probes/trace_busy.py: the bench trace step by step, its steps by kind and, over 200 steps
+#                    from its middle, GPU busy / wall (is the engine's req/s bound by the GPU or the host?)
 #   engine-tokens    bench_engine.py --part exact at 128 adapters with 1024, 4096 and 8192 tokens per step (lorazor,
 #                    exact; 2048 is engine-exact's): the measurement behind the default max_num_batched_tokens
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
@@ -107,6 +109,7 @@ PY
                      $([ $mode = compiled ] && echo --compile) --tag _decode_heavy_$mode > "$W/engine_decode_heavy_$mode.log" 2>&1
                    tar czf "$OUT/all.tgz" -C "$W" .
                  done ;;
+    trace-busy) timeout 300 python3 benchmarks/probes/trace_busy.py --out "$W" --tag _eager > "$W/trace_busy.log" 2>&1 ;;
     engine-tokens) for t in 1024 4096 8192; do
                    timeout 180 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 170 \
                      --adapters 128 --skip backbone,static,open,skewed --max-num-batched-tokens $t --tag _tokens$t \

@@ -66,12 +66,13 @@ def gpu_state() -> dict:
     return state
 
 
-def profile_steps(engine, steps: int = 5) -> dict:
-    """Kernels per step and GPU busy ms per step over `steps` decode steps (torch.profiler)."""
+def profile_steps(engine, steps: int = 5, cpu: bool = True) -> dict:
+    """Kernels per step and GPU busy ms per step over `steps` decode steps (torch.profiler; `cpu=False`
+    records the CUDA kernels only, which slows the host less)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA][0 if cpu else 1:]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()

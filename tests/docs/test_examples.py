@@ -51,6 +51,23 @@ def test_benchmark_logic_runs_on_a_tiny_model(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_trace_probe_counts_every_step_of_a_tiny_trace(tmp_path):
+    """probes/trace_busy.py --tiny: every request runs, and each step is counted once, by its kind."""
+    import json
+
+    root = EXAMPLES.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels")])}
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "trace_busy.py"), "--tiny",
+                           "--requests", "16", "--workload", "decode-heavy", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "trace_busy.json").read_text())
+    kinds = result["by_kind"]
+    assert result["requests"] == 16 and result["workload"] == "decode-heavy"
+    assert kinds["decode"]["steps"] + kinds["mixed"]["steps"] == result["steps"] > 0
+    assert kinds["decode"]["tokens_mean"] <= result["max_num_seqs"] < kinds["mixed"]["tokens_mean"]
+
+
 @pytest.mark.parametrize("model", ["--testbed", "--tiny"])
 def test_serving_benchmark_runs_on_the_cpu(tmp_path, model):
     """bench_serving.py end to end on the CPU: the same arrivals in process and over HTTP (a server
