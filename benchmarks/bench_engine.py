@@ -55,7 +55,7 @@ def setup(args):
         base, adapters, seqs, tokens, max_len = AutoModelForCausalLM.from_config(tiny_config()).eval(), 8, 16, 128, 256
     else:
         base, adapters, seqs, tokens, max_len = build_base("llama-3.2-3b"), 128, SEQS, TOKENS, MAX_MODEL_LEN
-    tokens = getattr(args, "max_num_batched_tokens", None) or tokens
+    tokens = args.max_num_batched_tokens or tokens
     base.generation_config.eos_token_id = None  # EOS ignored: each request runs its drawn length
     base.config.eos_token_id = None
     model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(

@@ -69,7 +69,8 @@ def build(args):
     from bench_engine import setup
 
     # The engine benchmark's model and engine (exact grid): 3B shape and 128 adapters, or --tiny.
-    _, engine, names, vocab, _ = setup(argparse.Namespace(part="exact", tiny=args.tiny, kv_gb=32.0, compile=False))
+    _, engine, names, vocab, _ = setup(argparse.Namespace(part="exact", tiny=args.tiny, kv_gb=32.0, compile=False,
+                                                             max_num_batched_tokens=None))
     engine.warm_up()
     return engine, TokenIdText(), names, vocab
 

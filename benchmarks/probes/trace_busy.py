@@ -5,8 +5,8 @@
 
 `bench_engine.py`'s engine and workload (LoRazor: `exact` + StepTrim, 128 adapters, graphs captured
 first). Runs the offline trace step by step and records every `engine.step()`'s wall time, the
-tokens it scheduled and whether it was decode-only. Over a window of steps from the middle of the
-trace (on the GPU) it records the CUDA kernels alone with torch.profiler: GPU busy / wall over the
+tokens it scheduled and whether it was decode-only. Over a window of steps inside the trace (on the
+GPU, from step requests / 8 on) it records the CUDA kernels alone with torch.profiler: GPU busy / wall over the
 window says how much of the trace the GPU waits for the host. A trace whose steps' GPU time sums
 to far less than its wall time is host- or schedule-bound, not kernel-bound.
 Writes `trace_busy{tag}.json`.
@@ -83,7 +83,7 @@ def main() -> None:
     start = time.perf_counter()
     while engine.has_unfinished():
         if window is None and torch.cuda.is_available() and len(walls) >= len(requests) // 8:
-            window = profile_steps(engine, args.window, cpu=False)  # steps from the trace's middle
+            window = profile_steps(engine, args.window, cpu=False)  # steps well inside the trace
             walls += [window["profiled_wall_ms"] / 1e3] * args.window
             continue
         t = time.perf_counter()
