@@ -28,10 +28,12 @@
 #   engine-sweep     bench_engine.py --part exact at 4-64 adapters only (lorazor and exact), rows_exact_sweep.jsonl
 #   testbed-v2       python -m lorazor.testbed.train --version 2 on the GPU, then the paper's tables on it
 #                    (python -m lorazor.testbed.paper); assets come back as $OUT/testbed_v2.tgz.part-*
-#   roofline         probes/step_roofline.py --compile (decode rows async, prefill, drift; kernel split): the
-#                    step numbers of issue #37
-#   warmup           probes/warmup_profile.py: warm_up() eager and compiled with cold caches, then compiled
-#                    again with the caches the first compiled run left (a restart)
+#   roofline         probes/step_roofline.py --compile (decode rows async, prefill, the trace's mixed step, drift;
+#                    kernel split): the step numbers of issue #37
+#   mixed            probes/step_roofline.py, mixed phase only, eager then compiled: the bench trace's typical step
+#                    (200 decode rows + 824 prompt tokens) against its floors
+#   warmup           probes/warmup_profile.py: warm_up() compiled with cold caches, compiled again with the caches
+#                    it left (a restart), eager with cold caches, eager again with its Triton cache (a restart)
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
 #                    (needs fastapi, uvicorn, pydantic: carry their wheels as .whl/, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
@@ -129,7 +131,12 @@ PY
                  --out "$W/testbed_paper" > "$W/testbed_paper.log" 2>&1 ;;
     roofline) # issue #37's numbers: the decode rows (async), prefill and drift with compile, then warm-up (eager)
              timeout 330 python3 benchmarks/probes/step_roofline.py --compile --modes async \
-               --phases floors,decode,prefill,drift --out "$W" --tag "_${LORAZOR_COMMIT:-head}" > "$W/roofline.log" 2>&1 ;;
+               --phases floors,decode,prefill,mixed,drift --out "$W" --tag "_${LORAZOR_COMMIT:-head}" > "$W/roofline.log" 2>&1 ;;
+    mixed)   for mode in eager compiled; do
+               timeout 280 python3 benchmarks/probes/step_roofline.py $([ $mode = compiled ] && echo --compile) \
+                 --phases floors,mixed --out "$W" --tag "_mixed_${mode}_${LORAZOR_COMMIT:-head}" > "$W/mixed_$mode.log" 2>&1
+               tar czf "$OUT/all.tgz" -C "$W" .
+             done ;;
     warmup)  # compiled on cold caches, compiled again on the caches it left (a restart), then eager; tar after each
              export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_warmup TRITON_CACHE_DIR=/tmp/triton_warmup
              rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
@@ -139,7 +146,9 @@ PY
                > "$W/warmup_compiled_restart.log" 2>&1
              tar czf "$OUT/all.tgz" -C "$W" .
              rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
-             timeout 170 python3 benchmarks/probes/warmup_profile.py --out "$W" > "$W/warmup.log" 2>&1 ;;
+             timeout 170 python3 benchmarks/probes/warmup_profile.py --out "$W" > "$W/warmup.log" 2>&1
+             tar czf "$OUT/all.tgz" -C "$W" .
+             timeout 120 python3 benchmarks/probes/warmup_profile.py --tag _restart --out "$W" > "$W/warmup_restart.log" 2>&1 ;;
     serving) if [ -d .whl ]; then  # fastapi, uvicorn, pydantic wheels carried in (device README)
                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
                  .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH

@@ -15,6 +15,9 @@ Llama-3.2-3B shape, bf16, 128 random rank-8 adapters on every projection, engine
   measured matmul rate, and the roofline: the GEMMs at the larger of their bytes and FLOPs, plus the
   KV and adapters' bytes (`vs_roofline`).
 - `prefill`: a step of 8 prompts of 256 tokens (2,048 tokens) against its FLOPs floor.
+- `mixed`: the bench trace's typical step (`probes/host_trace.py`: 858 of its 1,112 steps carry
+  prefill chunks, on average 202 decode rows and 825 prompt tokens): 200 decode rows and 4 prompts of
+  206 tokens in one step, against the larger of its bytes and FLOPs floors, and its roofline.
 - `drift`: the batch-256 decode probe, then three traces of 1,024 requests (`engine_workload`),
   then the probe again; GPU clock, temperature and Python heap recorded with each.
 
@@ -235,6 +238,50 @@ class Probe:
         self.record(phase="prefill", kind=kind, tokens=tokens, step_ms=round(median, 3), floor_ms=round(floor, 3),
                     vs_floor=round(median / floor, 2), **prof)
 
+    def mixed(self, kind: str, decode: int = 200, prompts: int = 4, prompt: int = 206, reps: int = 5):
+        """One step of `decode` decode rows and `prompts` new prompts of `prompt` tokens, timed from
+        `step()` to the GPU's end (sync scheduling), against its floors."""
+        names = self.names
+        adapters = (lambda i: None) if kind == "backbone" else (lambda i: names[i % len(names)])
+        engine = self.engine
+        engine.async_scheduling = False
+        self._fill(decode, adapters, lambda i: "never")
+        while any(len(r.output) == 0 for r in engine.requests.values()):
+            engine.step()
+        decoding = set(engine.requests)
+        times = []
+        for rep in range(reps + 3):
+            self._fill(prompts, lambda i: adapters(decode + i), lambda i: "never", prompt=prompt, new=2, seed=100 + rep)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            if rep == reps + 2:  # the last one under the profiler: where its GPU time goes
+                prof = profile_steps(engine, steps=1)
+            else:
+                engine.step()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t) * 1e3)
+            for rid in set(engine.requests) - decoding:
+                engine.abort(rid)
+        median = statistics.median(times[2:])
+        cfg, tokens = self.base.config, decode + prompts * prompt
+        context = PROMPT + reps + 6
+        kv = decode * context * self.model.runner.kv_bytes_per_token()
+        active = len({adapters(i) for i in range(decode + prompts)} - {None})
+        other_ms = (kv + active * self.adapter_bytes) / self.bandwidth * 1e3
+        linear = sum(p.numel() for p in self.base.model.layers.parameters() if p.dim() == 2)
+        gemm_flops = 2 * linear * tokens + 2 * cfg.vocab_size * cfg.hidden_size * (decode + prompts)
+        heads = cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+        attn_flops = 4 * heads * prompts * prompt * (prompt + 1) / 2  # causal: (prompt + 1) / 2 keys per query
+        to_ms = lambda flops: flops / (self.tflops * 1e12) * 1e3  # noqa: E731
+        weights_ms = self.weight_bytes / self.bandwidth * 1e3
+        floor_ms = max(weights_ms + other_ms, to_ms(gemm_flops + attn_flops))
+        roofline_ms = max(weights_ms, to_ms(gemm_flops)) + other_ms + to_ms(attn_flops)
+        engine.async_scheduling = True
+        engine.abort_all()
+        self.record(phase="mixed", kind=kind, decode_rows=decode, prompt_tokens=prompts * prompt, tokens=tokens,
+                    step_ms=round(median, 3), floor_ms=round(floor_ms, 3), vs_floor=round(median / floor_ms, 2),
+                    roofline_ms=round(roofline_ms, 3), vs_roofline=round(median / roofline_ms, 2), **prof)
+
     def drift(self, traces: int = 3, requests: int = 1024):
         before = self.decode(256, "lora", label="drift_before")
         rates = []
@@ -257,7 +304,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--phases", default="floors,warmup,decode,prefill,drift")
+    ap.add_argument("--phases", default="floors,warmup,decode,prefill,mixed,drift")
     ap.add_argument("--modes", default="async,sync", help="decode scheduling modes to measure, in order")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -275,6 +322,9 @@ def main() -> None:
         if "prefill" in phases:
             probe.prefill("backbone")
             probe.prefill("lora")
+        if "mixed" in phases:
+            probe.mixed("backbone")
+            probe.mixed("lora")
         if "drift" in phases:
             probe.drift()
     finally:
