@@ -179,6 +179,8 @@ def main() -> None:
         kv_blocks=engine.pool.num_blocks,
         ttft_slo=args.ttft_slo,
         compile=args.compile,
+        # dynamo's compiled entries per region: more than a handful means recompiles (warm-up time)
+        compiles=model.runner.compiled_layers.compiles() if args.compile else None,
         **shape,
     )
     print(json.dumps(meta), flush=True)

@@ -102,7 +102,7 @@ PY
                  > "$W/engine_exact.log" 2>&1 ;;
     engine-sweep) timeout 560 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  --adapters 4,8,16,32,64 --skip backbone,static,open,skewed --tag _sweep > "$W/engine_sweep.log" 2>&1 ;;
-    engine-compiled) timeout 560 python3 benchmarks/bench_engine.py --part exact --compile --out "$W/engine" \
+    engine-compiled) TORCH_LOGS=recompiles timeout 560 python3 benchmarks/bench_engine.py --part exact --compile --out "$W/engine" \
                  --deadline ${ENGINE_DEADLINE:-520} --adapters 128 --skip static,open,skewed --tag _compiled \
                  > "$W/engine_compiled.log" 2>&1 ;;
     engine-decode-heavy) for mode in eager compiled; do
