@@ -130,9 +130,10 @@ def test_v2_training_pipeline_runs_end_to_end(tmp_path):
     for name in tasks:
         trained = [p for n, p in model.named_parameters() if "lora_B" in n and f".{name}." in n]
         assert len(trained) == 7 * 6 and all(p.abs().sum() > 0 for p in trained), name  # 7 projections x 6 layers
-    evaluate(["--assets", str(tmp_path), "--limit", "2", "--out", str(tmp_path / "results")])
+    evaluate(["--assets", str(tmp_path), "--limit", "2", "--positions", "4", "--out", str(tmp_path / "results")])
     rows = json.loads((tmp_path / "results" / "testbed_accuracy.json").read_text())["rows"]
     assert [r["task"] for r in rows] == list(tasks) and all(0 <= r["full"] <= 1 for r in rows)
+    assert all(list(r["curve"]) == ["0", "4"] for r in rows)  # prefill only, and the position asked for
 
 
 def test_v2_corpus_ends_each_document_with_eos():
