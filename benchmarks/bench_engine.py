@@ -56,6 +56,7 @@ def setup(args):
     else:
         base, adapters, seqs, tokens, max_len = build_base("llama-3.2-3b"), 128, SEQS, TOKENS, MAX_MODEL_LEN
     tokens = args.max_num_batched_tokens or tokens
+    seqs = args.max_num_seqs or seqs
     base.generation_config.eos_token_id = None  # EOS ignored: each request runs its drawn length
     base.config.eos_token_id = None
     model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(
@@ -151,6 +152,8 @@ def main() -> None:
                          "release for >= 73%% of decode LoRA skipped)")
     ap.add_argument("--max-num-batched-tokens", type=int,
                     help=f"the engine's tokens per step (default {TOKENS}; --tiny: 128); the sweep behind the default")
+    ap.add_argument("--max-num-seqs", type=int,
+                    help=f"the engine's running requests at most (default {SEQS}; --tiny: 16); the sweep behind it")
     args = ap.parse_args()
     if args.render:
         return render(args.render)

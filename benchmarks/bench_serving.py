@@ -70,7 +70,7 @@ def build(args):
 
     # The engine benchmark's model and engine (exact grid): 3B shape and 128 adapters, or --tiny.
     _, engine, names, vocab, _ = setup(argparse.Namespace(part="exact", tiny=args.tiny, kv_gb=32.0, compile=False,
-                                                             max_num_batched_tokens=None))
+                                                             max_num_batched_tokens=None, max_num_seqs=None))
     engine.warm_up()
     return engine, TokenIdText(), names, vocab
 

@@ -24,6 +24,8 @@
 #                    from its middle, GPU busy / wall (is the engine's req/s bound by the GPU or the host?)
 #   engine-tokens    bench_engine.py --part exact at 128 adapters with 1024, 4096 and 8192 tokens per step (lorazor,
 #                    exact; 2048 is engine-exact's): the measurement behind the default max_num_batched_tokens
+#   engine-seqs      bench_engine.py --part exact at 128 adapters with 512 seqs / 4096 tokens and 1024 / 8192 (lorazor, exact):
+#                    the trace is bound by its 256 seats (benchmarks/results/host_trace_cpu/); the default max_num_seqs
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
 #   engine-sweep     bench_engine.py --part exact at 4-64 adapters only (lorazor and exact), rows_exact_sweep.jsonl
 #   testbed-v2       python -m lorazor.testbed.train --version 2 on the GPU, then the paper's tables on it
@@ -116,6 +118,13 @@ PY
                    timeout 180 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 170 \
                      --adapters 128 --skip backbone,static,open,skewed --max-num-batched-tokens $t --tag _tokens$t \
                      > "$W/engine_tokens$t.log" 2>&1
+                   tar czf "$OUT/all.tgz" -C "$W" .
+                 done ;;
+    engine-seqs) for shape in "512 4096" "1024 8192"; do
+                   set -- $shape
+                   timeout 290 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 280 \
+                     --adapters 128 --skip backbone,static,open,skewed --max-num-seqs $1 --max-num-batched-tokens $2 \
+                     --tag _seqs$1 > "$W/engine_seqs$1.log" 2>&1
                    tar czf "$OUT/all.tgz" -C "$W" .
                  done ;;
     engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \

@@ -1,6 +1,7 @@
 """Probe: the engine's host time over a whole bench_engine trace, with the model's forward stubbed (CPU).
 
     python benchmarks/probes/host_trace.py --out /tmp/probe [--requests 4096] [--workload mixed] [--profile]
+        [--max-num-seqs 256] [--max-num-batched-tokens 2048] [--tag _1024]
 
 `bench_engine.py`'s workload and engine shape (256 sequences, 2048 tokens per step, 16-token blocks,
 128 rank-8 adapters, `exact` + StepTrim), on a tiny Llama whose `run_paged_step` returns fixed logits
@@ -32,7 +33,7 @@ from bench_engine import BLOCK, MAX_MODEL_LEN, SEQS, TOKENS, offline_requests  #
 from common import environment  # noqa: E402
 
 
-def build_engine(adapters: int):
+def build_engine(adapters: int, seqs: int = SEQS, tokens: int = TOKENS):
     from bench_e2e import TARGETS, fill_random_adapters
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,7 +46,7 @@ def build_engine(adapters: int):
     base.generation_config.eos_token_id = None
     base.config.eos_token_id = None
     model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(
-        grid="exact", max_loras=adapters, max_lora_rank=8, lora_target_modules=TARGETS, max_batch_size=SEQS,
+        grid="exact", max_loras=adapters, max_lora_rank=8, lora_target_modules=TARGETS, max_batch_size=seqs,
         max_cache_len=MAX_MODEL_LEN))
     names = fill_random_adapters(model, 0, adapters)
 
@@ -56,8 +57,8 @@ def build_engine(adapters: int):
         return logits, torch.zeros(n, config.hidden_size)
 
     ModelRunner.run_paged_step = stub_step
-    engine = LoRazorEngine(model, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS, block_size=BLOCK,
-                           num_kv_blocks=SEQS * MAX_MODEL_LEN // BLOCK + 64, max_model_len=MAX_MODEL_LEN,
+    engine = LoRazorEngine(model, max_num_seqs=seqs, max_num_batched_tokens=tokens, block_size=BLOCK,
+                           num_kv_blocks=seqs * MAX_MODEL_LEN // BLOCK + 64, max_model_len=MAX_MODEL_LEN,
                            async_scheduling=False)
     return engine, names, config.vocab_size
 
@@ -101,11 +102,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4096)
     ap.add_argument("--adapters", type=int, default=128)
     ap.add_argument("--workload", choices=sorted(wl.SHAPES), default="mixed")
+    ap.add_argument("--max-num-seqs", type=int, default=SEQS)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=TOKENS)
+    ap.add_argument("--tag", default="", help="appended to the result's file name")
     ap.add_argument("--profile", action="store_true", help="cProfile the stepping; top functions in the JSON")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    engine, names, vocab = build_engine(args.adapters)
+    engine, names, vocab = build_engine(args.adapters, args.max_num_seqs, args.max_num_batched_tokens)
     workload = wl.build(args.requests, vocab, shape=args.workload)
     ks = wl.release_lengths(workload, wl.TARGET_SKIPS[args.workload])
     requests = offline_requests(workload, wl.assign(workload, len(names)), names, ks, True)
@@ -133,14 +137,15 @@ def main() -> None:
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
         top = text.getvalue().splitlines()
     result = dict(environment=environment(), workload=args.workload, requests=len(requests), adapters=args.adapters,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   add_requests_s=round(add_s, 3), add_request_ms=round(1e3 * add_s / len(requests), 3),
                   steps=len(walls), step_s=round(step_s, 3), step_ms_median=round(1e3 * statistics.median(walls), 3),
                   step_ms_mean=round(1e3 * step_s / len(walls), 3), host_s=round(add_s + step_s, 3),
-                  composition=composition(steps, SEQS), profiled=args.profile, top=top)
+                  composition=composition(steps, args.max_num_seqs), profiled=args.profile, top=top)
     print(json.dumps({k: v for k, v in result.items() if k != "top"}, indent=1), flush=True)
     if top:
         print("\n".join(top))
-    name = "host_trace" + ("" if args.workload == "mixed" else f"_{args.workload}") + ".json"
+    name = "host_trace" + ("" if args.workload == "mixed" else f"_{args.workload}") + f"{args.tag}.json"
     (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model, engine, names, vocab, shape = setup(argparse.Namespace(
-        part="exact", tiny=args.tiny, kv_gb=32.0, compile=args.compile, max_num_batched_tokens=None))
+        part="exact", tiny=args.tiny, kv_gb=32.0, compile=args.compile, max_num_batched_tokens=None, max_num_seqs=None))
     warm_start = time.perf_counter()
     graphs = engine.warm_up()
     warm_s = time.perf_counter() - warm_start
