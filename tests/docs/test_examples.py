@@ -68,6 +68,30 @@ def test_trace_probe_counts_every_step_of_a_tiny_trace(tmp_path):
     assert kinds["decode"]["tokens_mean"] <= result["max_num_seqs"] < kinds["mixed"]["tokens_mean"]
 
 
+def test_host_trace_probe_counts_every_token_of_the_trace(tmp_path):
+    """probes/host_trace.py: its steps hold every prompt token and every decode token of the trace,
+    and no step holds more than the engine's budgets."""
+    import json
+
+    root = EXAMPLES.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels")])}
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / "host_trace.py"), "--requests", "48",
+                           "--adapters", "8", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import engine_workload as wl
+
+    workload = wl.build(48, 256)  # the probe's: 48 requests over its tiny model's 256-token vocabulary
+    result = json.loads((tmp_path / "host_trace.json").read_text())
+    c = result["composition"]
+    assert c["prefill_tokens"] == sum(len(r.prompt) for r in workload)
+    # The first token of a request comes from its last prefill chunk; each further one is a decode row.
+    assert c["decode_tokens"] == sum(r.max_new_tokens - 1 for r in workload)
+    assert c["steps"] == result["steps"] and c["running_mean"] <= 16 and c["tokens_mean"] <= 512
+    assert max(int(b) for b in c["steps_by_token_bucket"]) <= 512
+
+
 @pytest.mark.parametrize("model", ["--testbed", "--tiny"])
 def test_serving_benchmark_runs_on_the_cpu(tmp_path, model):
     """bench_serving.py end to end on the CPU: the same arrivals in process and over HTTP (a server
