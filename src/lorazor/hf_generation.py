@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -223,6 +224,7 @@ class ResolvedConfigs:
         self.size = size
         self._memo: dict = {}
         self._state = None
+        self._lock = threading.Lock()
 
     def _current(self) -> bool:
         """Whether the model's configs are as they were when the memo was filled (else forget it)."""
@@ -244,22 +246,24 @@ class ResolvedConfigs:
             key = None if given is not None else _frozen(kwargs)
         except TypeError:
             key = None
-        if key is not None and self._current() and key in self._memo:
-            config, flags = self._memo[key]
-            return copy.copy(config), dict(flags)
-        config, flags = resolve_config(self.hf_model, given, kwargs)
-        if key is not None:
+        if key is None:
+            return resolve_config(self.hf_model, given, kwargs)
+        with self._lock:  # a server's threads may add requests at once
+            hit = self._memo.get(key) if self._current() else None
+            if hit is not None:
+                return copy.copy(hit[0]), dict(hit[1])
+            config, flags = resolve_config(self.hf_model, given, kwargs)
             if self._state is None:
                 model = self.hf_model
                 try:
                     snapshot = copy.deepcopy((model.generation_config.__dict__, model.config.__dict__))
-                    self._state = (model.generation_config, model.config, *snapshot)
-                except Exception:
+                except Exception:  # a config that cannot be copied: resolve every call
                     return config, flags
+                self._state = (model.generation_config, model.config, *snapshot)
             if len(self._memo) >= self.size:
                 self._memo.pop(next(iter(self._memo)))
             self._memo[key] = (copy.deepcopy(config), dict(flags))
-        return config, flags
+            return config, flags
 
 
 def plan_generation(hf_model, config: GenerationConfig, flags: dict, input_ids: torch.Tensor,
