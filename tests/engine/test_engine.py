@@ -221,6 +221,25 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(pair, kwargs, err
     assert list(outs) == ["dup"] and outs["dup"].token_ids == peft_tokens(oracle, p, "med", 5)
 
 
+def test_a_bad_request_in_an_offline_batch_leaves_nothing_queued(pair):
+    model, oracle = pair
+    eng = engine(model, num_kv_blocks=16)
+    p = prompts(1, seed=9)[0]
+    earlier = eng.add_request(p, adapter="med", max_new_tokens=4, **GEN)  # queued before: it keeps running
+    batch = [dict(prompt_ids=p, adapter="math", max_new_tokens=3, **GEN),
+             dict(prompt_ids=p, adapter="sql", max_new_tokens=3, **GEN),
+             dict(prompt_ids=p, adapter="physics", max_new_tokens=3, **GEN)]
+    with pytest.raises(KeyError, match="unknown adapter 'physics'"):
+        eng.generate(batch)
+    assert list(eng.requests) == [earlier] and len(eng.scheduler.waiting) == 1
+    assert model.registry.in_use["math"] == model.registry.in_use["sql"] == 0
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert list(outs) == [earlier] and outs[earlier].token_ids == peft_tokens(oracle, p, "med", 4)
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
 def test_adapter_in_use_cannot_be_unregistered(pair):
     model, _ = pair
     eng = engine(model)

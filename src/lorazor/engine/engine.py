@@ -456,8 +456,17 @@ class LoRazorEngine:
     # ---- offline and streaming ------------------------------------------------------------------
     def generate(self, requests: list[dict], progress: bool = False) -> list[RequestOutput]:
         """Run a list of requests (each a dict of `add_request` arguments) to the end; outputs in order.
-        Requests queued before keep running alongside; their outputs are not returned here."""
-        ids = [self.add_request(**r) for r in requests]
+        Requests queued before keep running alongside; their outputs are not returned here. A bad
+        request raises before any step, and this call's requests queued before it are taken back
+        (none is left to run with no one to read it)."""
+        ids = []
+        try:
+            for r in requests:
+                ids.append(self.add_request(**r))
+        except Exception:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = None
