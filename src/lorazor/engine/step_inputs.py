@@ -105,11 +105,21 @@ def prepare(registry, block_size: int, tables: BlockTables, chunks: list[Chunk])
             positions.append(start)
             names.append(request.adapter if request.uses_adapter_at(start) else None)
         else:
-            span = range(start, start + chunk.num_tokens)
-            pool_positions.extend(table[p // page] * page + p % page for p in span)
-            ids.extend(request.tokens[start:start + chunk.num_tokens])
-            positions.extend(span)
-            names.extend(request.adapter if request.uses_adapter_at(p) else None for p in span)
+            end = start + chunk.num_tokens
+            position = start
+            while position < end:  # block by block: a run of consecutive pool positions each
+                run = min(end, (position // page + 1) * page) - position
+                first = table[position // page] * page + position % page
+                pool_positions.extend(range(first, first + run))
+                position += run
+            ids.extend(request.tokens[start:end])
+            positions.extend(range(start, end))
+            # Prompt positions always use the adapter; only recomputed decode positions (after a
+            # preemption) depend on the release step.
+            prompt_part = max(0, min(end, len(request.prompt)) - start)
+            names.extend([request.adapter] * prompt_part)
+            recomputed = range(start + prompt_part, end)
+            names.extend(request.adapter if request.uses_adapter_at(p) else None for p in recomputed)
         rows.append((row, start, chunk.num_tokens))
         last.append(len(ids) - 1)
     # Loads the step's adapters that are not in GPU slots (before the forward that reads them).
