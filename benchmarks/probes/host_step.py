@@ -26,6 +26,20 @@ sys.path[:0] = [str(Path(__file__).parent.parent)]  # benchmarks/
 from common import environment  # noqa: E402
 
 
+def stub_paged_steps(config) -> None:
+    """Replace the runner's paged step with one that returns fixed logits at once (token 5 for
+    every row): what remains of an engine step is the host's work."""
+    from lorazor.runner.runner import ModelRunner
+
+    def stub_step(self, cache, inputs, block_tables, graphs=None, pending=None):
+        n = len(inputs.chunks)
+        logits = torch.zeros(n, config.vocab_size)
+        logits[:, 5] = 1
+        return logits, torch.zeros(n, config.hidden_size)
+
+    ModelRunner.run_paged_step = stub_step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
@@ -40,7 +54,6 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lorazor import LoRazorEngine, LoRazorModel
-    from lorazor.runner.runner import ModelRunner
 
     extra = {}
     if args.stop_strings:  # a real tokenizer for the strings: the testbed's
@@ -56,13 +69,7 @@ def main() -> None:
         base = LlamaForCausalLM(config).eval()
     model = LoRazorModel.from_pretrained(base)
 
-    def stub_step(self, cache, inputs, block_tables, graphs=None, pending=None):
-        n = len(inputs.chunks)
-        logits = torch.zeros(n, config.vocab_size)
-        logits[:, 5] = 1
-        return logits, torch.zeros(n, config.hidden_size)
-
-    ModelRunner.run_paged_step = stub_step
+    stub_paged_steps(config)
     longest = max(lengths) + 40
     eng = LoRazorEngine(model, max_num_seqs=args.batch, max_num_batched_tokens=64 * args.batch,
                         num_kv_blocks=args.batch * (-(-(longest + 64) // 16) + 1), max_model_len=longest + 64,

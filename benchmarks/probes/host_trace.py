@@ -31,6 +31,7 @@ sys.path[:0] = [str(Path(__file__).parent.parent)]  # benchmarks/
 import engine_workload as wl  # noqa: E402
 from bench_engine import BLOCK, MAX_MODEL_LEN, SEQS, TOKENS, offline_requests  # noqa: E402
 from common import environment  # noqa: E402
+from host_step import stub_paged_steps  # noqa: E402
 
 
 def build_engine(adapters: int, seqs: int = SEQS, tokens: int = TOKENS):
@@ -38,7 +39,6 @@ def build_engine(adapters: int, seqs: int = SEQS, tokens: int = TOKENS):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
-    from lorazor.runner.runner import ModelRunner
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN)
@@ -50,13 +50,7 @@ def build_engine(adapters: int, seqs: int = SEQS, tokens: int = TOKENS):
         max_cache_len=MAX_MODEL_LEN))
     names = fill_random_adapters(model, 0, adapters)
 
-    def stub_step(self, cache, inputs, block_tables, graphs=None, pending=None):
-        n = len(inputs.chunks)
-        logits = torch.zeros(n, config.vocab_size)
-        logits[:, 5] = 1
-        return logits, torch.zeros(n, config.hidden_size)
-
-    ModelRunner.run_paged_step = stub_step
+    stub_paged_steps(config)
     engine = LoRazorEngine(model, max_num_seqs=seqs, max_num_batched_tokens=tokens, block_size=BLOCK,
                            num_kv_blocks=seqs * MAX_MODEL_LEN // BLOCK + 64, max_model_len=MAX_MODEL_LEN,
                            async_scheduling=False)
