@@ -17,10 +17,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, seconds: float = 180) -> None:
-    """Poll `url/health` until it answers 200 (bounded in time)."""
+def wait_healthy(url: str, seconds: float = 180, proc: subprocess.Popen | None = None) -> None:
+    """Poll `url/health` until it answers 200 (bounded in time); with `proc`, the server's process,
+    raise at once if it exits first (its output is the caller's to show)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before {url} answered")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return

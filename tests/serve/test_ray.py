@@ -9,6 +9,8 @@ find and kill a replica.
 """
 
 import os
+import shutil
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,20 +38,28 @@ def cluster(tmp_path_factory):
 
     port, metrics_port = free_port(), free_port()
     tmp = tmp_path_factory.mktemp("ray")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": str(tmp), "RAY_USAGE_STATS_ENABLED": "0",
+    # Ray's sockets live under RAY_TMPDIR, and a socket path may not exceed 107 bytes: a short folder
+    # of its own, not pytest's (deeper under pytest-xdist).
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_metrics_report_interval_ms": "1000"}
     log = open(tmp / "serve.log", "w")
     proc = start_serve_command("--testbed", "--replicas", "2", "--in-process", "--max-adapters-per-replica", "2",
                                "--port", str(port), "--ray-metrics-port", str(metrics_port), stdout=log, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, 300)
+        try:
+            wait_healthy(url, 300, proc)
+        except (RuntimeError, TimeoutError) as err:
+            log.flush()
+            raise RuntimeError(f"{err}; its output ends:\n{(tmp / 'serve.log').read_text()[-3000:]}") from err
         peft_model, tokenizer, tasks = load()
-        yield dict(url=url, proc=proc, tmp=tmp, metrics=f"http://127.0.0.1:{metrics_port}/metrics",
+        yield dict(url=url, proc=proc, tmp=tmp, ray_tmp=ray_tmp, metrics=f"http://127.0.0.1:{metrics_port}/metrics",
                    model=LoRazorModel.from_peft(peft_model), tokenizer=tokenizer, tasks=tasks)
     finally:
         stop_process_group(proc)
         log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def client(cluster):
@@ -116,7 +126,7 @@ def test_a_killed_replica_fails_its_requests_and_the_other_serves(cluster):
     # The replica serving this very stream (a separate request could meet a replica Serve has
     # replaced since, on a loaded machine).
     victim = stream.response.headers["x-lorazor-replica"]
-    os.environ["RAY_TMPDIR"] = str(cluster["tmp"])
+    os.environ["RAY_TMPDIR"] = str(cluster["ray_tmp"])
     ray.init(address="auto", namespace="serve", configure_logging=False, log_to_driver=False)
     try:
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
