@@ -58,14 +58,16 @@ def build_engine(adapters: int, seqs: int = SEQS, tokens: int = TOKENS):
 
 
 def record_steps(engine) -> list[tuple[int, int, int]]:
-    """Wraps the scheduler: (decode rows, prefill tokens, running requests) of every scheduled step."""
+    """Wraps the scheduler: (decode rows, prefill tokens, running requests) of every scheduled step.
+    A decode row is a one-token chunk past its prompt; every other token (prompt chunks, and decode
+    positions recomputed after a preemption) counts as prefill."""
     steps = []
     schedule = engine.scheduler.schedule
 
     def recorded(*args, **kwargs):
         chunks = schedule(*args, **kwargs)
         if chunks:
-            decode = sum(1 for c in chunks if c.start >= len(c.request.prompt))
+            decode = sum(1 for c in chunks if c.num_tokens == 1 and c.start >= len(c.request.prompt))
             steps.append((decode, sum(c.num_tokens for c in chunks) - decode, len(engine.scheduler.running)))
         return chunks
 

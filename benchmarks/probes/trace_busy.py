@@ -27,6 +27,7 @@ sys.path[:0] = [str(Path(__file__).parent.parent)]  # benchmarks/
 import engine_workload as wl  # noqa: E402
 from bench_engine import offline_requests, setup  # noqa: E402
 from common import environment  # noqa: E402
+from host_trace import record_steps  # noqa: E402
 from step_roofline import profile_steps  # noqa: E402
 
 
@@ -66,17 +67,7 @@ def main() -> None:
     requests = offline_requests(workload, wl.assign(workload, len(names)), names, ks, True)
     engine.generate(requests[:64])  # the eager prefill path's first Triton compiles, outside the timings
 
-    kinds = []  # (tokens, decode-only) per scheduled step
-    schedule = engine.scheduler.schedule
-
-    def recorded(*a, **k):
-        chunks = schedule(*a, **k)
-        if chunks:
-            kinds.append((sum(c.num_tokens for c in chunks),
-                          all(c.num_tokens == 1 and c.start >= len(c.request.prompt) for c in chunks)))
-        return chunks
-
-    engine.scheduler.schedule = recorded
+    steps = record_steps(engine)  # (decode rows, prefill tokens, running) per scheduled step
     for request in requests:
         engine.add_request(**request)
     walls, window = [], None
@@ -90,7 +81,8 @@ def main() -> None:
         engine.step()
         walls.append(time.perf_counter() - t)
     total = time.perf_counter() - start
-    kinds = kinds[:len(walls)]  # the last schedule() call may have had nothing new to run
+    # (tokens, decode-only) per step; the last schedule() call may have had nothing new to run
+    kinds = [(decode + prefill, prefill == 0) for decode, prefill, _ in steps[:len(walls)]]
     result = dict(environment(), compile=args.compile, workload=args.workload, requests=len(requests),
                   warm_up_s=round(warm_s, 2), graphs=graphs, total_s=round(total, 3),
                   req_s=round(len(requests) / total, 2), steps=len(walls), by_kind=summarize(walls, kinds),
