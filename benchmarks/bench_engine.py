@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--open-seconds", type=float, default=8.0, help="arrival window per open-loop rate")
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="P90 TTFT (s) that defines the open-loop knee")
     ap.add_argument("--kv-gb", type=float, default=32.0)
-    ap.add_argument("--skip", default="", help="comma-separated stages to skip: offline,skewed,open,static,backbone")
+    ap.add_argument("--skip", default="", help="comma-separated stages or systems to skip: offline,skewed,open,static,backbone,lorazor,exact")
     ap.add_argument("--deadline", type=float, default=1e9, help="skip stages that would end later (s from start)")
     ap.add_argument(
         "--tag", default="", help="suffix of this run's rows and meta files (runs of one part side by side)"
@@ -209,7 +209,7 @@ def main() -> None:
         return True
 
     def offline(stage, system, L, identities, release=None, backbone=False):
-        if fits(stage, last[0], f"{stage} {system} L={L}"):
+        if system not in skip and fits(stage, last[0], f"{stage} {system} L={L}"):
             row = run_offline(engine, offline_requests(workload, identities, names, ks, release, backbone))
             last[0] = row["seconds"]
             record(stage=stage, system=system, L=L, **row)

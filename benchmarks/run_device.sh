@@ -17,6 +17,7 @@
 #   engine-quick     bench_engine.py on 512 requests, 4 and 128 adapters, two open-loop rates (a smoke run)
 #   engine-exact     bench_engine.py --part exact: LoRazor, exact without release, backbone, static, open loop
 #   engine-compiled  bench_engine.py --part exact --compile: LoRazor, exact and backbone at 128 adapters, compiled
+#                    ($COMPILED_SKIP: stages or systems to skip; $ENGINE_SHAPE: e.g. "--max-num-seqs 512 --max-num-batched-tokens 4096")
 #   engine-decode-heavy  bench_engine.py --workload decode-heavy (1,536 requests, outputs ~3x longer, >= 73% of decode
 #                    LoRA released): LoRazor, exact and backbone at 128 adapters, eager then compiled; the summary
 #                    row gives LoRazor vs the backbone and the share of the exact -> backbone gap it closes
@@ -24,8 +25,9 @@
 #                    from its middle, GPU busy / wall (is the engine's req/s bound by the GPU or the host?)
 #   engine-tokens    bench_engine.py --part exact at 128 adapters with 1024, 4096 and 8192 tokens per step (lorazor,
 #                    exact; 2048 is engine-exact's): the measurement behind the default max_num_batched_tokens
-#   engine-seqs      bench_engine.py --part exact at 128 adapters with 512 seqs / 4096 tokens and 1024 / 8192 (lorazor, exact):
-#                    the trace is bound by its 256 seats (benchmarks/results/host_trace_cpu/); the default max_num_seqs
+#   engine-seqs      bench_engine.py --part exact at 128 adapters with 256 seqs / 2048 tokens, 512 / 4096 and 1024 / 8192
+#                    (lorazor, backbone; eager): the trace is bound by its 256 seats (benchmarks/results/host_trace_cpu/);
+#                    the measurement behind the default max_num_seqs
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
 #   engine-sweep     bench_engine.py --part exact at 4-64 adapters only (lorazor and exact), rows_exact_sweep.jsonl
 #   testbed-v2       python -m lorazor.testbed.train --version 2 on the GPU, then the paper's tables on it
@@ -105,7 +107,7 @@ PY
     engine-sweep) timeout 560 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  --adapters 4,8,16,32,64 --skip backbone,static,open,skewed --tag _sweep > "$W/engine_sweep.log" 2>&1 ;;
     engine-compiled) TORCH_LOGS=recompiles timeout 560 python3 benchmarks/bench_engine.py --part exact --compile --out "$W/engine" \
-                 --deadline ${ENGINE_DEADLINE:-520} --adapters 128 --skip static,open,skewed --tag _compiled \
+                 --deadline ${ENGINE_DEADLINE:-520} --adapters 128 --skip ${COMPILED_SKIP:-static,open,skewed} ${ENGINE_SHAPE:-} --tag _compiled \
                  > "$W/engine_compiled.log" 2>&1 ;;
     engine-decode-heavy) for mode in eager compiled; do
                    timeout 280 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 270 \
@@ -120,10 +122,10 @@ PY
                      > "$W/engine_tokens$t.log" 2>&1
                    tar czf "$OUT/all.tgz" -C "$W" .
                  done ;;
-    engine-seqs) for shape in "512 4096" "1024 8192"; do
+    engine-seqs) for shape in "256 2048" "512 4096" "1024 8192"; do
                    set -- $shape
-                   timeout 290 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 280 \
-                     --adapters 128 --skip backbone,static,open,skewed --max-num-seqs $1 --max-num-batched-tokens $2 \
+                   timeout 185 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 175 \
+                     --adapters 128 --skip exact,static,open,skewed --max-num-seqs $1 --max-num-batched-tokens $2 \
                      --tag _seqs$1 > "$W/engine_seqs$1.log" 2>&1
                    tar czf "$OUT/all.tgz" -C "$W" .
                  done ;;
