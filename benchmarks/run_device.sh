@@ -28,6 +28,8 @@
 #   engine-seqs      bench_engine.py --part exact at 128 adapters with 256 seqs / 2048 tokens, 512 / 4096 and 1024 / 8192
 #                    (lorazor, backbone; eager): the trace is bound by its 256 seats (benchmarks/results/host_trace_cpu/);
 #                    the measurement behind the default max_num_seqs
+#   engine-runs      bench_engine.py --part exact at 128 adapters, one process per entry of $ENGINE_RUNS
+#                    ("mode seqs tokens skip seconds; ..."): eager or compiled, at a shape, within a time limit
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
 #   engine-sweep     bench_engine.py --part exact at 4-64 adapters only (lorazor and exact), rows_exact_sweep.jsonl
 #   testbed-v2       python -m lorazor.testbed.train --version 2 on the GPU, then the paper's tables on it
@@ -127,6 +129,18 @@ PY
                    timeout 185 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 175 \
                      --adapters 128 --skip exact,static,open,skewed --max-num-seqs $1 --max-num-batched-tokens $2 \
                      --tag _seqs$1 > "$W/engine_seqs$1.log" 2>&1
+                   tar czf "$OUT/all.tgz" -C "$W" .
+                 done ;;
+    engine-runs) # $ENGINE_RUNS: "mode seqs tokens skip seconds; ..." e.g. "eager 256 2048 exact 105; compiled 512 4096 exact 165"
+                 # (mode eager or compiled; skip: systems or stages besides static,open,skewed); one process each, in order
+                 IFS=';' read -ra runs <<< "${ENGINE_RUNS:?}"
+                 for run in "${runs[@]}"; do
+                   set -- $run
+                   logs=(); [ "$1" = compiled ] && logs=(TORCH_LOGS=recompiles)
+                   env "${logs[@]}" timeout "$5" python3 benchmarks/bench_engine.py \
+                     --part exact --out "$W/engine" --deadline $(( $5 - 10 )) --adapters 128 --skip "$4,static,open,skewed" \
+                     $([ "$1" = compiled ] && echo --compile) --max-num-seqs "$2" --max-num-batched-tokens "$3" \
+                     --tag "_$1_$2" > "$W/engine_$1_$2.log" 2>&1
                    tar czf "$OUT/all.tgz" -C "$W" .
                  done ;;
     engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
