@@ -7,12 +7,12 @@
 
 Llama-3.2-3B shape with random bf16 weights, 128 random rank-8 adapters on all 7 projections, the
 workload of `engine_workload.py` (4096 requests in four task-like groups, EOS ignored). Engine:
-256 sequences and 2048 tokens per step, chunked prefill, 32 GB of KV blocks, graphs captured
-before timing. Systems:
+the engine's default sequences and tokens per step (512 and 4096; `--max-num-seqs`,
+`--max-num-batched-tokens`), chunked prefill, 32 GB of KV blocks, graphs captured before timing. Systems:
 - lorazor: exact grid + StepTrim (profiled k per group, ~50% decode-LoRA skipping);
 - exact: exact grid, no release (GridTrim only); full_release: full grid + release (StepTrim only);
 - full: full grid, no release (the vLLM-style kernel grid); backbone: no adapters (the ceiling);
-- static: `LoRazorModel.generate` in batches of 256 over the same requests (exact + release).
+- static: `LoRazorModel.generate` in batches of max_num_seqs over the same requests (exact + release).
 Offline throughput at 4..128 adapters (uniform), skewed traffic at 128, Poisson open loop. Part
 `exact`: lorazor and exact at 128, backbone, static, the open loop for both, skewed, then lorazor and
 exact at fewer adapters. Part `full`: full and full_release at 128, the open loop for full, skewed,
@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import engine_workload as wl  # noqa: E402
 from common import environment  # noqa: E402
 
-SEQS, TOKENS, BLOCK = 256, 2048, 16
+from lorazor.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS  # noqa: E402
+
+SEQS, TOKENS, BLOCK = DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS, 16  # the engine's defaults
 MAX_MODEL_LEN = 1024
 
 
@@ -140,7 +142,8 @@ def main() -> None:
     ap.add_argument("--open-seconds", type=float, default=8.0, help="arrival window per open-loop rate")
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="P90 TTFT (s) that defines the open-loop knee")
     ap.add_argument("--kv-gb", type=float, default=32.0)
-    ap.add_argument("--skip", default="", help="comma-separated stages or systems to skip: offline,skewed,open,static,backbone,lorazor,exact")
+    ap.add_argument("--skip", default="", help="comma-separated stages or systems to skip: "
+                                                   "offline,skewed,open,static,backbone,lorazor,exact")
     ap.add_argument("--deadline", type=float, default=1e9, help="skip stages that would end later (s from start)")
     ap.add_argument(
         "--tag", default="", help="suffix of this run's rows and meta files (runs of one part side by side)"

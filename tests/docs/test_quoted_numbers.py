@@ -226,3 +226,26 @@ def test_regional_compile_numbers_equal_their_runs():
     for system in ("lorazor", "exact"):
         assert f"{offline[system]['req_s']:.1f} req/s" in performance, system
     assert f"and {offline['lorazor']['req_s']:.1f} req/s in a rerun with async scheduling" in page("README.md")
+
+
+def test_seats_and_compile_numbers_equal_their_runs():
+    """docs/engine.md, docs/performance.md and the README quote `engine/shapes_h100/` row by row."""
+    folder = RESULTS / "engine" / "shapes_h100"
+
+    def req_s(mode, seats, system="lorazor"):
+        rows = [json.loads(line) for line in (folder / f"rows_exact_{mode}_{seats}.jsonl").read_text().splitlines()]
+        return next(r["req_s"] for r in rows if r["system"] == system)
+
+    engine, performance = page("docs/engine.md"), page("docs/performance.md")
+    eager = [req_s("eager", n) for n in (256, 512, 1024)]
+    compiled = [req_s("compiled", n) for n in (256, 512, 1024)]
+    backbone = [req_s("compiled", n, "backbone") for n in (256, 512, 1024)]
+    assert " / ".join(f"{x:.1f}" for x in eager) + " req/s eager" in engine
+    assert " / ".join(f"{x:.1f}" for x in compiled) + " req/s compiled" in engine
+    for shape, e, c, b in zip(("256 / 2,048", "512 / 4,096 (the default)", "1,024 / 8,192"), eager, compiled, backbone):
+        assert f"| {shape} | {e:.1f} | {c:.1f} | {b:.1f} | {c / b:.2f}x |" in performance, shape
+    default = f"{eager[1]:.1f} req/s with eager graphs and {compiled[1]:.1f} req/s compiled"
+    assert default + f"\n  ({compiled[1] / backbone[1]:.2f}x its backbone)" in page("README.md")
+    assert (f"{compiled[1]:.1f} req/s against\n{eager[1]:.1f} req/s with eager graphs at the default 512 seats, "
+            f"{compiled[1] / backbone[1]:.2f}x its backbone ({backbone[1]:.1f} req/s)") in engine
+    assert "DEFAULT_MAX_NUM_SEQS = 512" in (ROOT / "src" / "lorazor" / "engine" / "engine.py").read_text()

@@ -39,6 +39,12 @@ from .scheduler import Scheduler
 from .step_inputs import BlockTables, prepare
 from .stops import stop_reasons
 
+# Default seats and tokens per step. On an H100, bench_engine's trace (4,096 requests, 128 adapters)
+# served 153 / 163 / 170 req/s eager and 199 / 216 / 226 compiled at 256 / 512 / 1,024 seats with
+# 8 tokens per seat; warm-up captured 119 / 239 / 479 graphs (benchmarks/results/engine/shapes_h100/).
+# 512 takes most of the gain for a warm-up a few seconds longer.
+DEFAULT_MAX_NUM_SEQS = 512
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 # KV blocks on the CPU when `num_kv_blocks` is not given (on the GPU: `gpu_memory_utilization`).
 DEFAULT_CPU_BLOCKS = 256
 # Default `max_model_len` cap (the block-table width follows it).
@@ -75,7 +81,8 @@ class LoRazorEngine:
             off on the CPU, where the host computes the steps itself and nothing can overlap.
     """
 
-    def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+    def __init__(self, model, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  num_kv_blocks: int | None = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, async_scheduling: bool | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),

@@ -9,6 +9,8 @@ import logging
 import os
 from pathlib import Path
 
+from ..engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # File descriptors kept out of `--limit-concurrency`'s default: the engine's pipes, model files, logs.
@@ -33,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="queue each step before the one in flight is read back (default: on where the model runs "
                         "on a GPU, off on the CPU); --no-async-scheduling reads each step back first")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help="tokens per engine step (decode tokens plus prefill chunks)")
     p.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: from free GPU memory; 256 on the CPU)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, help="the longest prompt + output a request may have")
