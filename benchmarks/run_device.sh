@@ -58,7 +58,12 @@ e2e() {  # bench_e2e.py on the Llama-3.2-3B shape with the given extra arguments
 for step in "$@"; do
   start=$(date +%s)
   case $step in
-    gpu-tests) python3 -m pytest ${TEST_PATHS:-tests} --collect-only -q -p no:cacheprovider | grep :: > "$W/all_ids.txt"
+    gpu-tests) for path in ${TEST_PATHS:-tests}; do  # a missing path would collect nothing (see below)
+                 [ -e "$path" ] || { echo "gpu-tests: no such test path: $path"; exit 2; }
+               done
+               python3 -m pytest ${TEST_PATHS:-tests} --collect-only -q -p no:cacheprovider | grep :: > "$W/all_ids.txt"
+               # A shard given no test ids would run pytest with no arguments: the whole suite.
+               [ -s "$W/all_ids.txt" ] || { echo "gpu-tests: pytest collected no tests"; exit 2; }
                n=${SHARDS:-10}
                # Whole files per shard, the largest first onto the emptiest shard, so a module's fixtures
                # (a served engine) are built once per shard: pytest collects a module once per test id
@@ -86,6 +91,7 @@ PY
                part=${SHARD_PART:-0/1}  # k/m: run only shards i with i % m == k (the suite over m calls)
                for i in $(seq 0 $((n - 1))); do
                  [ $((i % ${part#*/})) -eq "${part%/*}" ] || continue
+                 grep -q . "$W/args_$i.txt" || continue  # more shards than test files
                  # Arguments hold spaces (parametrized ids): pass them to pytest whole, not through the shell.
                  # Shards spread over the machine's GPUs.
                  CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout ${SHARD_TIMEOUT:-540} python3 -c "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + ['-q', '-p', 'no:cacheprovider']))" \
