@@ -444,6 +444,33 @@ def test_bucketed_steps_async_equal_static_generate(compile, monkeypatch):
         assert 1 <= engine_compiles <= 8, engine_compiles
 
 
+def test_every_bucket_writes_one_shared_output_buffer_and_host_sampled_rows_read_theirs_first():
+    # The GPU's buckets (decode and packed) run eagerly here, in program order, so a step whose
+    # logits the host reads after the next step has overwritten them would give wrong tokens: a
+    # repetition penalty and log-probabilities make the host read its rows' logits, async scheduling
+    # queues the next step early. Every bucket's outputs are views of one buffer (with a 128k
+    # vocabulary, a pair per bucket held GBs at 512 seats).
+    from lorazor.runner.paged_graphs import PagedDecodeGraphs
+
+    model, _ = build_pair("llama", LoRazorConfig(cuda_graphs=False, backend="triton", attention="triton"))
+    eng = engine(model, max_num_batched_tokens=44, num_kv_blocks=60, async_scheduling=True)
+    eng.graphs = PagedDecodeGraphs(model.runner, eng.cache, 8, 44, capture=False)
+    ps = prompts(5, seed=41)
+    adapters = ["med", None, "math", "sql", "math"]
+    host = [dict(repetition_penalty=1.5), {}, dict(logprobs=2), {}, dict(repetition_penalty=1.3)]
+    outs = eng.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=6, **h, **GEN)
+                         for p, a, h in zip(ps, adapters, host)])
+    for p, a, h, o in zip(ps, adapters, host, outs):
+        settings = {k: v for k, v in h.items() if k != "logprobs"}
+        ref = model.generate(torch.tensor([p], device=model.device), adapter_ids=[a], max_new_tokens=6,
+                             do_sample=False, **settings, **GEN)
+        assert o.token_ids == ref.sequences[0, len(p):].tolist(), (a, h)
+    buckets = list(eng.graphs.buckets.values()) + list(eng.graphs.packed.buckets.values())
+    assert eng.graphs.buckets and eng.graphs.packed.buckets, "a step kind did not go through its buckets"
+    bases = {t.untyped_storage().data_ptr() for b in buckets for t in (b.logits, b.hidden) if t is not None}
+    assert len(bases) == 2, "each bucket holds its own outputs"
+
+
 def test_sliding_window_models_are_refused_past_the_window(pair):
     model, _ = pair
     cfg = model.model.config

@@ -27,6 +27,26 @@ from .paged_cache import PagedKVCache, PagedStep, tile_columns
 from .uploads import upload_into
 
 
+class SharedOutputs:
+    """One (hidden `[R, H]`, logits `[R, V]`) pair that every graph of an engine writes its step's
+    outputs into (the first rows). A step's outputs are read, or what reads them is queued, before
+    the next step runs, so the buckets need not hold a pair each: with a 128k vocabulary a logits
+    row is 256 KB, and 35 decode buckets plus 16 token buckets (512 seats, 4,096 tokens) would hold
+    over 4 GB of them."""
+
+    def __init__(self, runner, rows: int):
+        self.runner, self.rows = runner, rows
+        self._pair = None
+
+    def views(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n > self.rows:
+            raise ValueError(f"{n} rows exceed the shared step outputs' {self.rows}")
+        if self._pair is None:
+            self._pair = self.runner.new_step_outputs(self.rows)
+        hidden, logits = self._pair
+        return hidden[:n], logits[:n]
+
+
 def decode_bucket(batch: int) -> int:
     """The engine's decode-step buckets: `batch_bucket`'s, from 2 rows (a single row pads to two), so
     a compiled step (whose batch is dynamic, and torch.compile always specializes a size of 1) needs
@@ -121,11 +141,13 @@ class PackedStepGraphs(StepGraphs):
         capture: False runs the same padded step eagerly instead of replaying a graph.
     """
 
-    def __init__(self, runner, cache: PagedKVCache, max_tokens: int, max_rows: int, pool=None, capture: bool = True):
+    def __init__(self, runner, cache: PagedKVCache, max_tokens: int, max_rows: int, pool=None, capture: bool = True,
+                 outputs: SharedOutputs | None = None):
         super().__init__(runner, pool, capture)
         self.cache = cache
         self.max_bucket = token_bucket(max_tokens)
         self.max_rows = max_rows
+        self.outputs = outputs or SharedOutputs(runner, max_rows)
 
     def serves(self, num_tokens: int) -> bool:
         return token_bucket(num_tokens) <= self.max_bucket
@@ -186,7 +208,8 @@ class PackedStepGraphs(StepGraphs):
 
     def run(self, inputs, block_tables: torch.Tensor, pending: PendingTokens | None = None):
         """Replay the packed step for `inputs` (the engine's `StepInputs`; `pending`: its tokens still
-        on the device); returns (logits, hidden) of each request's last token, views of static buffers."""
+        on the device); returns (logits, hidden) of each request's last token, views of the shared
+        static outputs (valid until the next step runs)."""
         bucket = self._bucket(token_bucket(len(inputs.ids)), block_tables)
         self._fill(bucket, inputs)
         if pending is not None:
@@ -198,7 +221,7 @@ class PackedStepGraphs(StepGraphs):
     def _step_function(self, bucket: _PackedBucket, key):
         """The step a graph of `bucket` holds: the runner's packed forward on the bucket's buffers."""
         if bucket.logits is None:
-            bucket.hidden, bucket.logits = self.runner.new_step_outputs(self.max_rows)
+            bucket.hidden, bucket.logits = self.outputs.views(self.max_rows)
 
         # Token counts here are padded to buckets: the compiled step (if any) serves them all.
         return paged_step(self.cache, bucket, lambda: self.runner.packed_forward(
@@ -223,7 +246,9 @@ class PagedDecodeGraphs(StepGraphs):
         self.cache = cache
         self.grid = runner.context.grid  # graphs hold this grid's kernels: a new grid needs new graphs
         self.max_bucket = decode_bucket(max_batch)
-        self.packed = PackedStepGraphs(runner, cache, max_tokens, max_batch, self.pool, capture=capture)
+        self.outputs = SharedOutputs(runner, max(self.max_bucket, max_batch))
+        self.packed = PackedStepGraphs(runner, cache, max_tokens, max_batch, self.pool, capture=capture,
+                                       outputs=self.outputs)
 
     @property
     def num_captures(self) -> int:
@@ -247,14 +272,15 @@ class PagedDecodeGraphs(StepGraphs):
             ones = torch.ones(size, dtype=torch.int32, device=device)
             empty = tuple(torch.zeros(0, dtype=torch.int32, device=device) for _ in range(4))
             step = PagedStep(slot_mapping, block_tables, (rows, q_index, pos, ones), empty, self.cache.block_q)
-            hidden, logits = self.runner.new_step_outputs(size)
+            hidden, logits = self.outputs.views(size)
             self.buckets[size] = _DecodeBucket(inputs, inputs32, tokens, positions, slot_mapping, row_slot, step,
                                                hidden, logits)
         return self.buckets[size]
 
     def run(self, inputs, block_tables: torch.Tensor, pending: PendingTokens | None = None):
         """Replay the step for `inputs` (a decode-only `StepInputs`; `pending`: its tokens still on
-        the device); returns (logits `[n, V]`, hidden `[n, H]`), views of the bucket's static outputs."""
+        the device); returns (logits `[n, V]`, hidden `[n, H]`), views of the shared static outputs
+        (valid until the next step runs)."""
         n = len(inputs.ids)
         bucket = self._bucket(decode_bucket(n), block_tables)
         self._fill(bucket, inputs)
