@@ -17,14 +17,13 @@
 #   engine-quick     bench_engine.py on 512 requests, 4 and 128 adapters, two open-loop rates (a smoke run)
 #   engine-exact     bench_engine.py --part exact: LoRazor, exact without release, backbone, static, open loop
 #   engine-compiled  bench_engine.py --part exact --compile: LoRazor, exact and backbone at 128 adapters, compiled
-#                    ($COMPILED_SKIP: stages or systems to skip; $ENGINE_SHAPE: e.g. "--max-num-seqs 512 --max-num-batched-tokens 4096")
 #   engine-decode-heavy  bench_engine.py --workload decode-heavy (1,536 requests, outputs ~3x longer, >= 73% of decode
 #                    LoRA released): LoRazor, exact and backbone at 128 adapters, eager then compiled; the summary
 #                    row gives LoRazor vs the backbone and the share of the exact -> backbone gap it closes
 #   trace-busy       probes/trace_busy.py: the bench trace step by step, its steps by kind and, over 200 steps
 #                    from its middle, GPU busy / wall (is the engine's req/s bound by the GPU or the host?)
-#   engine-tokens    bench_engine.py --part exact at 128 adapters with 1024, 4096 and 8192 tokens per step (lorazor,
-#                    exact; 2048 is engine-exact's): the measurement behind the default max_num_batched_tokens
+#   engine-tokens    bench_engine.py --part exact at 128 adapters, 512 seats, with 1024, 4096 and 8192 tokens per step
+#                    (lorazor, exact; eager): the measurement behind the default max_num_batched_tokens
 #   engine-seqs      bench_engine.py --part exact at 128 adapters with 256 seqs / 2048 tokens, 512 / 4096 and 1024 / 8192
 #                    (lorazor, backbone; eager): the trace is bound by its 256 seats (benchmarks/results/host_trace_cpu/);
 #                    the measurement behind the default max_num_seqs
@@ -54,6 +53,20 @@ e2e() {  # bench_e2e.py on the Llama-3.2-3B shape with the given extra arguments
   local name=$1
   shift
   timeout 420 python3 benchmarks/bench_e2e.py --out "$W" "$@" > "$W/$name.log" 2>&1
+}
+engine_runs() {  # "mode seqs tokens skip seconds; ...": one bench_engine process per entry, in order (mode eager or
+  # compiled; skip: systems or stages besides static,open,skewed), within its seconds; tar after each
+  local runs run
+  IFS=';' read -ra runs <<< "$1"
+  for run in "${runs[@]}"; do
+    set -- $run
+    local logs=()
+    [ "$1" = compiled ] && logs=(TORCH_LOGS=recompiles)
+    env "${logs[@]}" timeout "$5" python3 benchmarks/bench_engine.py --part exact --out "$W/engine" \
+      --deadline $(( $5 - 10 )) --adapters 128 --skip "$4,static,open,skewed" $([ "$1" = compiled ] && echo --compile) \
+      --max-num-seqs "$2" --max-num-batched-tokens "$3" --tag "_$1_$2_$3" > "$W/engine_$1_$2_$3.log" 2>&1
+    tar czf "$OUT/all.tgz" -C "$W" .
+  done
 }
 for step in "$@"; do
   start=$(date +%s)
@@ -115,7 +128,7 @@ PY
     engine-sweep) timeout 560 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  --adapters 4,8,16,32,64 --skip backbone,static,open,skewed --tag _sweep > "$W/engine_sweep.log" 2>&1 ;;
     engine-compiled) TORCH_LOGS=recompiles timeout 560 python3 benchmarks/bench_engine.py --part exact --compile --out "$W/engine" \
-                 --deadline ${ENGINE_DEADLINE:-520} --adapters 128 --skip ${COMPILED_SKIP:-static,open,skewed} ${ENGINE_SHAPE:-} --tag _compiled \
+                 --deadline ${ENGINE_DEADLINE:-520} --adapters 128 --skip static,open,skewed --tag _compiled \
                  > "$W/engine_compiled.log" 2>&1 ;;
     engine-decode-heavy) for mode in eager compiled; do
                    timeout 280 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 270 \
@@ -124,31 +137,9 @@ PY
                    tar czf "$OUT/all.tgz" -C "$W" .
                  done ;;
     trace-busy) timeout 300 python3 benchmarks/probes/trace_busy.py --out "$W" --tag _eager > "$W/trace_busy.log" 2>&1 ;;
-    engine-tokens) for t in 1024 4096 8192; do
-                   timeout 180 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 170 \
-                     --adapters 128 --skip backbone,static,open,skewed --max-num-batched-tokens $t --tag _tokens$t \
-                     > "$W/engine_tokens$t.log" 2>&1
-                   tar czf "$OUT/all.tgz" -C "$W" .
-                 done ;;
-    engine-seqs) for shape in "256 2048" "512 4096" "1024 8192"; do
-                   set -- $shape
-                   timeout 185 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline 175 \
-                     --adapters 128 --skip exact,static,open,skewed --max-num-seqs $1 --max-num-batched-tokens $2 \
-                     --tag _seqs$1 > "$W/engine_seqs$1.log" 2>&1
-                   tar czf "$OUT/all.tgz" -C "$W" .
-                 done ;;
-    engine-runs) # $ENGINE_RUNS: "mode seqs tokens skip seconds; ..." e.g. "eager 256 2048 exact 105; compiled 512 4096 exact 165"
-                 # (mode eager or compiled; skip: systems or stages besides static,open,skewed); one process each, in order
-                 IFS=';' read -ra runs <<< "${ENGINE_RUNS:?}"
-                 for run in "${runs[@]}"; do
-                   set -- $run
-                   logs=(); [ "$1" = compiled ] && logs=(TORCH_LOGS=recompiles)
-                   env "${logs[@]}" timeout "$5" python3 benchmarks/bench_engine.py \
-                     --part exact --out "$W/engine" --deadline $(( $5 - 10 )) --adapters 128 --skip "$4,static,open,skewed" \
-                     $([ "$1" = compiled ] && echo --compile) --max-num-seqs "$2" --max-num-batched-tokens "$3" \
-                     --tag "_$1_$2" > "$W/engine_$1_$2.log" 2>&1
-                   tar czf "$OUT/all.tgz" -C "$W" .
-                 done ;;
+    engine-tokens) engine_runs "eager 512 1024 backbone 180; eager 512 4096 backbone 180; eager 512 8192 backbone 180" ;;
+    engine-seqs) engine_runs "eager 256 2048 exact 185; eager 512 4096 exact 185; eager 1024 8192 exact 185" ;;
+    engine-runs) engine_runs "${ENGINE_RUNS:?}" ;;
     engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  > "$W/engine_full.log" 2>&1 ;;
     testbed-v2) # Assets (about 18 MB compressed) come back as 15 MiB parts: cat testbed_v2.tgz.part-* | tar xz

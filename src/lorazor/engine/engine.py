@@ -39,10 +39,8 @@ from .scheduler import Scheduler
 from .step_inputs import BlockTables, prepare
 from .stops import stop_reasons
 
-# Default seats and tokens per step. On an H100, bench_engine's trace (4,096 requests, 128 adapters)
-# served 153 / 163 / 170 req/s eager and 199 / 216 / 226 compiled at 256 / 512 / 1,024 seats with
-# 8 tokens per seat; warm-up captured 119 / 239 / 479 graphs (benchmarks/results/engine/shapes_h100/).
-# 512 takes most of the gain for a warm-up a few seconds longer.
+# Default seats and tokens per step: on bench_engine's trace, 512 seats take most of the throughput
+# that 1,024 gain over 256, for half the graphs to capture (benchmarks/results/engine/shapes_h100/).
 DEFAULT_MAX_NUM_SEQS = 512
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 # KV blocks on the CPU when `num_kv_blocks` is not given (on the GPU: `gpu_memory_utilization`).
