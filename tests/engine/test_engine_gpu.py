@@ -2,6 +2,8 @@
 and nothing is recaptured after warm-up."""
 
 import copy
+import logging
+import re
 
 import pytest
 import torch
@@ -60,9 +62,13 @@ def test_graph_replay_equals_eager_as_requests_join_and_leave(grid):
     assert graph.pool.num_free == graph.pool.num_blocks
 
 
-def test_no_recapture_after_warm_up():
+def test_no_recapture_after_warm_up(caplog):
     eager, graph, _ = engines(torch.bfloat16)
-    captured = graph.warm_up()
+    with caplog.at_level(logging.INFO, logger="lorazor.engine"):
+        captured = graph.warm_up()
+    # The startup log says how many graphs and how long (eager: no word of compiling).
+    assert re.search(rf"warm-up: captured {captured} step graphs in [0-9.]+ s .*eager", caplog.text), caplog.text
+    assert "compiling" not in caplog.text
     # Decode buckets 2, 4, 8, 16 (one row pads to two) and one token bucket of packed steps, each with
     # LoRA (one adapter class for 3 slots) and backbone only.
     assert captured == graph.graphs.num_graphs() == 5 * (len(graph.model.context.slot_bound_classes()) + 1)
@@ -73,7 +79,7 @@ def test_no_recapture_after_warm_up():
     assert graph.graphs.num_captures == captured, "a new request mix recaptured a graph"
 
 
-def test_compiled_engine_steps_equal_eager_and_peft():
+def test_compiled_engine_steps_equal_eager_and_peft(caplog):
     # torch.compile inside the captured step graphs, one compile for every bucket: bf16
     # replays equal the same compiled step run eagerly as requests join and leave; fp32 equals PEFT.
     from torch._dynamo.utils import counters
@@ -84,7 +90,11 @@ def test_compiled_engine_steps_equal_eager_and_peft():
     expected = [[(o.token_ids, o.release_step) for o in run_staggered(eager, t)] for t in traces]
     torch._dynamo.reset()  # count the graphed engine's compiles alone (compiled code is shared by code object)
     counters.clear()
-    graph.warm_up()
+    with caplog.at_level(logging.INFO, logger="lorazor.engine"):
+        graph.warm_up()
+    # The log says it compiles before the wait (a cold start takes minutes), then how long it took.
+    assert re.search(r"compiling the step graphs.*\n.*warm-up: captured \d+ step graphs in [0-9.]+ s .*compiled",
+                     caplog.text), caplog.text
     compiled = counters["stats"]["unique_graphs"]
     # Decode and packed steps, each with LoRA and backbone only, compile three regions (decoder layer,
     # final norm, rotary embedding) a few times each, about 16 in all; one per bucket would be 48 or more.

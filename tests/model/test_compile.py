@@ -68,9 +68,10 @@ def test_gpu_compiled_graphs_match_fp32_peft_across_adapter_mixes():
 
 
 def test_one_compiled_decoder_layer_serves_every_layer():
-    # Regional compilation: an 8-layer model's decode steps compile the decoder layer a few times in
-    # all (batch 1, the layer number made dynamic, larger batches), not once per layer, and the
-    # engine's tokens still equal PEFT's. The KV writes of all layers land in their own layer.
+    # Regional compilation: an 8-layer model's steps compile the decoder layer twice in all (batch 1,
+    # then a dynamic batch), not once per layer, and the engine's tokens still equal PEFT's. The layer
+    # number is dynamic from the first compile: a compile specialized on layer 0 would make three.
+    # The KV writes of all layers land in their own layer.
     from helpers import peft_names
     from lorazor import LoRazorEngine
     from torch._dynamo.utils import counters
@@ -90,7 +91,7 @@ def test_one_compiled_decoder_layer_serves_every_layer():
     while eng.has_unfinished():
         done.update((o.request_id, o) for o in eng.step() if o.finished)
     compiles = model.runner.compiled_layers.compiles()
-    assert 1 <= compiles["LlamaDecoderLayer"] <= 4, compiles
+    assert compiles["LlamaDecoderLayer"] <= 2, compiles
     assert dict(counters["graph_break"]) == {}
     for i, p, a in zip(ids, ps, adapters):
         with torch.no_grad():

@@ -141,6 +141,9 @@ class LoRazorEngine:
         if self.graphs is None:
             return 0
         start = time.perf_counter()
+        if self.model.config.compile:  # say it before the wait, not after: a cold start looks hung
+            log.info("warm-up: compiling the step graphs; with empty compile caches this takes minutes "
+                     "(the caches under TORCHINDUCTOR_CACHE_DIR make a restart take seconds)")
         with self.model.guard.hold("capture the engine's graphs"):
             captured = self.graphs.capture_all(self.tables.upload(), batch_sizes)
         graphs = self.graphs

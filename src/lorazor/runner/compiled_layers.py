@@ -5,7 +5,8 @@ per engine: decode and packed steps, with and without LoRA). The layers of a mod
 code, so LoRazor compiles a layer class's `forward` once and calls it for each layer, with the layer
 as an argument: dynamo's guards hold for every layer (their weights are inputs, and the layer number
 stays a symbolic int, see `layer_stack.py`), so a step kind compiles a few times whatever the
-depth (batch 1 apart, and once more when the second layer makes the layer number dynamic). The
+depth (batch 1 apart). The layer number is marked dynamic before the first compile (`layer_number_sources`): left to
+dynamo, the first layer's call would compile once more, specialized on layer 0. The
 final norm and the rotary embedding are compiled the same way. The embedding lookup and the glue
 between regions run eagerly (inside the step's CUDA graph, so their Python costs nothing at replay).
 
@@ -39,6 +40,21 @@ def mark_rows_dynamic(value) -> None:
             mark_rows_dynamic(item)
 
 
+def layer_number_sources(layer: nn.Module) -> str:
+    """Dynamo's names for the integer layer numbers (HF's `layer_idx`) inside a decoder layer, as
+    `torch.compiler.config.dynamic_sources` takes them: marked dynamic from the first compile, the
+    layer number costs no compile specialized on layer 0 that the second layer would throw away.
+    Each is spelled as torch 2.13 names a submodule's attribute (`_modules['...']`) and as older
+    versions did (a dotted path); an entry that names no source is ignored."""
+    names = []
+    for path, module in layer.named_modules():
+        if isinstance(getattr(module, "layer_idx", None), int) and not isinstance(module.layer_idx, bool):
+            parts = path.split(".") if path else []
+            names.append("L['self']" + "".join(f"._modules['{p}']" for p in parts) + ".layer_idx")
+            names.append(".".join(["L['self']", *parts, "layer_idx"]))
+    return ",".join(names)
+
+
 class CompiledLayers:
     """Installs compiled regions on a decoder's layers, final norm and rotary embedding."""
 
@@ -52,6 +68,7 @@ class CompiledLayers:
         modules += [m for name, m in decoder.named_children()
                     if name == "norm" or type(m).__name__.endswith("RotaryEmbedding")]
         self.modules = modules
+        self.dynamic_sources = layer_number_sources(layers[0])
         compiled = {}  # one compiled forward per module class
         for module in modules:
             cls = type(module)
@@ -88,12 +105,17 @@ class CompiledLayers:
         for module in self.modules:
             module.__dict__.pop("forward", None)
 
+    def _with_users_sources(self) -> str:
+        """The layer numbers' sources after any the user set (`TORCH_COMPILE_DYNAMIC_SOURCES`)."""
+        return ",".join(filter(None, (torch.compiler.config.dynamic_sources, self.dynamic_sources)))
+
     @contextmanager
     def active(self):
         """Run the regions compiled within this block (the runner's compiled steps)."""
         self.active_regions = True
         try:
-            with torch._dynamo.config.patch(recompile_limit=REGION_VARIANTS, allow_unspec_int_on_nn_module=True):
+            with torch._dynamo.config.patch(recompile_limit=REGION_VARIANTS, allow_unspec_int_on_nn_module=True), \
+                    torch.compiler.config.patch(dynamic_sources=self._with_users_sources()):
                 yield
         finally:
             self.active_regions = False
