@@ -249,3 +249,35 @@ def test_seats_and_compile_numbers_equal_their_runs():
     assert (f"{compiled[1]:.1f} req/s against\n{eager[1]:.1f} req/s with eager graphs at the default 512 seats, "
             f"{compiled[1] / backbone[1]:.2f}x its backbone ({backbone[1]:.1f} req/s)") in engine
     assert "DEFAULT_MAX_NUM_SEQS = 512" in (ROOT / "src" / "lorazor" / "engine" / "engine.py").read_text()
+
+
+def test_decode_heavy_and_adapter_floor_numbers_equal_their_runs():
+    """docs/performance.md quotes `engine/decode_heavy_h100/` and `adapter_bytes_cpu/` row by row."""
+    performance = page("docs/performance.md")
+    folder = RESULTS / "engine" / "decode_heavy_h100"
+
+    def rows(mode):
+        lines = (folder / f"rows_exact_decode_heavy_{mode}.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    summaries = {}
+    for mode in ("eager", "compiled"):
+        req = {r["system"]: r["req_s"] for r in rows(mode) if "req_s" in r}
+        summary = summaries[mode] = next(r for r in rows(mode) if r["stage"] == "summary")
+        assert abs(summary["vs_backbone"] - req["lorazor"] / req["backbone"]) < 1e-4
+        assert (f"| {mode} | {req['lorazor']:.1f} | {req['exact']:.1f} | {req['backbone']:.1f} | "
+                f"{summary['vs_backbone']:.2f}x | {summary['gap_closed']:.0%} |") in performance, mode
+    measured = {"mixed": measured_mixed_ratio(), "decode-heavy": summaries["compiled"]["vs_backbone"]}
+    for workload, label in (("mixed", "mixed (4,096 requests)"), ("decode-heavy", "decode-heavy")):
+        floors = json.loads((RESULTS / "adapter_bytes_cpu" / f"adapter_bytes_{workload}.json").read_text())
+        vs = floors["floor_vs_backbone"]
+        assert (f"| {label} | {vs['adapter_bytes']['lorazor']:.2f}x | {vs['with_lora_activations']['lorazor']:.2f}x | "
+                f"{measured[workload]:.2f}x |") in performance, workload
+        assert f"{floors['lora_activation_mb_per_token']:.2f} MB per LoRA token" in performance
+
+
+def measured_mixed_ratio() -> float:
+    """LoRazor / backbone, compiled, at the default 512 seats (`engine/shapes_h100/`)."""
+    rows = (RESULTS / "engine" / "shapes_h100" / "rows_exact_compiled_512.jsonl").read_text().splitlines()
+    req = {r["system"]: r["req_s"] for r in map(json.loads, rows) if "req_s" in r}
+    return req["lorazor"] / req["backbone"]
