@@ -25,19 +25,15 @@ token for this shape. Writes `adapter_bytes_<workload><tag>.json`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path[:0] = [str(Path(__file__).parent.parent), str(Path(__file__).parent)]  # benchmarks/, probes/
-import engine_workload as wl  # noqa: E402
-from bench_engine import SEQS, TOKENS, offline_requests  # noqa: E402
 from common import SHAPES, environment, projections  # noqa: E402
-from host_trace import build_engine  # noqa: E402
+from host_trace import trace_arguments, trace_engine  # noqa: E402
 
 RANK = 8
 BYTES = 2  # bf16
@@ -106,23 +102,11 @@ def floor_seconds(step: dict, sizes: dict, system: str, bandwidth: float, flops:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
-    ap.add_argument("--requests", type=int, default=4096)
-    ap.add_argument("--adapters", type=int, default=128)
-    ap.add_argument("--workload", choices=sorted(wl.SHAPES), default="mixed")
-    ap.add_argument("--max-num-seqs", type=int, default=SEQS)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=TOKENS)
+    ap = trace_arguments()
     ap.add_argument("--read-tb-s", type=float, default=4.235, help="read bandwidth of the floors (H200, measured)")
     ap.add_argument("--matmul-tflops", type=float, default=778.5, help="bf16 matmul rate of the floors (H200)")
-    ap.add_argument("--tag", default="", help="appended to the result's file name")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
-    engine, names, vocab = build_engine(args.adapters, args.max_num_seqs, args.max_num_batched_tokens)
-    workload = wl.build(args.requests, vocab, shape=args.workload)
-    ks = wl.release_lengths(workload, wl.TARGET_SKIPS[args.workload])
-    requests = offline_requests(workload, wl.assign(workload, len(names)), names, ks, True)
+    engine, requests = trace_engine(args)
     release = {}
     for request in requests:
         release[engine.add_request(**request)] = request["release"]

@@ -92,7 +92,8 @@ def composition(steps: list[tuple[int, int, int]], seats: int) -> dict:
                 decode_tokens=sum(s[0] for s in steps), prefill_tokens=sum(s[1] for s in steps))
 
 
-def main() -> None:
+def trace_arguments() -> argparse.ArgumentParser:
+    """The arguments of a probe over bench_engine's trace (this one's and `adapter_bytes.py`'s)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
     ap.add_argument("--requests", type=int, default=4096)
@@ -101,14 +102,24 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=SEQS)
     ap.add_argument("--max-num-batched-tokens", type=int, default=TOKENS)
     ap.add_argument("--tag", default="", help="appended to the result's file name")
-    ap.add_argument("--profile", action="store_true", help="cProfile the stepping; top functions in the JSON")
-    args = ap.parse_args()
+    return ap
+
+
+def trace_engine(args):
+    """The stubbed engine and bench_engine's requests (StepTrim's release lengths) for `args`."""
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     engine, names, vocab = build_engine(args.adapters, args.max_num_seqs, args.max_num_batched_tokens)
     workload = wl.build(args.requests, vocab, shape=args.workload)
     ks = wl.release_lengths(workload, wl.TARGET_SKIPS[args.workload])
-    requests = offline_requests(workload, wl.assign(workload, len(names)), names, ks, True)
+    return engine, offline_requests(workload, wl.assign(workload, len(names)), names, ks, True)
+
+
+def main() -> None:
+    ap = trace_arguments()
+    ap.add_argument("--profile", action="store_true", help="cProfile the stepping; top functions in the JSON")
+    args = ap.parse_args()
+    engine, requests = trace_engine(args)
 
     start = time.perf_counter()
     for request in requests:
