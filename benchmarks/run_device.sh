@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine call: GPU tests and the benchmarks users rerun. Results land in $OUT/all.tgz (a
-# device call returns few files). On the GPU machine, from the repository root:
+# device call returns few files; a second invocation in the same call writes $OUT/all_<time>.tgz). On the GPU machine, from the repository root:
 #   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh gpu-tests kernels e2e-quick
 # Steps:
 #   gpu-tests        every test on the GPU (or those under $TEST_PATHS), in $SHARDS parallel shards over the GPUs (default 10, $SHARD_TIMEOUT s each,
@@ -46,8 +46,11 @@ set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 W=${WORK:-$OUT/work}  # WORK=/tmp/work: only all.tgz (and the testbed parts) come back, at most 8 files
-rm -rf "$W"  # only this call's files come back (so run every step of a call in one invocation)
+rm -rf "$W"  # a warm machine keeps the last call's work folder: only this invocation's files go in
 mkdir -p "$W"
+# A second invocation in one call (OUT starts empty each call) writes its own archive, not over the first's.
+TGZ="$OUT/all.tgz"
+[ -e "$TGZ" ] && TGZ="$OUT/all_$(date +%s%N).tgz"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$W/gpu.txt"
 e2e() {  # bench_e2e.py on the Llama-3.2-3B shape with the given extra arguments; $1 names the log
   local name=$1
@@ -65,7 +68,7 @@ engine_runs() {  # "mode seqs tokens skip seconds; ...": one bench_engine proces
     env "${logs[@]}" timeout "$5" python3 benchmarks/bench_engine.py --part exact --out "$W/engine" \
       --deadline $(( $5 - 10 )) --adapters 128 --skip "$4,static,open,skewed" $([ "$1" = compiled ] && echo --compile) \
       --max-num-seqs "$2" --max-num-batched-tokens "$3" --tag "_$1_$2_$3" > "$W/engine_$1_$2_$3.log" 2>&1
-    tar czf "$OUT/all.tgz" -C "$W" .
+    tar czf "$TGZ" -C "$W" .
   done
 }
 for step in "$@"; do
@@ -136,7 +139,7 @@ PY
                    timeout $s python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline $((s - 10)) \
                      --workload decode-heavy --requests 1536 --adapters 128 --skip static,open,skewed \
                      $([ $mode = compiled ] && echo --compile) --tag _decode_heavy_$mode > "$W/engine_decode_heavy_$mode.log" 2>&1
-                   tar czf "$OUT/all.tgz" -C "$W" .
+                   tar czf "$TGZ" -C "$W" .
                  done ;;
     trace-busy) timeout 300 python3 benchmarks/probes/trace_busy.py --out "$W" --tag _eager > "$W/trace_busy.log" 2>&1 ;;
     engine-tokens) engine_runs "eager 512 1024 backbone 180; eager 512 4096 backbone 180; eager 512 8192 backbone 180" ;;
@@ -159,19 +162,19 @@ PY
     mixed)   for mode in eager compiled; do
                timeout 280 python3 benchmarks/probes/step_roofline.py $([ $mode = compiled ] && echo --compile) \
                  --phases floors,mixed --out "$W" --tag "_mixed_${mode}_${LORAZOR_COMMIT:-head}" > "$W/mixed_$mode.log" 2>&1
-               tar czf "$OUT/all.tgz" -C "$W" .
+               tar czf "$TGZ" -C "$W" .
              done ;;
     warmup)  # compiled on cold caches, compiled again on the caches it left (a restart), then eager; tar after each
              export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_warmup TRITON_CACHE_DIR=/tmp/triton_warmup
              rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
              timeout 200 python3 benchmarks/probes/warmup_profile.py --compile --out "$W" > "$W/warmup_compiled.log" 2>&1
-             tar czf "$OUT/all.tgz" -C "$W" .
+             tar czf "$TGZ" -C "$W" .
              timeout 150 python3 benchmarks/probes/warmup_profile.py --compile --tag _restart --out "$W" \
                > "$W/warmup_compiled_restart.log" 2>&1
-             tar czf "$OUT/all.tgz" -C "$W" .
+             tar czf "$TGZ" -C "$W" .
              rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
              timeout 170 python3 benchmarks/probes/warmup_profile.py --out "$W" > "$W/warmup.log" 2>&1
-             tar czf "$OUT/all.tgz" -C "$W" .
+             tar czf "$TGZ" -C "$W" .
              timeout 120 python3 benchmarks/probes/warmup_profile.py --tag _restart --out "$W" > "$W/warmup_restart.log" 2>&1 ;;
     serving) if [ -d .whl ]; then  # fastapi, uvicorn, pydantic wheels carried in (device README)
                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -181,7 +184,7 @@ PY
     *) echo "unknown step $step (see the header of benchmarks/run_device.sh)" ;;
   esac
   echo "== $step rc=$? $(( $(date +%s) - start ))s"
-  tar czf "$OUT/all.tgz" -C "$W" .  # after every step: a call cut short still returns what it finished
+  tar czf "$TGZ" -C "$W" .  # after every step: a call cut short still returns what it finished
 done
 for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f" | tail -12; done
 grep -h '^|' "$W"/kernels.log "$W"/release.log "$W"/adapters.log 2>/dev/null | tail -40
