@@ -5,9 +5,9 @@ per engine: decode and packed steps, with and without LoRA). The layers of a mod
 code, so LoRazor compiles a layer class's `forward` once and calls it for each layer, with the layer
 as an argument: dynamo's guards hold for every layer (their weights are inputs, and the layer number
 stays a symbolic int, see `layer_stack.py`), so a step kind compiles a few times whatever the
-depth (batch 1 apart). The layer number is marked dynamic before the first compile (`layer_number_sources`): left to
-dynamo, the first layer's call would compile once more, specialized on layer 0. The
-final norm and the rotary embedding are compiled the same way. The embedding lookup and the glue
+depth (batch 1 apart). The layer number is marked dynamic before the first compile
+(`layer_number_sources`): left to dynamo, the first layer's call would compile once more,
+specialized on layer 0. The final norm and the rotary embedding are compiled the same way. The embedding lookup and the glue
 between regions run eagerly (inside the step's CUDA graph, so their Python costs nothing at replay).
 
 Regions run compiled only inside `active()`: the runner's compiled steps. Every other forward
