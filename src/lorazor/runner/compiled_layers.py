@@ -7,8 +7,9 @@ as an argument: dynamo's guards hold for every layer (their weights are inputs, 
 stays a symbolic int, see `layer_stack.py`), so a step kind compiles a few times whatever the
 depth (batch 1 apart). The layer number is marked dynamic before the first compile
 (`layer_number_sources`): left to dynamo, the first layer's call would compile once more,
-specialized on layer 0. The final norm and the rotary embedding are compiled the same way. The embedding lookup and the glue
-between regions run eagerly (inside the step's CUDA graph, so their Python costs nothing at replay).
+specialized on layer 0. The final norm and the rotary embedding are compiled the same way. The
+embedding lookup and the glue between regions run eagerly (inside the step's CUDA graph, so their
+Python costs nothing at replay).
 
 Regions run compiled only inside `active()`: the runner's compiled steps. Every other forward
 (`generate()`'s prefill, eager steps, `model.forward`) runs the layers' own code.
