@@ -29,6 +29,9 @@
 #                    the measurement behind the default max_num_seqs
 #   engine-runs      bench_engine.py --part exact at 128 adapters, one process per entry of $ENGINE_RUNS
 #                    ("mode seqs tokens skip seconds; ..."): eager or compiled, at a shape, within a time limit
+#   engine-configs   bench_engine.py --part exact at 128 adapters, 2,048 requests, LoRazor and backbone (eager), one
+#                    process per kernel config of $KERNEL_CONFIGS (paths under kernels/lorazor_kernels/configs/, or
+#                    "default": this GPU's own): e.g. the H200's tuned config on an H100, which has none of its own
 #   engine-full      bench_engine.py --part full: full grid with and without release, open loop
 #   engine-sweep     bench_engine.py --part exact at 4-64 adapters only (lorazor and exact), rows_exact_sweep.jsonl
 #   testbed-v2       python -m lorazor.testbed.train --version 2 on the GPU, then the paper's tables on it
@@ -145,6 +148,13 @@ PY
     engine-tokens) engine_runs "eager 512 1024 backbone 180; eager 512 4096 backbone 180; eager 512 8192 backbone 180" ;;
     engine-seqs) engine_runs "eager 256 2048 exact 185; eager 512 4096 exact 185; eager 1024 8192 exact 185" ;;
     engine-runs) engine_runs "${ENGINE_RUNS:?}" ;;
+    engine-configs) for cfg in ${KERNEL_CONFIGS:-default}; do
+                   name=$(basename "$cfg" .json)
+                   env $([ "$cfg" != default ] && echo LORAZOR_KERNEL_CONFIG="$cfg") timeout 150 \
+                     python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --adapters 128 --requests 2048 \
+                     --skip exact,static,open,skewed --tag "_config_$name" > "$W/engine_config_$name.log" 2>&1
+                   tar czf "$TGZ" -C "$W" .
+                 done ;;
     engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  > "$W/engine_full.log" 2>&1 ;;
     testbed-v2) # Assets (about 18 MB compressed) come back as 15 MiB parts: cat testbed_v2.tgz.part-* | tar xz
