@@ -47,6 +47,10 @@ def environment() -> dict:
         pass
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
+        from lorazor_kernels.kernel_config import kernel_config_path
+
+        # Which launch settings the LoRA kernels ran with (a GPU without a tuned file gets the default).
+        env["kernel_config"] = Path(kernel_config_path(torch.device("cuda"))).name
     return env
 
 

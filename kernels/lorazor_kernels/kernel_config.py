@@ -102,20 +102,26 @@ def _config_from(path: str) -> KernelConfig:
 
 
 @lru_cache(maxsize=None)
-def _config_for(device_name: str) -> KernelConfig:
+def _path_for(device_name: str) -> str:
     path = CONFIG_DIR / config_file_name(device_name)
-    return _config_from(str(path if path.exists() else CONFIG_DIR / "default.json"))
+    return str(path if path.exists() else CONFIG_DIR / "default.json")
 
 
-def get_kernel_config(device: torch.device) -> KernelConfig:
-    """The file named by `$LORAZOR_KERNEL_CONFIG` if set, else the tuned config of this device's
-    GPU, or `configs/default.json` (also used on CPU)."""
+def kernel_config_path(device: torch.device) -> str:
+    """The file `get_kernel_config` reads for `device`: `$LORAZOR_KERNEL_CONFIG` if set, else the
+    tuned config of this device's GPU, or `configs/default.json` (also used on CPU). Benchmarks
+    record it with their results."""
     override = os.environ.get(CONFIG_ENV)
     if override:
         if not Path(override).is_file():
             raise FileNotFoundError(f"{CONFIG_ENV}={override!r} is not a file")
-        return _config_from(override)
-    return _config_for(_device_name(device.type, device.index))
+        return override
+    return _path_for(_device_name(device.type, device.index))
+
+
+def get_kernel_config(device: torch.device) -> KernelConfig:
+    """The launch settings for `device`, from the file `kernel_config_path` names."""
+    return _config_from(kernel_config_path(device))
 
 
 @lru_cache(maxsize=None)

@@ -34,6 +34,28 @@ def test_kernel_config_looks_the_device_up_once():
     assert info.misses == 1 and info.hits == 2
 
 
+def test_kernel_config_path_names_the_file_the_kernels_read(monkeypatch, tmp_path):
+    import dataclasses
+    import json
+
+    monkeypatch.delenv(kernel_config.CONFIG_ENV, raising=False)
+    device = torch.device(DEVICE)
+    path = kernel_config.kernel_config_path(device)
+    expected = kernel_config.CONFIG_DIR / kernel_config.config_file_name(kernel_config._device_name(device.type, None))
+    assert path == str(expected if expected.exists() else kernel_config.CONFIG_DIR / "default.json")
+    assert get_kernel_config(device) == kernel_config.KernelConfig.from_json(path)
+    # An override is the file read, whatever the device.
+    custom = tmp_path / "mine.json"
+    settings = dataclasses.asdict(dataclasses.replace(get_kernel_config(device), expand_block_n=64))
+    custom.write_text(json.dumps(settings))
+    monkeypatch.setenv(kernel_config.CONFIG_ENV, str(custom))
+    assert kernel_config.kernel_config_path(device) == str(custom)
+    assert get_kernel_config(device).expand_block_n == 64
+    monkeypatch.setenv(kernel_config.CONFIG_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        kernel_config.kernel_config_path(device)
+
+
 def test_linear_lora_op_takes_a_kernel_config(monkeypatch):
     import dataclasses
 
