@@ -28,7 +28,8 @@
 #                    (lorazor, backbone; eager): the trace is bound by its 256 seats (benchmarks/results/host_trace_cpu/);
 #                    the measurement behind the default max_num_seqs
 #   engine-runs      bench_engine.py --part exact at 128 adapters, one process per entry of $ENGINE_RUNS
-#                    ("mode seqs tokens skip seconds; ..."): eager or compiled, at a shape, within a time limit
+#                    ("mode seqs tokens skip seconds [name [VAR=value ...] [bench_engine args ...]]; ..."): eager or
+#                    compiled, at a shape, within a time limit (engine-decode-heavy, -seqs, -tokens, -configs use it)
 #   engine-configs   bench_engine.py --part exact at 128 adapters, 2,048 requests, LoRazor and backbone (eager), one
 #                    process per kernel config of $KERNEL_CONFIGS (paths under kernels/lorazor_kernels/configs/, or
 #                    "default": this GPU's own): e.g. the H200's tuned config on an H100, which has none of its own
@@ -60,17 +61,23 @@ e2e() {  # bench_e2e.py on the Llama-3.2-3B shape with the given extra arguments
   shift
   timeout 420 python3 benchmarks/bench_e2e.py --out "$W" "$@" > "$W/$name.log" 2>&1
 }
-engine_runs() {  # "mode seqs tokens skip seconds; ...": one bench_engine process per entry, in order (mode eager or
-  # compiled; skip: systems or stages besides static,open,skewed), within its seconds; tar after each
+engine_runs() {  # "mode seqs tokens skip seconds [name [VAR=value ...] [bench_engine args ...]]; ...": one bench_engine
+  # process per entry, in order (mode eager or compiled; skip: systems or stages besides static,open,skewed; name:
+  # the tag and log, default mode_seqs_tokens; VAR=value: its environment), within its seconds; tar after each
   local runs run
-  IFS=';' read -ra runs <<< "$1"
+  IFS=';' read -rd '' -a runs <<< "$1" || true  # the whole list, newlines included (read stops at EOF)
   for run in "${runs[@]}"; do
     set -- $run
-    local logs=()
-    [ "$1" = compiled ] && logs=(TORCH_LOGS=recompiles)
-    env "${logs[@]}" timeout "$5" python3 benchmarks/bench_engine.py --part exact --out "$W/engine" \
-      --deadline $(( $5 - 10 )) --adapters 128 --skip "$4,static,open,skewed" $([ "$1" = compiled ] && echo --compile) \
-      --max-num-seqs "$2" --max-num-batched-tokens "$3" --tag "_$1_$2_$3" > "$W/engine_$1_$2_$3.log" 2>&1
+    [ $# -ge 5 ] || continue  # an empty entry (a trailing ";")
+    local mode=$1 seqs=$2 tokens=$3 skip=$4 seconds=$5 name=${6:-$1_$2_$3} envs=() args=()
+    shift $(( $# < 6 ? $# : 6 ))
+    for field in "$@"; do
+      case $field in [A-Z]*=*) envs+=("$field") ;; *) args+=("$field") ;; esac
+    done
+    [ "$mode" = compiled ] && envs+=(TORCH_LOGS=recompiles) && args+=(--compile)
+    env "${envs[@]}" timeout "$seconds" python3 benchmarks/bench_engine.py --part exact --out "$W/engine" \
+      --deadline $(( seconds - 10 )) --adapters 128 --skip "$skip,static,open,skewed" --max-num-seqs "$seqs" \
+      --max-num-batched-tokens "$tokens" --tag "_$name" "${args[@]}" > "$W/engine_$name.log" 2>&1
     tar czf "$TGZ" -C "$W" .
   done
 }
@@ -137,24 +144,18 @@ PY
                  --deadline ${ENGINE_DEADLINE:-520} --adapters 128 --skip static,open,skewed --tag _compiled \
                  > "$W/engine_compiled.log" 2>&1 ;;
     engine-decode-heavy) secs=(${DECODE_HEAVY_SECONDS:-280 280})  # eager, compiled: a cold compile takes minutes
-                 for mode in eager compiled; do
-                   s=${secs[$([ $mode = eager ] && echo 0 || echo 1)]}
-                   timeout $s python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline $((s - 10)) \
-                     --workload decode-heavy --requests 1536 --adapters 128 --skip static,open,skewed \
-                     $([ $mode = compiled ] && echo --compile) --tag _decode_heavy_$mode > "$W/engine_decode_heavy_$mode.log" 2>&1
-                   tar czf "$TGZ" -C "$W" .
-                 done ;;
+                 dh="--workload decode-heavy --requests 1536"
+                 engine_runs "eager 512 4096 none ${secs[0]} decode_heavy_eager $dh; compiled 512 4096 none ${secs[1]} decode_heavy_compiled $dh" ;;
     trace-busy) timeout 300 python3 benchmarks/probes/trace_busy.py --out "$W" --tag _eager > "$W/trace_busy.log" 2>&1 ;;
     engine-tokens) engine_runs "eager 512 1024 backbone 180; eager 512 4096 backbone 180; eager 512 8192 backbone 180" ;;
     engine-seqs) engine_runs "eager 256 2048 exact 185; eager 512 4096 exact 185; eager 1024 8192 exact 185" ;;
     engine-runs) engine_runs "${ENGINE_RUNS:?}" ;;
-    engine-configs) for cfg in ${KERNEL_CONFIGS:-default}; do
-                   name=$(basename "$cfg" .json)
-                   env $([ "$cfg" != default ] && echo LORAZOR_KERNEL_CONFIG="$cfg") timeout 150 \
-                     python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --adapters 128 --requests 2048 \
-                     --skip exact,static,open,skewed --tag "_config_$name" > "$W/engine_config_$name.log" 2>&1
-                   tar czf "$TGZ" -C "$W" .
-                 done ;;
+    engine-configs) runs=""
+                 for cfg in ${KERNEL_CONFIGS:-default}; do
+                   env=$([ "$cfg" != default ] && echo LORAZOR_KERNEL_CONFIG="$cfg")
+                   runs+="eager 512 4096 exact 150 config_$(basename "$cfg" .json) $env --requests 2048;"
+                 done
+                 engine_runs "$runs" ;;
     engine-full) timeout 560 python3 benchmarks/bench_engine.py --part full --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  > "$W/engine_full.log" 2>&1 ;;
     testbed-v2) # Assets (about 18 MB compressed) come back as 15 MiB parts: cat testbed_v2.tgz.part-* | tar xz
