@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import math
 import threading
 from dataclasses import dataclass
 
@@ -40,6 +41,41 @@ REFUSED_FIELDS = {
     "output_attentions": (bool, "attention weights are not materialized by LoRazor's attention"),
     "output_hidden_states": (bool, "only the final hidden state is kept (for the release policy)"),
 }
+
+# A sampling temperature below this is greedy (vLLM's rule): dividing logits by a subnormal or zero
+# temperature gives infinities, and the softmax of those NaN.
+SAMPLING_EPS = 1e-5
+# Float settings HF requires as floats; JSON clients send 2 for 2.0.
+FLOAT_SETTINGS = ("temperature", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                  "repetition_penalty", "encoder_repetition_penalty", "length_penalty")
+# Repetition penalties whose division or multiplication keeps fp32 logits finite (HF only asks > 0:
+# 1e-300 turns every seen token's logit into an infinity).
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+
+
+def guard_sampling(config: GenerationConfig, vocab_size: int | None) -> None:
+    """Make settings that would poison a step's arithmetic safe, in place, or refuse them naming
+    the setting (what vLLM does at admission): integer floats become floats; a temperature below
+    `SAMPLING_EPS` is greedy; `top_k` past the vocabulary is the vocabulary (the same filter, and no
+    int64 overflow); non-finite values and repetition penalties outside `REPETITION_PENALTY_RANGE`
+    raise ValueError."""
+    for name in FLOAT_SETTINGS:
+        value = getattr(config, name, None)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+        setattr(config, name, float(value))
+    if config.do_sample and config.temperature is not None and 0 <= config.temperature < SAMPLING_EPS:
+        config.do_sample = False
+        config.temperature = 1.0  # no warper, and no "temperature is set but do_sample is False" warning
+    penalty = config.repetition_penalty
+    low, high = REPETITION_PENALTY_RANGE
+    if penalty is not None and penalty != 1.0 and not low <= penalty <= high:
+        raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {penalty!r}")
+    top_k = config.top_k
+    if vocab_size and isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > vocab_size:
+        config.top_k = vocab_size
 
 
 @dataclass
@@ -191,6 +227,7 @@ def resolve_config(hf_model, given: GenerationConfig | None, kwargs: dict) -> tu
     for name, (is_set, why) in REFUSED_FIELDS.items():
         if is_set(getattr(config, name, None)):
             raise NotImplementedError(f"{name}={getattr(config, name)!r} is not supported: {why}")
+    guard_sampling(config, getattr(hf_model.config, "vocab_size", None))
     return config, flags
 
 

@@ -83,18 +83,28 @@ def replica_of(cluster, model, prompt="Tom has 3 apples") -> str:
 
 
 def test_every_process_of_the_server_listens_on_loopback_only(cluster):
+    """Every listening socket of every process in the server's session (Ray's raylet, GCS, agents,
+    the Serve proxy, router and replicas, the engines), wherever Ray started it."""
     import psutil
 
-    group = os.getpgid(cluster["proc"].pid)
-    listening = set()
+    replica_of(cluster, "sql")  # the replicas have served (their gRPC servers are up)
+    session = os.getsid(cluster["proc"].pid)
+    listening = {}
     for p in psutil.process_iter():
         try:
-            if os.getpgid(p.pid) != group:
+            if os.getsid(p.pid) != session:
                 continue
-            listening |= {c.laddr.ip for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    listening[f"{c.laddr.ip}:{c.laddr.port}"] = " ".join(p.cmdline())[:80]
         except (psutil.Error, ProcessLookupError):
             continue
-    assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
+    assert len(listening) >= 3, listening  # at least Serve's HTTP proxy, the replicas, Ray's own
+    outside = {a: who for a, who in listening.items() if a.rsplit(":", 1)[0] not in LOOPBACK}
+    assert not outside, outside
+
+
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 
 def test_completions_and_streams_equal_offline_greedy_for_four_adapters(cluster):

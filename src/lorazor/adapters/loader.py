@@ -2,9 +2,10 @@
 
 A folder holds `adapter_config.json` and `adapter_model.safetensors` (or PEFT's older
 `adapter_model.bin`, read with `torch.load(weights_only=True)`: tensors only). Registration reads
-the JSON and the safetensors header (names, shapes and dtypes, no data; a `.bin` file has no
-header, so its tensors are read and checked then), so a bad folder is refused before any weights
-move and a load between two engine steps finds nothing new to fail on. Tensor keys are PEFT's
+the JSON and the tensors and checks them (shapes against the model, every value finite, a tensor
+pair for every module its `target_modules` select, as PEFT requires), so a bad folder is refused
+before any weights move to the GPU and a load between two engine steps finds nothing new to fail
+on; the tensors are read again when the adapter is first loaded. Tensor keys are PEFT's
 (`base_model.model.<module>.lora_A.weight`); modules are named as in the Hugging Face model
 (`model.layers.0.self_attn.q_proj`).
 """
@@ -12,6 +13,7 @@ move and a load between two engine steps finds nothing new to fail on. Tensor ke
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +147,16 @@ def _read_config(name: str, folder: Path) -> dict:
     rank = cfg.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise AdapterError(f"adapter {name!r}: {path} has r={rank!r}, expected a positive int")
+    patterns = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    if not all(isinstance(p, dict) for p in patterns):
+        raise AdapterError(f"adapter {name!r}: {path} has a rank_pattern or alpha_pattern that is not an object")
+    for key, value in patterns[0].items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise AdapterError(f"adapter {name!r}: {path} has rank_pattern[{key!r}]={value!r}, expected a positive int")
+    for key, value in [("lora_alpha", cfg.get("lora_alpha", 8)), *patterns[1].items()]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            where = key if key == "lora_alpha" else f"alpha_pattern[{key!r}]"
+            raise AdapterError(f"adapter {name!r}: {path} has {where}={value!r}, expected a finite number > 0")
     return cfg
 
 
@@ -221,14 +233,14 @@ def read_adapter(name: str, path, allow_hub: bool = False) -> AdapterSource:
     cfg = _read_config(name, folder)
     _check_inside_decoder(name, cfg, ())
     if (folder / SAFE_FILE).is_file():
-        shapes = _header_shapes(name, folder / SAFE_FILE)
-    elif (folder / LEGACY_FILE).is_file():
-        # No header to read: the tensors themselves are read (weights only) and checked now, so a
-        # bad file is refused at registration, never when a request first needs it.
-        tensors = _read_tensors(AdapterSource(name, folder, cfg, None, cfg["r"]))
-        shapes = _pair_shapes(name, {key: tuple(t.shape) for key, t in tensors.items()})
-    else:
+        shapes = _header_shapes(name, folder / SAFE_FILE)  # dtypes and shapes before any data is read
+    elif not (folder / LEGACY_FILE).is_file():
         raise AdapterError(f"adapter {name!r}: no {SAFE_FILE} or {LEGACY_FILE} in {folder}")
+    # The values are read and checked now, so a bad file is refused at registration, never when a
+    # request first needs it.
+    tensors = _read_tensors(AdapterSource(name, folder, cfg, None, cfg["r"]))
+    shapes = _pair_shapes(name, {key: tuple(t.shape) for key, t in tensors.items()})
+    check_finite(name, tensors)
     ranks = [cfg["r"], *(cfg.get("rank_pattern") or {}).values()]
     if shapes is not None:
         ranks = [module_rank_alpha(cfg, module)[0] for module in shapes] or ranks
@@ -255,6 +267,51 @@ def _read_tensors(source: AdapterSource) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def check_finite(name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse an adapter with a NaN or infinite weight: it would turn its requests' logits to NaN."""
+    for key, tensor in tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise AdapterError(f"adapter {name!r}: tensor {key!r} holds {bad} non-finite values (NaN or infinity)")
+
+
+def targeted_modules(cfg: dict, modules) -> set[str] | None:
+    """The modules among `modules` (the model's LoRA targets, HF names) that the config's
+    `target_modules` select, by PEFT's own matching (suffixes or a regex, `exclude_modules`,
+    `layers_to_transform`); None when the config names no targets."""
+    from types import SimpleNamespace
+
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = cfg.get("target_modules")
+    if not targets:
+        return None
+    if targets == "all-linear":
+        return set(modules)
+    view = SimpleNamespace(target_modules=targets if isinstance(targets, str) else set(targets),
+                           exclude_modules=cfg.get("exclude_modules"), modules_to_save=None, target_parameters=None,
+                           layers_to_transform=cfg.get("layers_to_transform"), layers_pattern=cfg.get("layers_pattern"))
+    return {module for module in modules if check_target_module_exists(view, module)}
+
+
+def check_coverage(source: AdapterSource, module_sizes: dict) -> None:
+    """Refuse a folder whose tensors cover none or only part of what its config targets, as PEFT
+    refuses target modules it cannot find: served, such an adapter is silently the base model."""
+    name = source.name
+    if not source.shapes:
+        raise AdapterError(f"adapter {name!r}: {source.path} holds no LoRA tensors")
+    expected = targeted_modules(source.config, module_sizes)
+    if expected is None:
+        return
+    if not expected:
+        raise AdapterError(f"adapter {name!r}: its target_modules {source.config.get('target_modules')!r} match none "
+                           f"of this model's LoRA target modules (e.g. {next(iter(module_sizes), None)!r})")
+    missing = sorted(expected - set(source.shapes))
+    if missing:
+        raise AdapterError(f"adapter {name!r}: {source.path} has no weights for {len(missing)} of the {len(expected)} "
+                           f"modules its target_modules select (e.g. {missing[0]}): the file is incomplete")
+
+
 def load_adapter_weights(source: AdapterSource, module_sizes: dict[str, tuple[int, int]]) -> AdapterWeights:
     """Read an adapter's tensors (host memory) and check them against the bank's modules.
 
@@ -262,6 +319,7 @@ def load_adapter_weights(source: AdapterSource, module_sizes: dict[str, tuple[in
         module_sizes: bank module name -> (in_features, out_features).
     """
     tensors = _read_tensors(source)
+    check_finite(source.name, tensors)  # the file may have changed since registration
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         module, kind = module_of_key(key)
@@ -294,3 +352,4 @@ def check_source(source: AdapterSource, module_sizes: dict[str, tuple[int, int]]
         check_target(source.name, module, module_sizes)
         rank, _ = module_rank_alpha(source.config, module)
         check_shapes(source.name, module, a_shape, b_shape, rank, *module_sizes[module])
+    check_coverage(source, module_sizes)

@@ -10,6 +10,7 @@ data, never graph keys: loads and evictions never invalidate a captured CUDA gra
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -18,8 +19,8 @@ from pathlib import Path
 import torch
 
 from .bank import AdapterBank, SlotImage
-from .loader import AdapterError, AdapterSource, AdapterWeights, check_adapter_name, check_source, load_adapter_weights
-from .loader import read_adapter
+from .loader import (AdapterError, AdapterSource, AdapterWeights, check_adapter_name, check_finite, check_source,
+                     load_adapter_weights, read_adapter)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,11 @@ class AdapterRegistry:
         check_adapter_name(name)
         if name in self.entries:
             raise AdapterError(f"adapter {name!r} is already registered")
+        check_finite(name, {f"{m}.lora_{k}": t for m, (a, b, _) in weights.modules.items()
+                            for k, t in (("A", a), ("B", b))})
+        bad = [m for m, (_, _, scale) in weights.modules.items() if not math.isfinite(scale)]
+        if bad:
+            raise AdapterError(f"adapter {name!r}: {bad[0]} has a non-finite scaling (lora_alpha / r)")
         ranks = [a.shape[0] for a, _, _ in weights.modules.values()]
         if max(ranks, default=0) > self.bank.r_max:
             raise AdapterError(f"adapter {name!r} has rank {max(ranks)} > max_lora_rank={self.bank.r_max}")

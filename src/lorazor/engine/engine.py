@@ -28,7 +28,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from ..hf_generation import ResolvedConfigs, plan_generation
-from ..policies.base import NEVER, ReleasePolicy, check_policy
+from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
 from ..runner.release import BoundPolicies
 from ..runner.sampling import batchable, float_scores, next_tokens
 from .background import BackgroundLoop
@@ -272,8 +272,8 @@ class LoRazorEngine:
         """The request's release policy: its own `release_policy`, else the model's default
         (`LoRazorConfig.release` with `load_release_policy`); checked against the model here."""
         if release is not None and release != NEVER and (
-                not isinstance(release, int) or isinstance(release, bool) or release < 0):
-            raise ValueError(f"release must be None, 'never' or an int >= 0, got {release!r}")
+                not isinstance(release, int) or isinstance(release, bool) or not 0 <= release <= MAX_RELEASE):
+            raise ValueError(f"release must be None, 'never' or an int in [0, {MAX_RELEASE}], got {release!r}")
         if policy is None and self.model.config.release != "none":
             policy = self.model.release_policy
         if policy is not None:
@@ -296,8 +296,9 @@ class LoRazorEngine:
         return outputs
 
     def step_or_abort_all(self) -> list[RequestOutput]:
-        """`step()` for servers: a step that raises is logged and aborts every request, so no
-        stream waits forever on it."""
+        """`step()` for servers: a step that raises even though its launch failures were isolated
+        (`step` retries without the requests that cause them) is logged and aborts every request,
+        so no stream waits forever on it."""
         try:
             return self.step()
         except Exception:
@@ -318,9 +319,11 @@ class LoRazorEngine:
         """Run one step; returns an output per request that got a token or finished.
 
         With async scheduling the outputs are those of the step before (read back while this one
-        runs on the GPU), and a call with nothing new to run reads the last one back. A step that
-        raises leaves the running requests' state unknown (a step in flight may be lost): abort
-        them (`abort_all`), as `step_or_abort_all` does."""
+        runs on the GPU), and a call with nothing new to run reads the last one back. A step whose
+        launch raises is retried without the requests that make it fail (`_launch_isolating`):
+        those end with finish reason "error", the others go on with the tokens they would get
+        alone. Only a failure outside any request's launch (reading a step back) leaves the running
+        requests' state unknown: `step_or_abort_all` then aborts them."""
         with self.model.guard.hold("run an engine step"):
             previous, self._in_flight = self._in_flight, None
             chunks = self.scheduler.schedule(preempt=previous is None)
@@ -337,7 +340,10 @@ class LoRazorEngine:
                 chunks = [c for c in chunks if c.request.status is not Status.FINISHED]
             outputs += failed
             if chunks:
-                launched = self._launch(chunks, previous)
+                try:
+                    launched = self._launch(chunks, previous)
+                except Exception as err:
+                    return outputs + self._launch_isolating(chunks, previous, err)
                 if self.async_scheduling and launched.overlappable:
                     self._in_flight = launched
                 else:
@@ -351,7 +357,9 @@ class LoRazorEngine:
 
     def _launch(self, chunks, previous):
         """Queue the step's forward and its device picks (no host sync); `previous`: the step in
-        flight, whose tokens some decode rows take as input."""
+        flight, whose tokens some decode rows take as input. The requests' state changes only once
+        everything is queued, so a launch that raises can be retried (its forward rewrites the same
+        KV positions with the same values)."""
         if self.graphs is not None and self.graphs.grid != self.runner.context.grid:
             # `model.reconfigure(grid=...)` since the capture: the old graphs run the old kernels.
             self.graphs = self.runner.paged_graphs(self.cache, self.scheduler.max_num_seqs,
@@ -359,15 +367,45 @@ class LoRazorEngine:
         inputs = prepare(self.model.registry, self.cache.block_size, self.tables, chunks)
         pending = None if previous is None else previous.pending_for(inputs)
         logits, hidden = self.runner.run_paged_step(self.cache, inputs, self.tables.upload(), self.graphs, pending)
-        self._prefetch_waiting(chunks)
+        rows = [i for i, c in enumerate(chunks) if c.request.status is Status.RUNNING
+                and c.start + c.num_tokens >= c.request.num_tokens]
+        launched = launch_picks(chunks, rows, logits, hidden, self.model.bank.slot_of, self.policies)
         for chunk in chunks:
             chunk.request.num_computed += chunk.num_tokens
-        rows = [i for i, c in enumerate(chunks) if c.request.status is Status.RUNNING
-                and c.request.num_computed >= c.request.num_tokens]
-        launched = launch_picks(chunks, rows, logits, hidden, self.model.bank.slot_of, self.policies)
         for request in launched.requests:
             request.pending += 1
+        self._prefetch_waiting(chunks)
         return launched
+
+    def _launch_isolating(self, chunks, previous, err: Exception) -> list[RequestOutput]:
+        """The step's launch raised `err`: find the requests that make it fail by launching halves
+        of the step (bisecting), end each such request with finish reason "error", and run the
+        others. Each part is read back at once (the parts share the graphs' output buffers), so
+        this step does not overlap the next; the step in flight is read back first."""
+        log.warning("engine step of %d requests failed (%s: %s); retrying in parts to find the requests that "
+                    "cause it", len(chunks), type(err).__name__, err)
+        outputs = self._read_back(previous)
+        parts = [[c for c in chunks if c.request.status is Status.RUNNING]]
+        while parts:
+            part = parts.pop()
+            if not part:
+                continue
+            try:
+                launched = self._launch(part, None)
+            except Exception as part_err:
+                if len(part) > 1:
+                    half = len(part) // 2
+                    parts += [part[half:], part[:half]]  # the first half runs first
+                    continue
+                request = part[0].request
+                log.error("request %s: the engine step fails on it: %s: %s", request.request_id,
+                          type(part_err).__name__, part_err)
+                request.fail("engine step", part_err)
+                self._finish(request, "error")
+                outputs.append(request.report([]))
+                continue
+            outputs += self._read_back(launched)
+        return outputs
 
     def _read_back(self, *steps) -> list[RequestOutput]:
         """Read launched steps back in order (None: skipped): their tokens (the host samples the
@@ -379,9 +417,16 @@ class LoRazorEngine:
             tokens = step.read()
             now = time.monotonic()
             appended = []
-            for i, token, request in zip(step.rows, tokens, step.requests):
+            for i, token, request, finite in zip(step.rows, tokens, step.requests, step.finite):
                 request.pending -= 1
                 if request.status is not Status.RUNNING:
+                    continue
+                if not finite:  # NaN or infinite logits: this request's token is garbage
+                    log.error("request %s: non-finite logits (adapter %r)", request.request_id, request.adapter)
+                    request.error = (f"the model computed non-finite logits (NaN or infinity) for this request "
+                                     f"(adapter {request.adapter!r}); it was stopped")
+                    self._finish(request, "error")
+                    outputs.append(request.report([]))
                     continue
                 if token is None:
                     try:

@@ -2,9 +2,10 @@
 
 Right after a step's forward is queued, `launch_picks` queues what picks from its outputs, all on
 the device: the argmax of plain greedy rows, batched sampling of rows with batchable settings
-(`runner/sampling.py`), and the release decisions of each policy's rows for their next decode
-forward (`runner/release.py`). Their values go to the host in one non-blocking copy, which
-`LaunchedStep.read` waits for: the step's one host sync.
+(`runner/sampling.py`), the release decisions of each policy's rows for their next decode
+forward (`runner/release.py`), and whether each row's logits are finite (a row with NaN or
+infinite logits, from a broken adapter say, ends alone with an error). Their values go to the host
+in one non-blocking copy, which `LaunchedStep.read` waits for: the step's one host sync.
 
 With async scheduling (`LoRazorEngine(async_scheduling=...)`, on by default on a GPU) the engine queues step
 n+1 before it reads step n back, so the GPU does not wait while the host post-processes step n and
@@ -23,7 +24,7 @@ import torch
 
 from ..runner.paged_graphs import PendingTokens
 from ..runner.release import decide_group
-from ..runner.sampling import sample
+from ..runner.sampling import finite_rows, sample
 from ..runner.uploads import to_device
 
 log = logging.getLogger("lorazor.engine")
@@ -36,7 +37,8 @@ class LaunchedStep:
     Attributes:
         rows: indices of the step's chunks that produce a token (a prefill chunk short of its
             prompt's end produces none); `requests`: their requests.
-        values: device `[m]` long: the picked tokens, then the release decisions (1: keep).
+        values: device `[m]` long: the picked tokens, the release decisions (1: keep), then one flag
+            per row (1: its logits are finite).
         token_at: request -> index of its token in `values` (rows the host samples are absent).
         decision_at: request -> (index of its decision in `values`, the decode forward it decides).
         logits, hidden: the step's outputs per chunk (graph buffers: valid until the next step runs).
@@ -51,6 +53,8 @@ class LaunchedStep:
     hidden: torch.Tensor
     host: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
+
+    finite: list | None = None  # per row, after `read`: whether its logits were finite
 
     @property
     def overlappable(self) -> bool:
@@ -69,14 +73,15 @@ class LaunchedStep:
         return PendingTokens(to_device(index, self.values.device), self.values)
 
     def read(self) -> list:
-        """Wait for the values, then record each decision on its request; returns the token of
-        each row (None where the host samples it)."""
+        """Wait for the values, then record each decision on its request and each row's finite
+        flag in `finite`; returns the token of each row (None where the host samples it)."""
         if self.done is not None:
             # Waits with the GIL released: a server's event loop runs meanwhile.
             self.done.synchronize()
         values = self.host.tolist()
         for request, (index, forward) in self.decision_at.items():
             request.record_decision(forward, bool(values[index]))
+        self.finite = [bool(flag) for flag in values[len(values) - len(self.rows):]]
         return [None if r not in self.token_at else values[self.token_at[r]] for r in self.requests]
 
 
@@ -118,6 +123,8 @@ def launch_picks(chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Te
         for request, member in members:
             decision_at[request] = (offset, member[2])
             offset += 1
+    if rows:
+        parts.append(finite_rows(logits).index_select(0, to_device(rows, device)).long())
     values = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
     launched = LaunchedStep(rows, requests, values, token_at, decision_at, logits, hidden)
     if values.is_cuda:

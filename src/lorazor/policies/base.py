@@ -20,6 +20,9 @@ from functools import lru_cache
 import torch
 
 NEVER = "never"
+# The longest fixed release length a request may name (int32 on the device; longer is "never" in
+# practice).
+MAX_RELEASE = 2**31 - 1
 # A release step no generation reaches: "keep the adapter to the end".
 NEVER_STEP = 2**62
 

@@ -117,6 +117,35 @@ class RayMetricsMirror:
         self.loads.set(stats["adapter_loads"], self.tags)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def keep_internal_grpc_on_loopback(host: str) -> None:
+    """Ray Serve (2.60) starts every replica's inter-deployment gRPC server on all interfaces
+    (`"[::]:0"`, hard-coded in `ray/serve/_private/replica.py`), though its single-node mode puts
+    every other Ray process on 127.0.0.1. Where this node's Ray address and the operator's `--host`
+    are both loopback, bind that server to 127.0.0.1 too. Called in the replica's process, before
+    Serve starts the server (it does once the constructor returns); a cluster of several nodes
+    (a node address that is not loopback) keeps Ray's default."""
+    try:
+        from ray.serve._private import replica
+    except ImportError:  # another Ray layout: nothing to adjust
+        return
+    bind = getattr(replica, "add_port_to_grpc_server", None)
+    if bind is None or getattr(bind, "lorazor_loopback", False) or host not in LOOPBACK_HOSTS:
+        return
+    if not ray.is_initialized() or ray.util.get_node_ip_address() != "127.0.0.1":
+        return
+
+    def loopback(server, address):
+        if address.startswith("[::]:"):
+            address = "127.0.0.1:" + address.rsplit(":", 1)[1]
+        return bind(server, address)
+
+    loopback.lorazor_loopback = True
+    replica.add_port_to_grpc_server = loopback
+
+
 class LoRazorReplicaBase:
     """One replica: `lorazor serve`'s app over its own engine, driven in process."""
 
@@ -124,6 +153,7 @@ class LoRazorReplicaBase:
         from ..serve.cli import build
 
         args = serve_args(options)
+        keep_internal_grpc_on_loopback(args.host)
         if args.device == "auto" and ray.is_initialized() and not ray.get_gpu_ids():
             args.device = "cpu"  # a replica given no GPU stays off the host's GPUs
         logging.basicConfig(level=args.log_level.upper())
@@ -194,7 +224,8 @@ def replica_deployment(max_adapters_per_replica: int):
 class LoRazorRouter:
     """The ingress: routes each HTTP request to a replica by its adapter and relays the response."""
 
-    def __init__(self, replicas, base_model: str, affinity: bool = True):
+    def __init__(self, replicas, base_model: str, affinity: bool = True, host: str = "127.0.0.1"):
+        keep_internal_grpc_on_loopback(host)
         self.replicas, self.base_model, self.affinity = replicas, base_model, affinity
 
     def adapter_of(self, request: Request, body: bytes) -> str:
@@ -269,4 +300,4 @@ def build_app(options: dict | argparse.Namespace) -> serve.Application:
     dests = {a.dest for a in serve_parser()._actions if a.dest != "help"}
     own = argparse.Namespace(**{k: v for k, v in vars(args).items() if k in dests})
     return LoRazorRouter.options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=ROUTER_MAX_ONGOING).bind(
-        replica.bind(own), name, not args.no_affinity)
+        replica.bind(own), name, not args.no_affinity, args.host)

@@ -3,6 +3,13 @@
 `next_tokens` is greedy or multinomial sampling on processed scores (HF's processors ran before);
 `float_scores` makes the fp32 copy processors may change in place.
 
+Sampling draws one token per row as `argmax(p / q)` with `q ~ Exp(1)` (`draw`), which is how
+`torch.multinomial(p, 1)` itself draws one sample, from the same generator stream: the same tokens,
+minus multinomial's check that every probability is finite. That check is an `_assert_async`: on a
+GPU a row with NaN logits would trip a device-side assert and poison the CUDA context, ending every
+request in the process. Here such a row just gets some token; the engine finds the row by its
+non-finite logits (`finite_rows`) and ends that request alone.
+
 Batched sampling for the engine: the common HF sampling settings of many requests in one pass.
 
 HF applies a request's logits processors to its own scores, and the engine would then read each
@@ -28,11 +35,23 @@ from .uploads import to_device
 ORDER = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`[n]` token ids, one drawn from each row of `probs` `[n, V]` (`torch.multinomial(probs, 1)`'s
+    draw, without its device-side assert on non-finite rows)."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / q).argmax(-1)
+
+
 def next_tokens(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
     if not do_sample:
         return scores.argmax(-1)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return draw(torch.softmax(scores, dim=-1), generator)
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`[n]` bool: rows of `[n, V]` logits with no NaN or infinity. One reduction pass (NaN and
+    infinities survive a sum); no host sync."""
+    return torch.isfinite(logits.sum(-1, dtype=torch.float32))
 
 
 def float_scores(logits: torch.Tensor) -> torch.Tensor:
@@ -106,5 +125,4 @@ def warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """`[n]` sampled token ids for `[n, V]` logits, each row under its own settings."""
-    probs = torch.softmax(warp(logits.float(), params), dim=-1)
-    return torch.multinomial(probs, 1).squeeze(1)
+    return draw(torch.softmax(warp(logits.float(), params), dim=-1))

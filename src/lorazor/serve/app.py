@@ -179,6 +179,11 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
             else:
                 if not item:
                     raise ApiError(400, "prompt holds an empty token list", param="prompt")
+                vocab = engine.info["vocab_size"]
+                bad = next((t for t in item if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise ApiError(400, f"prompt holds token id {bad}, outside the vocabulary [0, {vocab})",
+                                   param="prompt")
                 echo = tokenizer.decode(item, skip_special_tokens=True) if request.echo else ""
                 prompts.append((list(item), echo))
         choices = choices_for(request, prompts, request.max_tokens, request.logprobs)

@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 from ..engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
@@ -69,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle keep-alive connection stays open")
     s.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a new connection may take to send its request head")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive after its head (then 408 and the connection "
+                        "is closed; default: 30)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C, seconds the server lets running requests finish before it aborts "
+                        "them and exits (default: 30)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     r = p.add_argument_group("replicas on Ray Serve (the ray extra)")
     r.add_argument("--replicas", type=int, default=0,
@@ -190,10 +197,15 @@ def _policy_adapters(policy) -> list[str]:
 def settings_of(args: argparse.Namespace):
     from .guards import ServerSettings
 
+    if args.api_key is not None and not args.api_key.strip():
+        # An empty key (flag or $LORAZOR_API_KEY) would turn authentication off without a word.
+        print("lorazor serve: error: the API key is empty (--api-key or $LORAZOR_API_KEY): give a key, or unset it "
+              "to serve without one", file=sys.stderr)
+        raise SystemExit(2)
     try:
-        return ServerSettings(api_key=args.api_key or None, enable_runtime_lora=args.enable_runtime_lora,
+        return ServerSettings(api_key=args.api_key, enable_runtime_lora=args.enable_runtime_lora,
                               lora_root=args.lora_root, max_registered_loras=args.max_registered_loras,
-                              max_prompt_bytes=args.max_prompt_bytes)
+                              max_prompt_bytes=args.max_prompt_bytes, body_timeout=args.body_timeout)
     except ValueError as err:
         raise SystemExit(f"lorazor serve: {err}") from err
 
@@ -280,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
     protocol = type("HTTPProtocol", (GuardedH11Protocol,), {"HEADER_TIMEOUT_S": args.header_timeout})
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
                             limit_concurrency=limit, timeout_keep_alive=args.timeout_keep_alive,
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=args.shutdown_timeout)
     server.append(uvicorn.Server(config))
     log.info("serving %r on http://%s:%d/v1 (API key: %s; runtime adapter loading: %s; at most %d connections)",
              name, args.host, args.port, "required" if args.api_key else "none",

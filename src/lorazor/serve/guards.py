@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -24,10 +26,13 @@ from pathlib import Path
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..adapters.loader import CONFIG_FILE, LEGACY_FILE, SAFE_FILE
 from .protocol import ApiError
 
 # Routes open without the API key: probes and scrapers (as vLLM leaves them open).
 OPEN_ROUTES = ("/health", "/metrics")
+# The files of an adapter folder that registration reads.
+ADAPTER_FILES = (CONFIG_FILE, SAFE_FILE, LEGACY_FILE)
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class ServerSettings:
         max_registered_loras: the most adapters registered at once (runtime loads beyond it: 400).
         max_prompt_bytes: the longest prompt text (UTF-8 bytes, all chat messages together).
         max_request_bytes: the largest request body; None: 4 x max_prompt_bytes + 64 KiB.
+        body_timeout: seconds a request's body may take to arrive after its head.
     """
 
     api_key: str | None = None
@@ -49,10 +55,13 @@ class ServerSettings:
     max_registered_loras: int = 256
     max_prompt_bytes: int = 1 << 20
     max_request_bytes: int | None = None
+    body_timeout: float = 30.0
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
+        if not 0 < self.body_timeout < float("inf"):
+            raise ValueError(f"body_timeout must be a positive number of seconds, got {self.body_timeout!r}")
         for name in ("max_registered_loras", "max_prompt_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -67,17 +76,22 @@ class ServerSettings:
         return self.max_request_bytes or 4 * self.max_prompt_bytes + (64 << 10)
 
 
-def _send_error(status: int, message: str, kind: str):
+def _send_error(status: int, message: str, kind: str, close: bool = False):
     body = json.dumps(ApiError(status, message, kind=kind).body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if close:
+        headers.append((b"connection", b"close"))
     return [{"type": "http.response.start", "status": status, "headers": headers},
             {"type": "http.response.body", "body": body}]
 
 
 class GuardMiddleware:
-    """ASGI middleware: API key and body size, before the app (or FastAPI's body parsing) runs."""
+    """ASGI middleware: API key, body size and body time, before the app (or FastAPI's body
+    parsing) runs. The body is read here, whole, within `settings.body_timeout` seconds of the
+    request head (a client that trickles it is answered 408 and disconnected, instead of holding a
+    connection and a task for as long as it likes), then handed to the app."""
 
     def __init__(self, app, settings: ServerSettings):
         self.app, self.settings = app, settings
@@ -90,30 +104,50 @@ class GuardMiddleware:
         if self.key is not None and scope["path"] not in OPEN_ROUTES:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, b"Bearer " + self.key):
-                for message in _send_error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                           "authentication_error"):
-                    await send(message)
-                return
+                return await _answer(send, 401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                     "authentication_error")
         limit = self.settings.body_limit
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            for message in _send_error(413, f"request body is {int(length)} bytes, more than the {limit} this server "
-                                            "accepts (--max-prompt-bytes)", "invalid_request_error"):
-                await send(message)
-            return
-        seen = 0
+            return await _answer(send, 413, f"request body is {int(length)} bytes, more than the {limit} this server "
+                                            "accepts (--max-prompt-bytes)", "invalid_request_error")
+        try:
+            messages = await asyncio.wait_for(_read_body(receive, limit), self.settings.body_timeout)
+        except asyncio.TimeoutError:
+            return await _answer(send, 408, f"the request body did not arrive within --body-timeout="
+                                            f"{self.settings.body_timeout:g} s", "invalid_request_error", close=True)
+        except _TooLarge:  # a body without Content-Length (chunked), counted as it arrived
+            return await _answer(send, 413, f"request body is more than the {limit} bytes this server accepts "
+                                            "(--max-prompt-bytes)", "invalid_request_error")
 
-        async def counted():  # a body without Content-Length (chunked) is counted as it arrives
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise ApiError(413, f"request body is more than the {limit} bytes this server accepts "
-                                        "(--max-prompt-bytes)")
-            return message
+        async def replay():  # the body as read, then the client's own messages (a disconnect)
+            return messages.pop(0) if messages else await receive()
 
-        return await self.app(scope, counted, send)
+        return await self.app(scope, replay, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(receive, limit: int) -> list:
+    """The request's messages up to the end of its body (a disconnect ends them too)."""
+    messages, seen = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise _TooLarge
+        if not message.get("more_body", False):
+            return messages
+
+
+async def _answer(send, status: int, message: str, kind: str, close: bool = False) -> None:
+    for event in _send_error(status, message, kind, close):
+        await send(event)
 
 
 def check_runtime_load(settings: ServerSettings, name: str, path: str, registered: list[str], reserved: set[str],
@@ -133,11 +167,18 @@ def check_runtime_load(settings: ServerSettings, name: str, path: str, registere
     if name in registered and not replace:
         raise ApiError(400, f"adapter {name!r} is already registered: unload it first, or pass load_inplace: true",
                        param="lora_name")
-    if settings.lora_root is not None:
-        folder = os.path.realpath(path if os.path.isabs(path) else settings.lora_root / path)
-        if os.path.commonpath([folder, str(settings.lora_root)]) != str(settings.lora_root):
-            raise ApiError(403, "lora_path must be a folder under the server's --lora-root", kind="permission_error",
-                           param="lora_path")
+    if "\x00" in path:
+        raise ApiError(400, "lora_path holds a NUL character", param="lora_path")
+    root = settings.lora_root
+    if root is not None:
+        folder = os.path.realpath(path if os.path.isabs(path) else root / path)
+        # The folder and every adapter file in it must resolve under the root: a link inside an
+        # allowed folder must not reach a file outside it.
+        inside = [folder] + [os.path.realpath(os.path.join(folder, f)) for f in ADAPTER_FILES
+                             if os.path.lexists(os.path.join(folder, f))]
+        if any(os.path.commonpath([p, str(root)]) != str(root) for p in inside):
+            raise ApiError(403, "lora_path must be a folder under the server's --lora-root, its files too",
+                           kind="permission_error", param="lora_path")
         return folder
     return path
 
@@ -148,6 +189,13 @@ class GuardedH11Protocol(H11Protocol):
     connections that already had a response."""
 
     HEADER_TIMEOUT_S = 10.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # uvicorn answers past `limit_concurrency` with a plain-text 503; the same limit is applied
+        # here, answered in OpenAI's JSON shape (as every other error of the server).
+        self._concurrency, self.limit_concurrency = self.limit_concurrency, None
+        self.app = functools.partial(_limited, self.app, self)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -174,6 +222,17 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._header_timer.cancel()
         super().connection_lost(exc)
+
+
+async def _limited(app, protocol: "GuardedH11Protocol", scope, receive, send):
+    """`app`, or a JSON 503 when the server holds `limit_concurrency` connections or requests (this
+    request's own task is already counted, which uvicorn's check is made before)."""
+    limit = protocol._concurrency
+    if limit is not None and (len(protocol.connections) >= limit or len(protocol.tasks) > limit):
+        protocol.logger.warning("Exceeded concurrency limit.")
+        return await _answer(send, 503, f"the server is at its limit of {limit} connections and requests "
+                                        "(--limit-concurrency): retry later", "service_unavailable", close=True)
+    return await app(scope, receive, send)
 
 
 class RepeatFilter(logging.Filter):

@@ -8,9 +8,13 @@ API answers "Unrecognized request argument"), and a known field LoRazor does not
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+from ..hf_generation import REPETITION_PENALTY_RANGE
+from ..policies.base import MAX_RELEASE
 
 # OpenAI's default `max_tokens` for completions.
 DEFAULT_MAX_TOKENS = 16
@@ -61,7 +65,8 @@ class SamplingFields(Strict):
     # vLLM's extensions
     top_k: StrictInt | None = Field(default=None, ge=-1)
     min_p: Number | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: Number | None = Field(default=None, gt=0.0)
+    repetition_penalty: Number | None = Field(default=None, ge=REPETITION_PENALTY_RANGE[0],
+                                              le=REPETITION_PENALTY_RANGE[1])
     min_tokens: StrictInt = Field(default=0, ge=0)
     ignore_eos: StrictBool = False
     # LoRazor's extension: StepTrim release per request ("never", or after k decode steps)
@@ -69,18 +74,23 @@ class SamplingFields(Strict):
 
     @model_validator(mode="after")
     def _check(self):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):  # JSON parsers take NaN and Infinity
+                raise FieldError(name, f"{name} must be a finite number, got {value}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stops):
             raise FieldError("stop", "stop sequences must be non-empty strings")
         if len(stops) > MAX_STOPS:
             raise FieldError("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or not -100 <= value <= 100:
+            # ASCII digits only: str.isdigit() also takes "²" (int() refuses it) and other scripts' digits.
+            if not (key.isascii() and key.isdigit()) or not -100 <= value <= 100:
                 raise FieldError(
                     "logit_bias", f"logit_bias maps token ids to values in [-100, 100]; got {key!r}: {value!r}"
                 )
-        if isinstance(self.release, int) and self.release < 0:
-            raise FieldError("release", f"release must be 'never' or an int >= 0, got {self.release}")
+        if isinstance(self.release, int) and not 0 <= self.release <= MAX_RELEASE:
+            raise FieldError("release", f"release must be 'never' or an int in [0, {MAX_RELEASE}], got {self.release}")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         return self

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
+from ..hf_generation import SAMPLING_EPS
 from .protocol import DEFAULT_MAX_TOKENS, SEED_RANGE, ApiError, SamplingFields
 
 
@@ -40,19 +41,20 @@ class OpenAIPenalties(LogitsProcessor):
 
 
 def generation_kwargs(request: SamplingFields, tokenizer, max_tokens: int | None, logprobs: int | None) -> dict:
-    """Plain engine arguments for an OpenAI request (OpenAI semantics: temperature 0 is greedy; no
-    top-k unless `top_k` is given; `seed` stays a number until the engine's process)."""
-    temperature = 1.0 if request.temperature is None else request.temperature
+    """Plain engine arguments for an OpenAI request (OpenAI semantics: temperature 0, or below the
+    engine's `SAMPLING_EPS`, is greedy; no top-k unless `top_k` is given; numbers as floats, as
+    JavaScript's 2 stands for 2.0; `seed` stays a number until the engine's process)."""
+    temperature = 1.0 if request.temperature is None else float(request.temperature)
     max_new = max_tokens or DEFAULT_MAX_TOKENS
     kwargs = dict(max_new_tokens=max_new, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                   release=request.release, logprobs=logprobs)
-    if temperature == 0:
+    if temperature < SAMPLING_EPS:
         kwargs["do_sample"] = False
     else:
-        kwargs.update(do_sample=True, temperature=temperature, top_p=request.top_p or 1.0,
+        kwargs.update(do_sample=True, temperature=temperature, top_p=float(request.top_p or 1.0),
                       top_k=max(request.top_k or 0, 0))
         if request.min_p:
-            kwargs["min_p"] = request.min_p
+            kwargs["min_p"] = float(request.min_p)
     if request.repetition_penalty not in (None, 1.0):
         kwargs["repetition_penalty"] = float(request.repetition_penalty)
     # ignore_eos: EOS is kept from being sampled until max_tokens, so the output always has max_tokens.
@@ -64,7 +66,7 @@ def generation_kwargs(request: SamplingFields, tokenizer, max_tokens: int | None
     if request.stops:
         kwargs["stop_strings"] = request.stops  # the engine matches them with its tokenizer
     if request.presence_penalty or request.frequency_penalty or request.logit_bias:
-        kwargs["openai_penalties"] = (request.presence_penalty, request.frequency_penalty,
+        kwargs["openai_penalties"] = (float(request.presence_penalty), float(request.frequency_penalty),
                                       {int(k): float(v) for k, v in (request.logit_bias or {}).items()})
     return kwargs
 
