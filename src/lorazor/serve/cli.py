@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -297,11 +298,36 @@ def main(args: argparse.Namespace) -> int:
     log.info("serving %r on http://%s:%d/v1 (API key: %s; runtime adapter loading: %s; at most %d connections)",
              name, args.host, args.port, "required" if args.api_key else "none",
              "on" if args.enable_runtime_lora else "off", limit)
+    # uvicorn handles SIGINT and SIGTERM while it runs (stop accepting, let running requests finish
+    # for --shutdown-timeout seconds, then cancel them; the app's shutdown aborts what is left in the
+    # engine), then raises the signal again with the handler it found: for SIGTERM that must be a
+    # normal stop too, not death by the signal.
+    previous = signal.signal(signal.SIGTERM, _stop_by_signal)
     try:
         server[0].run()
-    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down gracefully: a normal stop
+    except KeyboardInterrupt:  # the signal again, once uvicorn has shut down gracefully: a normal stop
         log.info("stopped")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_helper_processes()
     if died:
         log.error("exiting: the engine process died")
         return 1
     return 0
+
+
+def _stop_by_signal(signum, frame):
+    raise KeyboardInterrupt
+
+
+def stop_helper_processes() -> None:
+    """End multiprocessing's resource tracker (started with the engine's process) and reap it:
+    left to exit after this process, it would stay a zombie where nothing reaps orphans."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        try:
+            stop()
+        except (OSError, ChildProcessError):  # already gone
+            pass

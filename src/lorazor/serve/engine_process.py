@@ -12,6 +12,8 @@ How (two one-way pipes, pickled tuples):
   a call as ("reply", n, ok, value, adapter names).
 - in the server, one reader thread receives, and hands each message to the event loop in one
   callback; streams rebuild each request's tokens from the rows.
+- an engine loop that raises sends ("fatal", traceback) before its process ends, so the server
+  answers 503 from that moment, not only once the process is gone.
 `time.monotonic()` is the same clock in both processes on Linux, so TTFT and TPOT stay right.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import multiprocessing
 import pickle
 import signal
@@ -30,6 +33,8 @@ from ..engine.background import merge
 from ..engine.request import RequestOutput, TokenPrefix
 from .engines import REQUEST_ERRORS, engine_info, engine_stats, register
 from .sampling import engine_arguments
+
+log = logging.getLogger("lorazor.serve")
 
 
 class EngineDeadError(RuntimeError):
@@ -116,6 +121,12 @@ def engine_main(factory, inbox, outbox, threads: int | None = None) -> None:
                     outbox.send(("out", [pack(o) for o in outputs]))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
         return
+    except BaseException:  # say so at once: the process may take a while to end
+        try:
+            outbox.send(("fatal", traceback.format_exc()))
+        except Exception:  # the pipe is gone too
+            pass
+        raise
 
 
 # ---- the server's side ------------------------------------------------------------------------------
@@ -227,18 +238,27 @@ class EngineProcess:
         elif kind == "stopped":
             if not self._stopped.done():
                 self._stopped.set_result(message[1])
+        elif kind == "fatal":  # the engine's loop raised: it is dead from now on, though its process still ends
+            log.error("the engine process failed:\n%s", message[1])
+            self._mark_dead(EngineDeadError(f"the engine process failed: {message[1].strip().splitlines()[-1]}"))
         elif kind == "dead":  # the engine process exited: end everything that waits on it
             self.process.join(5)
-            self._dead = EngineDeadError(f"the engine process exited (code {self.process.exitcode})")
-            for queue in self._streams.values():
-                queue.put_nowait(self._dead)
-            for future in self._replies.values():
-                if not future.done():
-                    future.set_exception(self._dead)
-            if not self._stopped.done():
-                self._stopped.set_result(0)
-            for callback in self.on_dead:
-                callback()
+            self._mark_dead(EngineDeadError(f"the engine process exited (code {self.process.exitcode})"))
+
+    def _mark_dead(self, error: EngineDeadError) -> None:
+        """End every stream and call with `error`, once; then the `on_dead` callbacks."""
+        if self._dead is not None:
+            return
+        self._dead = error
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(error)
+        if not self._stopped.done():
+            self._stopped.set_result(0)
+        for callback in self.on_dead:
+            callback()
 
     async def _call(self, method: str, *args):
         number = next(self._numbers)
