@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import (GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase,
+                          StoppingCriteriaList)
+from transformers.generation.streamers import BaseStreamer
 
 from .adapters import AdapterBank, AdapterRegistry, AdapterStatus
 from .build import build_from_peft, build_from_pretrained
@@ -100,8 +102,8 @@ class LoRazorModel(nn.Module):
         return model
 
     @classmethod
-    def from_pretrained(cls, base, adapters: dict | None = None, config: LoRazorConfig | None = None,
-                        **load_kwargs) -> "LoRazorModel":
+    def from_pretrained(cls, base: str | os.PathLike | PreTrainedModel, adapters: dict | None = None,
+                        config: LoRazorConfig | None = None, **load_kwargs) -> "LoRazorModel":
         """Build from a base model and PEFT adapter folders, without PEFT.
 
         Args:
@@ -260,9 +262,9 @@ class LoRazorModel(nn.Module):
         generator: torch.Generator | None = None,
         logits_processor: LogitsProcessorList | list | None = None,
         stopping_criteria: StoppingCriteriaList | list | None = None,
-        streamer=None,
-        tokenizer=None,
-        prefix_allowed_tokens_fn=None,
+        streamer: BaseStreamer | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        prefix_allowed_tokens_fn: Callable | None = None,
         **kwargs,
     ) -> LoRazorOutput:
         """Generate for a mixed-adapter batch, one forward per step for the whole batch.
@@ -285,7 +287,8 @@ class LoRazorModel(nn.Module):
                 every adapter is kept to the end.
             release: per-row overrides: None (policy), "never", or a fixed release length k.
             generator: a seeded `torch.Generator` for sampling.
-            logits_processor, stopping_criteria: extra HF processors / criteria, merged with HF's.
+            logits_processor: extra HF logits processors, merged with HF's.
+            stopping_criteria: extra HF stopping criteria, merged with HF's.
             streamer: an HF streamer (`put` with each step's tokens, `end` at the end).
             tokenizer: needed for `stop_strings`.
             prefix_allowed_tokens_fn: as in HF.

@@ -23,9 +23,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList
 
 from ..hf_generation import ResolvedConfigs, plan_generation
 from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
@@ -54,6 +56,9 @@ MAX_LOGPROBS = 20
 # Waiting requests whose adapters are loaded ahead, while the step before their admission runs.
 PREFETCH_LOOKAHEAD = 8
 
+if TYPE_CHECKING:
+    from ..model import LoRazorModel
+
 log = logging.getLogger("lorazor.engine")
 
 
@@ -79,7 +84,7 @@ class LoRazorEngine:
             off on the CPU, where the host computes the steps itself and nothing can overlap.
     """
 
-    def __init__(self, model, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    def __init__(self, model: LoRazorModel, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  num_kv_blocks: int | None = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, async_scheduling: bool | None = None):
@@ -153,7 +158,8 @@ class LoRazorEngine:
         return captured
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt_ids, adapter: str | None = None, generation_config=None, release=None,
+    def add_request(self, prompt_ids: Sequence[int] | torch.Tensor, adapter: str | None = None,
+                    generation_config: GenerationConfig | None = None, release: int | str | None = None,
                     request_id: str | None = None, generator: torch.Generator | None = None,
                     arrival_time: float | None = None, **kwargs) -> str:
         """Queue a request; returns its id. Everything is checked here, so a bad request is refused
@@ -162,11 +168,11 @@ class LoRazorEngine:
         Args:
             prompt_ids: the prompt's token ids (a list or a 1-D tensor).
             adapter: a registered adapter name, or None for the backbone.
-            generation_config, kwargs: HF generation settings, as for `LoRazorModel.generate`
-                (`max_new_tokens`, `do_sample`, `temperature`, `eos_token_id`, `stop_strings` with
-                `tokenizer=`, ...). `num_return_sequences` must be 1. `release_policy=`: this
-                request's StepTrim policy (`ProfiledRelease`, `LearnedRelease` or your own
-                `ReleasePolicy`), instead of the model's default.
+            generation_config: HF generation settings, as for `LoRazorModel.generate`; `kwargs`
+                override its fields (`max_new_tokens`, `do_sample`, `temperature`, `eos_token_id`,
+                `stop_strings` with `tokenizer=`, ...). `num_return_sequences` must be 1.
+                `release_policy=`: this request's StepTrim policy (`ProfiledRelease`,
+                `LearnedRelease` or your own `ReleasePolicy`), instead of the model's default.
             release: None (the policy decides), "never", or a release length k >= 0.
             request_id: a unique id; None: a fresh one.
             generator: a seeded `torch.Generator` for this request's sampling.

@@ -182,7 +182,9 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     parts = recipe(args.version, args.seed)
     tasks, tokenizer = parts.tasks, parts.tokenizer
-    log = {"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
+    # No machine paths in what ships: the command as a module call, the output folder by its name.
+    command = " ".join(["python -m lorazor.testbed.train", *(argv if argv is not None else sys.argv[1:])])
+    log = {"command": command, "args": {k: (v.name if isinstance(v, Path) else str(v)) for k, v in vars(args).items()},
            "torch": torch.__version__, "device": str(device)}
     base = AutoModelForCausalLM.from_config(backbone_config(tokenizer, parts.shape)).to(device)
     log["backbone_parameters"] = sum(p.numel() for p in base.parameters())
@@ -198,6 +200,10 @@ def main(argv=None) -> None:
         model = train_adapter(fresh, name, task, tokenizer, args.adapter_steps, args.batch, device, args.seed + i, log)
         model.half().save_pretrained(args.out / "adapters")  # fp16 like the backbone: the testbed ships in < 20 MB
         (args.out / "adapters" / "README.md").unlink(missing_ok=True)  # PEFT's empty model card
+        config = args.out / "adapters" / name / "adapter_config.json"
+        # The backbone by its folder name, not this machine's path to it.
+        config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "backbone"},
+                                     indent=2, sort_keys=True))
         log[f"{name}_seconds"] = round(time.time() - t, 1)
         (args.out / "train_log.json").write_text(json.dumps(log, indent=2))  # a run cut short keeps its log
     log["total_seconds"] = round(time.time() - start, 1)
