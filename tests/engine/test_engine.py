@@ -204,7 +204,7 @@ def test_waiting_requests_adapters_are_loaded_ahead():
     (dict(prompt_ids=[5, -2, 700]), ValueError, "token id -2, outside the vocabulary"),
     (dict(prompt_ids=[5, True]), TypeError, "prompt_ids must be a list of token ids"),
     (dict(prompt_ids=[5, 6.0]), TypeError, "prompt_ids must be a list of token ids"),
-    (dict(release="soon"), ValueError, "release must be None, 'never' or an int >= 0, got 'soon'"),
+    (dict(release="soon"), ValueError, r"release must be None, 'never' or an int in \[0, 2147483647\], got 'soon'"),
     (dict(num_return_sequences=2, do_sample=True), ValueError, "num_return_sequences=2"),
     (dict(request_id="dup"), ValueError, "request_id 'dup' is already in use"),
 ])

@@ -12,6 +12,7 @@ on; the tensors are read again when the adapter is first loaded. Tensor keys are
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -93,6 +94,8 @@ class AdapterSource:
         config: the parsed `adapter_config.json`.
         shapes: module -> (A shape, B shape), from the safetensors header or the `.bin` tensors.
         max_rank: the largest rank over its modules.
+        digest: a hash of its config and weights (`weights_digest`): the prefix cache keys the KV
+            an adapter computes by it, so other weights under the same name never share blocks.
     """
 
     name: str
@@ -100,6 +103,18 @@ class AdapterSource:
     config: dict
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None
     max_rank: int
+    digest: bytes = b""
+
+
+def weights_digest(config: dict, tensors: dict[str, torch.Tensor]) -> bytes:
+    """sha256 of an adapter's config (as JSON, keys sorted) and of every tensor's name, dtype,
+    shape and bytes, in name order."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for key in sorted(tensors):
+        tensor = tensors[key].detach().contiguous()
+        h.update(f"\0{key}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        h.update(tensor.cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 @dataclass
@@ -244,7 +259,7 @@ def read_adapter(name: str, path, allow_hub: bool = False) -> AdapterSource:
     ranks = [cfg["r"], *(cfg.get("rank_pattern") or {}).values()]
     if shapes is not None:
         ranks = [module_rank_alpha(cfg, module)[0] for module in shapes] or ranks
-    return AdapterSource(name, folder, cfg, shapes, max(ranks))
+    return AdapterSource(name, folder, cfg, shapes, max(ranks), weights_digest(cfg, tensors))
 
 
 def _read_tensors(source: AdapterSource) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 
 from .bank import AdapterBank, SlotImage
 from .loader import (AdapterError, AdapterSource, AdapterWeights, check_adapter_name, check_finite, check_source,
-                     load_adapter_weights, read_adapter)
+                     load_adapter_weights, read_adapter, weights_digest)
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class _Entry:
     image: SlotImage | None  # host copy
     rank: int
     targets: tuple[str, ...]
+    digest: bytes = b""  # of its config and weights (`loader.weights_digest`)
 
 
 class SlotsFullError(AdapterError):
@@ -91,7 +92,7 @@ class AdapterRegistry:
         check_source(source, self.bank.module_sizes, self.bank.r_max)
         targets = _kinds(source.shapes) if source.shapes is not None else tuple(
             sorted(source.config.get("target_modules") or ()))
-        self.entries[name] = _Entry(source, None, source.max_rank, targets)
+        self.entries[name] = _Entry(source, None, source.max_rank, targets, source.digest)
         return self.status(name)
 
     # The served model's name or path (set by LoRazorModel), compared with each adapter's base model.
@@ -110,7 +111,10 @@ class AdapterRegistry:
         ranks = [a.shape[0] for a, _, _ in weights.modules.values()]
         if max(ranks, default=0) > self.bank.r_max:
             raise AdapterError(f"adapter {name!r} has rank {max(ranks)} > max_lora_rank={self.bank.r_max}")
-        self.entries[name] = _Entry(None, self.bank.pack(weights), max(ranks, default=0), _kinds(weights.modules))
+        tensors = {f"{m}.lora_{k}": t for m, (a, b, scale) in weights.modules.items() for k, t in
+                   (("A", a), ("B", b), ("scale", torch.tensor(float(scale), dtype=torch.float64)))}
+        self.entries[name] = _Entry(None, self.bank.pack(weights), max(ranks, default=0), _kinds(weights.modules),
+                                    weights_digest({}, tensors))
         self.make_resident([name])
         # Its host copy is kept only once it is evicted (`_evict`): the slot holds it now.
         self.entries[name].image = None
@@ -129,6 +133,10 @@ class AdapterRegistry:
         del self.entries[name]
         self._host_lru.pop(name, None)
         self.broken.pop(name, None)
+
+    def digest(self, name: str) -> bytes:
+        """The hash of a registered adapter's config and weights."""
+        return self.entries[name].digest
 
     def check_usable(self, name: str) -> None:
         """Raise AdapterError when `name` is marked broken (its weights failed to load)."""

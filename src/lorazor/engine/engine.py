@@ -34,7 +34,7 @@ from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
 from ..runner.release import BoundPolicies
 from ..runner.sampling import batchable, float_scores, next_tokens
 from .background import BackgroundLoop
-from .blocks import BlockPool
+from .blocks import BACKBONE, BlockPool, adapter_identity
 from .launched import launch_picks
 from .request import Request, RequestOutput, Status
 from .scheduler import Scheduler
@@ -82,12 +82,17 @@ class LoRazorEngine:
             found one step late and that step's token for it is dropped. False: each step is read
             back before the next is scheduled. None (default): on where the model runs on a GPU;
             off on the CPU, where the host computes the steps itself and nothing can overlap.
+        enable_prefix_caching: reuse the KV of full blocks that an earlier request computed with
+            the same tokens and the same weights (the backbone, or the same adapter by name and
+            weights digest); a request then prefills only the rest of its prompt
+            (`RequestOutput.num_cached_tokens`). On by default, as in vLLM.
     """
 
     def __init__(self, model: LoRazorModel, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  num_kv_blocks: int | None = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
-                 max_model_len: int | None = None, async_scheduling: bool | None = None):
+                 max_model_len: int | None = None, async_scheduling: bool | None = None,
+                 enable_prefix_caching: bool = True):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size), ("max_model_len", max_model_len or 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -118,7 +123,9 @@ class LoRazorEngine:
             raise NotImplementedError(f"the engine's attention has no sliding window: max_model_len={max_model_len} "
                                       f"exceeds the model's sliding_window={window}; pass max_model_len<={window}")
         self.max_model_len = max_model_len
-        self.pool = BlockPool(num_kv_blocks, block_size)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        self.pool = BlockPool(num_kv_blocks, block_size, enable_caching=enable_prefix_caching)
         self.cache = runner.new_paged_cache(num_kv_blocks, block_size)
         self.tables = BlockTables(max_num_seqs, -(-max_model_len // block_size), num_kv_blocks, model.device)
         self.graphs = runner.paged_graphs(self.cache, max_num_seqs, max_num_batched_tokens)
@@ -238,6 +245,8 @@ class LoRazorEngine:
             raise ValueError(f"max_new_tokens must be >= 1 for an engine request, got {plan.max_new_tokens}")
         self.check_length(len(prompt), plan.max_new_tokens)
         request = Request(request_id, prompt, adapter, plan, policy, release, generator)
+        request.cache_identity = BACKBONE if adapter is None else adapter_identity(
+            adapter, self.model.registry.digest(adapter))
         request.logprobs = logprobs
         request.logprob_processors = LogitsProcessorList(logits_processor or [])
         # A request that reports log-probabilities is sampled on its own (`_sample`), where its scores are.
@@ -378,6 +387,7 @@ class LoRazorEngine:
         launched = launch_picks(chunks, rows, logits, hidden, self.model.bank.slot_of, self.policies)
         for chunk in chunks:
             chunk.request.num_computed += chunk.num_tokens
+            self.scheduler.cache_blocks(chunk.request)
         for request in launched.requests:
             request.pending += 1
         self._prefetch_waiting(chunks)

@@ -78,6 +78,7 @@ class RequestOutput:
         release_step: the decode step at which it released its adapter (-1: never, or no adapter).
         decode_steps, lora_decode_steps: decode forwards run, and of those, with the adapter.
         arrival_time, first_token_time, finish_time: `time.monotonic()` stamps (None until reached).
+        num_cached_tokens: prompt tokens whose KV came from the prefix cache (vLLM's name).
     """
 
     request_id: str
@@ -96,6 +97,7 @@ class RequestOutput:
     # for the `logprobs` most likely tokens).
     new_logprobs: list | None = None
     scheduled_time: float | None = None  # when a step first ran it (queue time = this - arrival_time)
+    num_cached_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -158,6 +160,13 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     scheduled_time: float | None = None
+    # Prefix caching (`blocks.py`): the identity of what computes this request's KV, the hash chain of
+    # its full cacheable blocks, how many of its blocks are in the cache, and how many prompt tokens
+    # its first admission found there (None until admitted).
+    cache_identity: bytes = b""
+    block_hashes: list = field(default_factory=list)
+    blocks_cached: int = 0
+    num_cached_tokens: int | None = None
 
     def __post_init__(self):
         self.tokens: list[int] = list(self.prompt)  # prompt and generated tokens (kept in step)
@@ -194,6 +203,14 @@ class Request:
         return (self.adapter is not None and self.release_step < 0 and self.release != NEVER
                 and (self.policy is not None or self.release is not None))
 
+    @property
+    def cacheable_len(self) -> int:
+        """Positions whose KV its identity computes: tokens known on the host (their release
+        decisions too), before a release (after it the backbone computed them: never cached)."""
+        if self.adapter is not None and self.release_step >= 0:
+            return min(len(self.tokens), len(self.prompt) + self.release_step)
+        return len(self.tokens)
+
     def uses_adapter_at(self, position: int) -> bool:
         """Whether the forward at `position` runs with the adapter: prefill always does; decode
         forward d (at position len(prompt) + d) does while d is before the release step."""
@@ -209,4 +226,4 @@ class Request:
         return RequestOutput(self.request_id, new_tokens, TokenPrefix(self.output), self.status is Status.FINISHED,
                              self.finish_reason, self.release_step, decode_steps, lora_steps, self.arrival_time,
                              self.first_token_time, self.finish_time, self.error, new_logprobs,
-                             self.scheduled_time)
+                             self.scheduled_time, self.num_cached_tokens or 0)

@@ -8,7 +8,9 @@ Every step:
    preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
    later. Nothing is dropped.
 3. With budget left, waiting requests are admitted first come, first served, while the sequence
-   budget (`max_num_seqs`) and the pool allow. A request whose adapter would need a GPU slot that
+   budget (`max_num_seqs`) and the pool allow. A request admitted takes the longest chain of its
+   full blocks the prefix cache holds (`blocks.py`) and computes only the rest; at least its last
+   token is computed, so its first sampled token has logits. A request whose adapter would need a GPU slot that
    running requests hold (`max_adapters` distinct adapters) waits at the front of the queue
    without blocking later requests whose adapters are already running. A prompt longer than the
    budget is prefilled in chunks over several steps.
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .blocks import BlockPool
+from .blocks import BlockPool, block_hashes
 from .request import Request, Status
 
 
@@ -55,17 +57,46 @@ class Scheduler:
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
-        """Take a request out (finished or aborted) and free its blocks."""
+        """Take a request out (finished or aborted) and free its blocks (its full ones stay cached)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.pool.free(request.block_table)
+        self._release_blocks(request)
         self.on_free(request)
+
+    def _release_blocks(self, request: Request) -> None:
+        self.cache_blocks(request)
+        self.pool.free(request.block_table)
+        request.blocks_cached = 0
+
+    def cache_blocks(self, request: Request) -> None:
+        """Put the request's full blocks whose KV is computed (or queued) and whose identity is
+        known into the prefix cache (cheap when no block filled since the last call)."""
+        if not self.pool.enable_caching:
+            return
+        size = self.pool.block_size
+        full = min(request.num_computed, request.cacheable_len) // size
+        if full <= request.blocks_cached:
+            return
+        hashes = block_hashes(request.block_hashes, request.tokens, size, request.cache_identity, full)
+        for i in range(request.blocks_cached, full):
+            self.pool.cache(request.block_table[i], hashes[i])
+        request.blocks_cached = full
+
+    def _cache_hits(self, request: Request) -> list[int]:
+        """The cached blocks a request being admitted can start from (none once it computed some)."""
+        if not self.pool.enable_caching or request.num_computed:
+            return []
+        size = self.pool.block_size
+        # At least one token is computed: the step must give the request logits to sample from.
+        usable = min(request.num_tokens - 1, request.cacheable_len) // size
+        return self.pool.lookup(block_hashes(request.block_hashes, request.tokens, size, request.cache_identity,
+                                             usable)[:usable])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.pool.free(request.block_table)
+        self._release_blocks(request)
         self.on_free(request)
         request.num_computed = 0
         request.status = Status.WAITING
@@ -107,10 +138,18 @@ class Scheduler:
                 # it keeps its place at the front, so it is admitted first once a slot frees.
                 skipped.append(request)
                 continue
-            n = min(request.num_tokens - request.num_computed, budget)
-            if not self.pool.grow(request.block_table, request.num_computed + n):
+            hits = self._cache_hits(request)
+            start = max(request.num_computed, len(hits) * self.pool.block_size)
+            n = min(request.num_tokens - start, budget)
+            if not self.pool.allocate(request.block_table, hits, start + n):
                 self.waiting.appendleft(request)
                 break
+            request.num_computed = start
+            request.blocks_cached = len(hits)
+            if request.num_cached_tokens is None:  # its first admission (not a preempted one's return)
+                request.num_cached_tokens = start
+                self.pool.queries += request.num_tokens
+                self.pool.hits += start
             request.status = Status.RUNNING
             self.running.append(request)
             if request.adapter is not None:

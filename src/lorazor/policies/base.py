@@ -59,10 +59,10 @@ class ReleaseState:
                     continue
                 if o == NEVER:
                     use_override[i] = True
-                elif isinstance(o, int) and not isinstance(o, bool) and o >= 0:
+                elif isinstance(o, int) and not isinstance(o, bool) and 0 <= o <= MAX_RELEASE:
                     use_override[i], override_k[i] = True, o
                 else:
-                    raise ValueError(f"release[{i}] must be None, 'never' or an int >= 0, got {o!r}")
+                    raise ValueError(f"release[{i}] must be None, 'never' or an int in [0, {MAX_RELEASE}], got {o!r}")
         return cls(
             slot=slot,
             active=slot >= 0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import NEVER_STEP, ReleasePolicy, ReleaseState
+from .base import MAX_RELEASE, NEVER_STEP, ReleasePolicy, ReleaseState
 
 
 class ProfiledRelease(ReleasePolicy):
@@ -30,8 +30,9 @@ class ProfiledRelease(ReleasePolicy):
                 f"lengths must be a dict adapter name -> k (e.g. {{'math': 8}}), got {type(lengths).__name__}"
             )
         for name, k in lengths.items():
-            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
-                raise ValueError(f"release length for adapter {name!r} must be None or an int >= 0, got {k!r}")
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_RELEASE):
+                raise ValueError(f"release length for adapter {name!r} must be None or an int in [0, {MAX_RELEASE}], "
+                                 f"got {k!r}")
         self.lengths = dict(lengths)
 
     def adapter_names(self) -> list[str]:

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="queue each step before the one in flight is read back (default: on where the model runs "
                         "on a GPU, off on the CPU); --no-async-scheduling reads each step back first")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes computed before by the same adapter (by weights) or the "
+                        "backbone (default: on); --no-enable-prefix-caching computes every prompt")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help="tokens per engine step (decode tokens plus prefill chunks)")
@@ -168,7 +171,8 @@ def build_engine(args: argparse.Namespace):
     engine = LoRazorEngine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                           async_scheduling=args.async_scheduling)
+                           async_scheduling=args.async_scheduling,
+                           enable_prefix_caching=args.enable_prefix_caching)
     # On the GPU every step graph is captured before the first request (no-op on the CPU); the
     # engine logs how many and how long.
     engine.warm_up()
@@ -188,7 +192,8 @@ def describe(engine, policy) -> str:
             f"max_model_len {engine.max_model_len}; max_num_seqs {engine.scheduler.max_num_seqs}, "
             f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}; decode step "
             f"{'compiled' if model.config.compile else 'eager'}, "
-            f"{'async' if engine.async_scheduling else 'step-by-step'} scheduling; release policy: {release}")
+            f"{'async' if engine.async_scheduling else 'step-by-step'} scheduling; prefix caching "
+            f"{'on' if engine.pool.enable_caching else 'off'}; release policy: {release}")
 
 
 def _policy_adapters(policy) -> list[str]:

@@ -45,7 +45,7 @@ def pack(out: RequestOutput) -> tuple:
     """A step's output for the pipe: without `token_ids`, which the receiver rebuilds."""
     return (out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.release_step, out.decode_steps,
             out.lora_decode_steps, out.arrival_time, out.first_token_time, out.finish_time, out.error, out.new_logprobs,
-            out.scheduled_time)
+            out.scheduled_time, out.num_cached_tokens)
 
 
 def unpack(row: tuple, tokens: list[int]) -> RequestOutput:

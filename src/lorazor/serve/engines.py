@@ -27,7 +27,7 @@ def engine_stats(engine) -> dict:
     return dict(running=len(scheduler.running), waiting=len(scheduler.waiting),
                 kv_blocks_used=pool.num_blocks - pool.num_free, kv_blocks_total=pool.num_blocks,
                 adapters_resident=len(engine.model.bank.slot_of), preemptions=scheduler.num_preemptions,
-                adapter_loads=engine.adapter_loads,
+                adapter_loads=engine.adapter_loads, prefix_cache_queries=pool.queries, prefix_cache_hits=pool.hits,
                 running_adapters=sorted({r.adapter for r in scheduler.running if r.adapter is not None}),
                 waiting_adapters=sorted({r.adapter for r in scheduler.waiting if r.adapter is not None}),
                 max_loras=engine.model.bank.num_slots)
@@ -38,6 +38,7 @@ def engine_info(engine) -> dict:
     import torch
 
     return dict(max_model_len=engine.max_model_len, max_loras=engine.model.bank.num_slots,
+                prefix_caching=engine.pool.enable_caching,
                 vocab_size=engine.runner.vocab_size, async_scheduling=engine.async_scheduling,
                 torch_threads=torch.get_num_threads())
 

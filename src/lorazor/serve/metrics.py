@@ -5,7 +5,9 @@ here), so dashboards and gateway routers that read vLLM's metrics read these wit
 `lorazor:lora_requests_info` carries the running and waiting adapters as vLLM's does. StepTrim adds
 `lorazor:lora_decode_steps_total` (decode steps that ran an adapter), `lorazor:adapter_decode_steps_total`
 (decode steps of adapter requests) and `lorazor:released_requests_total`; the share of decode LoRA
-skipped is `1 - lora_decode_steps / adapter_decode_steps`. docs/serving.md lists every metric.
+skipped is `1 - lora_decode_steps / adapter_decode_steps`. The prefix cache's counters are vLLM's:
+`lorazor:prefix_cache_queries_total` (prompt tokens looked up) and `lorazor:prefix_cache_hits_total`
+(of those, found cached). docs/serving.md lists every metric.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class ServerMetrics:
                                ["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         self.preemptions = counter("num_preemptions", "Preemptions (a request recomputed later)")
         self.adapter_loads = counter("lora_adapter_loads", "Adapter weights copied into a GPU slot")
+        self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.success = counter("request_success", "Finished requests", ["finished_reason"])
@@ -60,11 +64,16 @@ class ServerMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token")
         self.queue = histogram("request_queue_time_seconds", "Time from arrival to the first scheduled step")
-        self._seen = {"preemptions": 0, "adapter_loads": 0}  # engine counters already added
+        # Engine counters already added (the engine counts; each scrape adds what is new).
+        self._engine_counters = {"preemptions": self.preemptions, "adapter_loads": self.adapter_loads,
+                                 "prefix_cache_queries": self.cache_queries, "prefix_cache_hits": self.cache_hits}
+        self._seen = dict.fromkeys(self._engine_counters, 0)
         self.mirror = None  # another recorder of finished requests (Ray's metrics, in lorazor.ray)
         for metric in (
             self.preemptions,
             self.adapter_loads,
+            self.cache_queries,
+            self.cache_hits,
             self.prompt_tokens,
             self.generation_tokens,
             self.lora_decode_steps,
@@ -118,7 +127,7 @@ class ServerMetrics:
         self.lora_info.clear()
         self.lora_info.labels(m, ",".join(stats["running_adapters"]), ",".join(stats["waiting_adapters"]),
                               str(stats["max_loras"])).set(time.time())
-        for key, counter in (("preemptions", self.preemptions), ("adapter_loads", self.adapter_loads)):
+        for key, counter in self._engine_counters.items():
             counter.labels(m).inc(max(stats[key] - self._seen[key], 0))
             self._seen[key] = max(stats[key], self._seen[key])
         return generate_latest(self.registry)

@@ -131,14 +131,18 @@ class Response:
                 "finish_reason": finish}
 
     @staticmethod
-    def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    def _usage(choices: list[Choice], outs: list) -> dict:
+        """OpenAI's usage: each prompt counts once, however many choices it has (as OpenAI counts),
+        with the prompt tokens the prefix cache served (the most any of its choices found)."""
+        prompts: dict = {}
+        for choice, out in zip(choices, outs):
+            cached = prompts.get(id(choice.prompt_ids), (0, 0))[1]
+            prompts[id(choice.prompt_ids)] = (len(choice.prompt_ids), max(cached, out.num_cached_tokens))
+        prompt_tokens = sum(n for n, _ in prompts.values())
+        completion_tokens = sum(out.num_tokens for out in outs)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
-
-    @staticmethod
-    def _prompt_tokens(choices: list[Choice]) -> int:
-        # Each prompt counts once, however many choices it has (as OpenAI counts).
-        return sum(len(c.prompt_ids) for c in {id(c.prompt_ids): c for c in choices}.values())
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompts.values())}}
 
     @staticmethod
     def _extension(outs) -> dict:
@@ -165,7 +169,7 @@ class Response:
                 "choices": [self._choice(c.index, c.echo + text, FINISH_REASONS[out.finish_reason],
                                          self._token_logprobs(entries, len(c.echo)), False)
                             for c, (text, out, entries) in zip(choices, parts)],
-                "usage": self._usage(self._prompt_tokens(choices), sum(o.num_tokens for _, o, _ in parts)),
+                "usage": self._usage(choices, [o for _, o, _ in parts]),
                 "lorazor": self._extension([o for _, o, _ in parts])}
         return body
 
@@ -189,7 +193,7 @@ class Response:
         return f"data: {json.dumps(body)}\n\n"
 
     async def _events(self, choices: list[Choice], streams):
-        completion_tokens, outs = 0, []
+        finished = {}
         offsets = {c.index: len(c.echo) for c in choices}
         try:
             for choice in choices:
@@ -202,14 +206,13 @@ class Response:
                 finish = FINISH_REASONS[out.finish_reason] if out.finished else None
                 extra = {}
                 if out.finished:
-                    completion_tokens += out.num_tokens
-                    outs.append(out)
+                    finished[choice.index] = out
                     extra["lorazor"] = self._extension([out])
                 logprobs = self._token_logprobs(pending, offsets[choice.index])
                 offsets[choice.index] += len(delta)
                 yield self._chunk([self._choice(choice.index, delta, finish, logprobs, True)], **extra)
             if self.include_usage:
-                yield self._chunk([], usage=self._usage(self._prompt_tokens(choices), completion_tokens))
+                yield self._chunk([], usage=self._usage(choices, [finished[c.index] for c in choices]))
         except Exception as err:  # after the 200 went out: an error event, as OpenAI's streams send one
             if isinstance(err, ApiError):
                 failure = err
