@@ -20,6 +20,14 @@ then full at fewer adapters and full_release at the fewest. Stages run in that o
 targets first) and `--deadline` skips the tail, listing what it skipped. To run only the sweep over
 fewer adapters: `--adapters 4,8,16,32,64 --skip backbone,static,open,skewed`.
 A part runs in one process (one grid's engine); rows go to `<out>/rows_<part>.jsonl`.
+
+`--workload shared-prefix` measures the prefix cache instead (`engine_workload.build_shared_prefix`:
+128 adapters, each with its own ~1,000-token system prompt, Zipf popularity): the same requests
+offline with the cache on and off (req/s, TTFT, hit rate), then open loop at one rate (below the
+cache-off engine's offline req/s) on and off, on one engine (its pool's cache switched off and
+emptied between runs). `--cache-ab` adds LoRazor at the most adapters with the cache off to the
+other workloads: what the cache costs on traces that share nothing. The KV pool is the engine's
+own default (`gpu_memory_utilization`) unless `--kv-gb` sizes it.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from lorazor.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NU
 
 SEQS, TOKENS, BLOCK = DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS, 16  # the engine's defaults
 MAX_MODEL_LEN = 1024
+SHARED_PREFIX_MAX_LEN = 2048  # system prompt up to 1,200 + user part up to 300 + output up to 256
 
 
 def setup(args):
@@ -56,7 +65,9 @@ def setup(args):
 
         base, adapters, seqs, tokens, max_len = AutoModelForCausalLM.from_config(tiny_config()).eval(), 8, 16, 128, 256
     else:
-        base, adapters, seqs, tokens, max_len = build_base("llama-3.2-3b"), 128, SEQS, TOKENS, MAX_MODEL_LEN
+        shared = getattr(args, "workload", "mixed") == "shared-prefix"
+        max_len = SHARED_PREFIX_MAX_LEN if shared else MAX_MODEL_LEN
+        base, adapters, seqs, tokens = build_base("llama-3.2-3b"), 128, SEQS, TOKENS
     tokens = args.max_num_batched_tokens or tokens
     seqs = args.max_num_seqs or seqs
     base.generation_config.eos_token_id = None  # EOS ignored: each request runs its drawn length
@@ -68,9 +79,11 @@ def setup(args):
     cfg = base.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_block = 2 * cfg.num_hidden_layers * BLOCK * cfg.num_key_value_heads * head_dim * 2
-    blocks = 2000 if args.tiny else int(args.kv_gb * 2**30 // per_block)
+    # The engine's own pool size unless --kv-gb sizes it (the product's default is what users get).
+    blocks = 2000 if args.tiny else None if args.kv_gb is None else int(args.kv_gb * 2**30 // per_block)
     engine = LoRazorEngine(model, max_num_seqs=seqs, max_num_batched_tokens=tokens, block_size=BLOCK,
-                           num_kv_blocks=blocks, max_model_len=max_len)
+                           num_kv_blocks=blocks, max_model_len=max_len,
+                           enable_prefix_caching=getattr(args, "prefix_caching", True))
     return model, engine, names, cfg.vocab_size, dict(max_num_seqs=seqs, max_num_batched_tokens=tokens)
 
 
@@ -141,7 +154,11 @@ def main() -> None:
     ap.add_argument("--rates", default="25,50,75,100,125,150,200")
     ap.add_argument("--open-seconds", type=float, default=8.0, help="arrival window per open-loop rate")
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="P90 TTFT (s) that defines the open-loop knee")
-    ap.add_argument("--kv-gb", type=float, default=32.0)
+    ap.add_argument("--kv-gb", type=float, help="KV pool size (default: the engine's, from free GPU memory)")
+    ap.add_argument("--cache-ab", action="store_true",
+                    help="also run LoRazor at the most adapters with the prefix cache off (its cost on this trace)")
+    ap.add_argument("--rate", type=float,
+                    help="shared-prefix: the open-loop rate (default: 0.6 x the cache-off engine's offline req/s)")
     ap.add_argument("--skip", default="", help="comma-separated stages or systems to skip: "
                                                    "offline,skewed,open,static,backbone,lorazor,exact")
     ap.add_argument("--deadline", type=float, default=1e9, help="skip stages that would end later (s from start)")
@@ -150,9 +167,9 @@ def main() -> None:
     )
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on this machine (checks the logic)")
     ap.add_argument("--compile", action="store_true", help="LoRazorConfig(compile=True): the compiled decoder layer")
-    ap.add_argument("--workload", choices=sorted(wl.SHAPES), default="mixed",
-                    help="request shape: the paper's mixed workload, or decode-heavy (outputs ~3x longer, "
-                         "release for >= 73%% of decode LoRA skipped)")
+    ap.add_argument("--workload", choices=sorted(wl.SHAPES) + ["shared-prefix"], default="mixed",
+                    help="request shape: the paper's mixed workload, decode-heavy (outputs ~3x longer, "
+                         "release for >= 73%% of decode LoRA skipped), or shared-prefix (the prefix cache)")
     ap.add_argument("--max-num-batched-tokens", type=int,
                     help=f"the engine's tokens per step (default {TOKENS}; --tiny: 128); the sweep behind the default")
     ap.add_argument("--max-num-seqs", type=int,
@@ -167,6 +184,10 @@ def main() -> None:
     t0 = time.perf_counter()
     model, engine, names, vocab, shape = setup(args)
     captured = engine.warm_up()
+    if args.workload == "shared-prefix":
+        return shared_prefix(args, engine, names, vocab, rows_path, dict(
+            environment(), part=args.part, workload=args.workload, graphs_captured=captured,
+            kv_blocks=engine.pool.num_blocks, setup_s=time.perf_counter() - t0, compile=args.compile, **shape))
     workload = wl.build(args.requests, vocab, shape=args.workload)
     if args.tiny:  # a tiny model on the CPU: short prompts and outputs, same logic
         for r in workload:
@@ -242,6 +263,9 @@ def main() -> None:
         if at_most:
             offline("offline", "lorazor", most, uniform, release=True)
             offline("offline", "exact", most, uniform, release=False)
+            if args.cache_ab:
+                with cache_off(engine):
+                    offline("offline", "lorazor_nocache", most, uniform, release=True)
         offline("backbone", "backbone", 0, [0] * len(workload), backbone=True)
         gap_summary(record, rows_path)
         if fits("static", 1.5 * last[0], "static generate"):  # the model is on the exact grid already
@@ -268,6 +292,77 @@ def main() -> None:
         if fewer:
             offline("offline", "full_release", fewer[0], wl.assign(workload, fewer[0]), release=True)
     print(f"part {args.part} done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+class cache_off:
+    """`with cache_off(engine):` its prefix cache switched off and emptied; on again afterwards."""
+
+    def __init__(self, engine):
+        self.pool = engine.pool
+
+    def __enter__(self):
+        self.pool.reset_cache()
+        self.pool.enable_caching = False
+
+    def __exit__(self, *exc):
+        self.pool.enable_caching = True
+
+
+def shared_prefix(args, engine, names, vocab, rows_path: Path, meta: dict) -> None:
+    """The prefix cache's trace: offline with the cache on and off, then open loop at one rate."""
+    count = min(len(names), 128)
+    workload, identities = wl.build_shared_prefix(args.requests, vocab, count)
+    if args.tiny:  # a tiny model on the CPU: short prompts and outputs, the same sharing
+        for r in workload:
+            r.prompt, r.max_new_tokens = r.prompt[:24] + r.prompt[-8:], min(r.max_new_tokens, 8)
+    requests = [dict(prompt_ids=r.prompt, max_new_tokens=r.max_new_tokens, pad_token_id=0, adapter=names[i])
+                for r, i in zip(workload, identities)]
+    meta.update(requests=len(requests), adapters=count,
+                prompt_mean=sum(len(r.prompt) for r in workload) / len(workload),
+                output_mean=sum(r.max_new_tokens for r in workload) / len(workload))
+    print(json.dumps(meta), flush=True)
+    (args.out / f"meta_{args.part}{args.tag}.json").write_text(json.dumps(meta, indent=2))
+    with cache_off(engine):  # warm the prefill path's kernels outside the timings
+        engine.generate(requests[:32])
+
+    def record(**row):
+        row = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}
+        print(json.dumps(row), flush=True)
+        with rows_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def offline(system):
+        pool = engine.pool
+        queries, hits = pool.queries, pool.hits
+        start = time.perf_counter()
+        outs = engine.generate(requests)
+        row = dict(requests=len(outs), seconds=time.perf_counter() - start,
+                   **wl.percentiles([o.ttft for o in outs], (50, 90)))
+        row.update(req_s=len(outs) / row["seconds"], out_tok_s=sum(o.num_tokens for o in outs) / row["seconds"],
+                   hit_rate=(pool.hits - hits) / max(pool.queries - queries, 1),
+                   cached_tokens_mean=sum(o.num_cached_tokens for o in outs) / len(outs))
+        record(stage="shared_prefix", system=system, L=count, **{("ttft_" + k if k.startswith("p") else k): v
+                                                                  for k, v in row.items()})
+        return row
+
+    on = offline("cache_on")
+    with cache_off(engine):
+        off = offline("cache_off")
+    rate = args.rate or 0.6 * off["req_s"]
+    offsets = wl.poisson_arrivals(rate, args.open_seconds, seed=1)
+    loops = {}
+    for system in ("cache_on", "cache_off"):
+        engine.pool.reset_cache()  # each open loop starts from an empty cache
+        if system == "cache_off":
+            with cache_off(engine):
+                loops[system] = wl.run_open_loop(engine, requests[:len(offsets)], offsets)
+        else:
+            loops[system] = wl.run_open_loop(engine, requests[:len(offsets)], offsets)
+        record(stage="shared_prefix_open", system=system, L=count, rate=rate, **loops[system])
+    record(stage="summary", system="prefix_cache", L=count, req_s_ratio=on["req_s"] / off["req_s"],
+           offline_ttft_p50_ratio=off["p50"] / on["p50"], hit_rate=on["hit_rate"], open_rate=rate,
+           open_ttft_p50_ratio=loops["cache_off"]["ttft_p50"] / loops["cache_on"]["ttft_p50"],
+           open_ttft_p90_ratio=loops["cache_off"]["ttft_p90"] / loops["cache_on"]["ttft_p90"])
 
 
 SYSTEMS = ["lorazor", "exact", "full_release", "full", "backbone", "static"]

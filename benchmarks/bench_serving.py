@@ -13,6 +13,8 @@ For each offered rate, the same arrivals and requests run twice on one engine:
    an async httpx client in one of `--clients` child processes (so the clients do not share the
    server's GIL). TTFT runs from the send to the first streamed chunk; TPOT from there to the last
    chunk, per token.
+`--workload shared-prefix` sends the prefix cache's trace (`engine_workload.build_shared_prefix`);
+`--no-prefix-caching` turns the cache off in both engines (run it twice to compare).
 It reports achieved req/s, P50/P90/P99 TTFT and TPOT per rate and path. The *knee* is the offered
 rate at which P90 TTFT crosses `--ttft-slo` (interpolated between the tested rates; past
 saturation TTFT grows with the queue). The target is an HTTP knee at least 0.9x the in-process
@@ -64,13 +66,15 @@ def build(args):
 
         peft_model, tokenizer, _ = load()
         model = LoRazorModel.from_peft(peft_model)
-        engine = LoRazorEngine(model, max_num_seqs=32, max_num_batched_tokens=512, num_kv_blocks=1024)
+        engine = LoRazorEngine(model, max_num_seqs=32, max_num_batched_tokens=512, num_kv_blocks=1024,
+                               enable_prefix_caching=args.prefix_caching)
         return engine, tokenizer, model.adapter_names, tokenizer.vocab_size
     from bench_engine import setup
 
     # The engine benchmark's model and engine (exact grid): 3B shape and 128 adapters, or --tiny.
-    _, engine, names, vocab, _ = setup(argparse.Namespace(part="exact", tiny=args.tiny, kv_gb=32.0, compile=False,
-                                                             max_num_batched_tokens=None, max_num_seqs=None))
+    _, engine, names, vocab, _ = setup(argparse.Namespace(
+        part="exact", tiny=args.tiny, kv_gb=args.kv_gb, compile=False, max_num_batched_tokens=None, max_num_seqs=None,
+        workload=args.workload, prefix_caching=args.prefix_caching))
     engine.warm_up()
     return engine, TokenIdText(), names, vocab
 
@@ -90,7 +94,9 @@ def serving_engine(engine, args):
 
     from lorazor.serve.engine_process import EngineProcess
 
-    return EngineProcess(functools.partial(engine_factory, argparse.Namespace(testbed=args.testbed, tiny=args.tiny)))
+    return EngineProcess(functools.partial(engine_factory, argparse.Namespace(
+        testbed=args.testbed, tiny=args.tiny, kv_gb=args.kv_gb, workload=args.workload,
+        prefix_caching=args.prefix_caching)))
 
 
 def free_port() -> int:
@@ -192,24 +198,34 @@ def main() -> None:
                     help="instead: lorazor serve --testbed --replicas N on Ray, adapter affinity on vs off "
                          "(serving_replicas.py; the first rate only)")
     ap.add_argument("--max-loras", type=int, default=2, help="with --replicas: GPU slots per replica")
+    ap.add_argument("--workload", choices=["mixed", "shared-prefix"], default="mixed",
+                    help="the requests: the paper's mixed trace, or the prefix cache's shared-prefix trace")
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engines' prefix cache (default: on, the engine's default)")
+    ap.add_argument("--kv-gb", type=float, default=16.0,
+                    help="each engine's KV pool (two engines share the GPU: the in-process one and the server's)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     if args.replicas:
         return replicas_main(args, t0)
     engine, tokenizer, names, vocab = build(args)
     rates = [float(x) for x in args.rates.split(",")]
-    workload = wl.build(4 * int(max(rates) * args.seconds * 1.5 / 4 + 4), vocab)
-    if args.testbed or args.tiny:  # small models on the CPU: scale the lengths down
+    count = 4 * int(max(rates) * args.seconds * 1.5 / 4 + 4)
+    if args.workload == "shared-prefix":
+        workload, identities = wl.build_shared_prefix(count, vocab, min(len(names), 128))
+    else:
+        workload = wl.build(count, vocab)
+        identities = wl.assign(workload, len(names))
+    if args.testbed or args.tiny:  # small models on the CPU: scale the lengths down (keeping a shared head)
         for r in workload:
-            r.prompt = r.prompt[:24]
+            r.prompt = r.prompt[:24] if args.workload == "mixed" else r.prompt[:24] + r.prompt[-8:]
             r.max_new_tokens = min(r.max_new_tokens, 16)
     if args.max_new_tokens:
         for r in workload:
             r.max_new_tokens = min(r.max_new_tokens, args.max_new_tokens)
-    ks = wl.release_lengths(workload)
-    identities = wl.assign(workload, len(names))
-    requests = [dict(prompt_ids=r.prompt, adapter=names[i], max_new_tokens=r.max_new_tokens, release=ks[r.group],
-                     pad_token_id=0) for r, i in zip(workload, identities)]
+    ks = wl.release_lengths(workload) if args.workload == "mixed" else {}
+    requests = [dict(prompt_ids=r.prompt, adapter=names[i], max_new_tokens=r.max_new_tokens,
+                     release=ks.get(r.group), pad_token_id=0) for r, i in zip(workload, identities)]
     server, thread, url = start_server(serving_engine(engine, args), tokenizer)
     rows = []
     pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
@@ -233,13 +249,14 @@ def main() -> None:
              for p in ("in_process", "http")}
     ratio = knees["http"][0] / knees["in_process"][0] if knees["in_process"][0] else float("nan")
     meta = dict(environment(), testbed=args.testbed, tiny=args.tiny, seconds=args.seconds, ttft_slo=args.ttft_slo,
-                clients=args.clients, engine=args.engine,
+                clients=args.clients, engine=args.engine, workload=args.workload, prefix_caching=args.prefix_caching,
                 knees={p: k for p, (k, _) in knees.items()}, knees_crossed={p: c for p, (_, c) in knees.items()},
                 knee_ratio=ratio, total_s=time.perf_counter() - t0)
     title = "testbed, CPU" if args.testbed else "tiny model, CPU" if args.tiny else "Llama-3.2-3B shape, 128 adapters"
     lines = [f"# HTTP vs in-process serving ({title})",
              "", f"commit {meta['commit']}, {meta.get('gpu', 'CPU')}, torch {meta['torch']}; the server's engine "
-                 f"runs {'in a process of its own' if args.engine == 'process' else 'on a thread of its process'}",
+                 f"runs {'in a process of its own' if args.engine == 'process' else 'on a thread of its process'}; "
+                 f"workload {args.workload}, prefix cache {'on' if args.prefix_caching else 'off'}",
              "",
              "| rate | path | achieved req/s | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -249,7 +266,9 @@ def main() -> None:
     shown = {p: f"{k:.1f}" + ("" if crossed else "+") for p, (k, crossed) in knees.items()}
     lines += ["", f"Knee (offered req/s where P90 TTFT crosses {args.ttft_slo:g} s; + = not crossed by the highest "
                   f"rate): in process {shown['in_process']}, HTTP {shown['http']}, ratio {ratio:.2f} (target >= 0.90)."]
-    write_results(args.out, "serving", rows, meta, "\n".join(lines) + "\n")
+    cache = "on" if args.prefix_caching else "off"
+    name = "serving" if args.workload == "mixed" else f"serving_{args.workload}_{cache}"
+    write_results(args.out, name, rows, meta, "\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 

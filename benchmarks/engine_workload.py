@@ -12,6 +12,11 @@ the group's own lengths is at least 50%.
 The decode-heavy shape (issue #37's StepTrim trace) keeps the groups and prompts of about 200
 tokens but draws outputs three times longer (median about 150 tokens, cap 512), and releases for
 at least 73% of decode-LoRA steps skipped: the workload where StepTrim has the most to save.
+
+The shared-prefix shape (`build_shared_prefix`, the prefix cache's trace): each of 128 adapters comes
+with its own system prompt of about 1,000 tokens (a tenant's instructions); a request is its
+adapter's system prompt and a user part of 50-300 tokens, output about 100 tokens (cap 256);
+adapters are drawn with Zipf(1.1) popularity.
 """
 
 from __future__ import annotations
@@ -70,6 +75,28 @@ def build(num_requests: int, vocab: int, seed: int = 0, shape: str = "mixed") ->
             requests.append(Request(name, rng.integers(3, vocab, n).tolist(), int(out), g))
     order = rng.permutation(len(requests))
     return [requests[i] for i in order]
+
+
+# (system prompt mean, sd, min, max), user part (min, max), output (mean, cap), Zipf exponent
+SHARED_PREFIX = dict(system=(1000, 100, 800, 1200), user=(50, 300), output=(100, 256), zipf=1.1)
+
+
+def build_shared_prefix(num_requests: int, vocab: int, num_adapters: int = 128, seed: int = 0
+                        ) -> tuple[list[Request], list[int]]:
+    """(requests, adapter identity of each) of the shared-prefix shape (module docstring)."""
+    spec = SHARED_PREFIX
+    rng = np.random.default_rng(seed)
+    mean, sd, low, high = spec["system"]
+    systems = [rng.integers(3, vocab, int(np.clip(round(rng.normal(mean, sd)), low, high))).tolist()
+               for _ in range(num_adapters)]
+    popularity = np.arange(1, num_adapters + 1, dtype=float) ** -spec["zipf"]
+    identities = rng.choice(num_adapters, size=num_requests, p=popularity / popularity.sum()).tolist()
+    outputs = _output_lengths(rng, *spec["output"], num_requests)
+    requests = []
+    for identity, output in zip(identities, outputs):
+        user = rng.integers(3, vocab, int(rng.integers(spec["user"][0], spec["user"][1] + 1))).tolist()
+        requests.append(Request("shared", systems[identity] + user, int(output), identity))
+    return requests, identities
 
 
 def assign(requests: list[Request], num_adapters: int, skewed: bool = False, seed: int = 0) -> list[int]:

@@ -9,6 +9,7 @@ a temporary root, a 1 s body timeout, on 127.0.0.1.
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -319,7 +320,8 @@ def test_sigterm_drains_for_the_shutdown_timeout_then_exits_zero_leaving_no_proc
     import psutil
 
     port = free_port()
-    proc = start_serve_command("--testbed", "--port", str(port), "--shutdown-timeout", "2")
+    # One seat: the 8 choices run one after another, so some are still waiting when the drain ends.
+    proc = start_serve_command("--testbed", "--port", str(port), "--shutdown-timeout", "2", "--max-num-seqs", "1")
     try:
         wait_healthy(f"http://127.0.0.1:{port}", 120, proc)
         s = socket.create_connection(("127.0.0.1", port))
@@ -340,7 +342,8 @@ def test_sigterm_drains_for_the_shutdown_timeout_then_exits_zero_leaving_no_proc
         log = stop_process_group(proc, timeout=10)
     assert code == 0, log[-2000:]
     assert took < 2 + 10, took  # the drain's 2 s, then aborting and joining the engine
-    assert "aborted 8 in-flight requests" in log, log[-2000:]
+    aborted = re.search(r"shutdown: aborted (\d+) in-flight requests", log)
+    assert aborted and int(aborted.group(1)) >= 1, log[-2000:]
     time.sleep(0.5)
     left = [(c.pid, c.status()) for c in children if psutil.pid_exists(c.pid)]
     assert not left, left  # nothing running, and no zombie
