@@ -156,7 +156,10 @@ def main() -> None:
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="P90 TTFT (s) that defines the open-loop knee")
     ap.add_argument("--kv-gb", type=float, help="KV pool size (default: the engine's, from free GPU memory)")
     ap.add_argument("--cache-ab", action="store_true",
-                    help="also run LoRazor at the most adapters with the prefix cache off (its cost on this trace)")
+                    help="also run LoRazor at the most adapters with the prefix cache off (its cost on this trace; "
+                         "with --workload shared-prefix: on the mixed trace, after the shared-prefix stages)")
+    ap.add_argument("--cache-ab-requests", type=int, default=2048, help="the mixed trace's size for --cache-ab "
+                                                                         "with --workload shared-prefix")
     ap.add_argument("--rate", type=float,
                     help="shared-prefix: the open-loop rate (default: 0.6 x the cache-off engine's offline req/s)")
     ap.add_argument("--skip", default="", help="comma-separated stages or systems to skip: "
@@ -363,6 +366,26 @@ def shared_prefix(args, engine, names, vocab, rows_path: Path, meta: dict) -> No
            offline_ttft_p50_ratio=off["p50"] / on["p50"], hit_rate=on["hit_rate"], open_rate=rate,
            open_ttft_p50_ratio=loops["cache_off"]["ttft_p50"] / loops["cache_on"]["ttft_p50"],
            open_ttft_p90_ratio=loops["cache_off"]["ttft_p90"] / loops["cache_on"]["ttft_p90"])
+    if args.cache_ab:  # the mixed trace (no sharing) on the same engine: what the cache costs there
+        mixed = wl.build(args.cache_ab_requests, vocab)
+        ks = wl.release_lengths(mixed)
+        plain = offline_requests(mixed, wl.assign(mixed, count), names, ks, release=True)
+        if args.tiny:
+            for r in plain:
+                r["prompt_ids"], r["max_new_tokens"] = r["prompt_ids"][:16], min(r["max_new_tokens"], 8)
+        runs = {}
+        for system in ("lorazor", "lorazor_nocache", "lorazor"):  # on, off, on again (the spread)
+            engine.pool.reset_cache()
+            if system == "lorazor_nocache":
+                with cache_off(engine):
+                    row = run_offline(engine, plain)
+            else:
+                row = run_offline(engine, plain)
+            runs.setdefault(system, []).append(row["req_s"])
+            record(stage="cache_ab", system=system, L=count, **row)
+        record(stage="summary", system="cache_cost", L=count,
+               on_vs_off=max(runs["lorazor"]) / runs["lorazor_nocache"][0],
+               on_spread=abs(runs["lorazor"][0] - runs["lorazor"][1]) / max(runs["lorazor"]))
 
 
 SYSTEMS = ["lorazor", "exact", "full_release", "full", "backbone", "static"]

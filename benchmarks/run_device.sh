@@ -43,6 +43,9 @@
 #                    (200 decode rows + 824 prompt tokens) against its floors
 #   warmup           probes/warmup_profile.py: warm_up() compiled with cold caches, compiled again with the caches
 #                    it left (a restart), eager with cold caches, eager again with its Triton cache (a restart)
+#   prefix-cache     bench_engine.py --workload shared-prefix (128 adapters with ~1,000-token system prompts, Zipf
+#                    popularity; cache on and off, offline and open loop; $SHARED_REQUESTS, default 1024), then, on
+#                    the same engine, the mixed trace's LoRazor with the cache on, off, on (--cache-ab, $CACHE_AB_REQUESTS)
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
 #                    (needs fastapi, uvicorn, pydantic: carry their wheels as .whl/, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
@@ -146,6 +149,9 @@ PY
     engine-decode-heavy) secs=(${DECODE_HEAVY_SECONDS:-280 280})  # eager, compiled: a cold compile takes minutes
                  dh="--workload decode-heavy --requests 1536"
                  engine_runs "eager 512 4096 none ${secs[0]} decode_heavy_eager $dh; compiled 512 4096 none ${secs[1]} decode_heavy_compiled $dh" ;;
+    prefix-cache) timeout ${PREFIX_CACHE_SECONDS:-400} python3 benchmarks/bench_engine.py --part exact \
+                 --workload shared-prefix --out "$W/engine" --requests ${SHARED_REQUESTS:-1024} --cache-ab \
+                 --cache-ab-requests ${CACHE_AB_REQUESTS:-2048} --tag _shared_prefix > "$W/engine_shared_prefix.log" 2>&1 ;;
     trace-busy) timeout 300 python3 benchmarks/probes/trace_busy.py --out "$W" --tag _eager > "$W/trace_busy.log" 2>&1 ;;
     engine-tokens) engine_runs "eager 512 1024 backbone 180; eager 512 4096 backbone 180; eager 512 8192 backbone 180" ;;
     engine-seqs) engine_runs "eager 256 2048 exact 185; eager 512 4096 exact 185; eager 1024 8192 exact 185" ;;
