@@ -3,9 +3,7 @@
 from .adapters import AdapterBank, AdapterError
 from .config import LoRazorConfig
 from .engine import LoRazorEngine, RequestOutput
-from .generate import LoRazorOutput
-from .guard import ModelBusyError, ModelClosedError
-from .model import LoRazorModel
+from .model import LoRazorModel, LoRazorOutput, ModelBusyError, ModelClosedError
 from .policies import LearnedRelease, ProfiledRelease, ReleasePolicy, load_release_policy, save_release_policy
 
 __version__ = "0.2.0.dev0"

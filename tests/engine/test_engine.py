@@ -487,7 +487,7 @@ def test_sliding_window_models_are_refused_past_the_window(pair):
 def test_warm_up_captures_only_the_adapter_classes_a_bucket_can_reach():
     # A step of b rows uses at most b distinct adapters, so its graph key's class is at most b's class:
     # the warm-up leaves the larger classes of small buckets out, and a step never asks for one.
-    from lorazor.runner.lora_context import StepContext
+    from lorazor.lora.context import StepContext
     from lorazor.runner.paged_graphs import reachable_keys
 
     context = StepContext(num_slots=128, grid="exact", backend="reference")

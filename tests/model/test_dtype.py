@@ -5,7 +5,7 @@ import copy
 import torch
 from helpers import make_batch, peft_names
 from lorazor import LoRazorConfig, LoRazorModel
-from lorazor.build import cast_parameters
+from lorazor.model.build import cast_parameters
 from lorazor.tiny import tiny_peft_model
 
 ROWS = ["math", "sql", None, "med"]

@@ -313,7 +313,7 @@ def test_generate_text_returns_hf_new_text(testbed):
 
 
 def test_min_new_tokens_runs_one_min_length_processor_and_matches_peft(pair, batch):
-    from lorazor.hf_generation import plan_generation, resolve_config
+    from lorazor.model.hf_generation import plan_generation, resolve_config
     from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
 
     model, oracle = pair

@@ -13,7 +13,7 @@ import torch
 from helpers import EOS, PAD, build_pair, make_batch, peft_generate
 from lorazor import AdapterError, LearnedRelease, LoRazorConfig, LoRazorModel, ProfiledRelease
 from lorazor import load_release_policy, save_release_policy
-from lorazor.guard import ModelBusyError, ModelClosedError
+from lorazor.model.guard import ModelBusyError, ModelClosedError
 from lorazor.tiny import tiny_peft_model
 from transformers import LogitsProcessor
 

@@ -4,7 +4,7 @@ model's configs when they change."""
 
 import pytest
 import torch
-from lorazor.hf_generation import ResolvedConfigs, resolve_config
+from lorazor.model.hf_generation import ResolvedConfigs, resolve_config
 from lorazor.tiny import tiny_config
 from transformers import AutoModelForCausalLM
 

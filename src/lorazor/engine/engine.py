@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from ..hf_generation import ResolvedConfigs, plan_generation
+from ..model.hf_generation import ResolvedConfigs, plan_generation
 from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
 from ..runner.release import BoundPolicies
 from ..runner.sampling import batchable, float_scores, next_tokens

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..hf_generation import GenerationPlan
+from ..model.hf_generation import GenerationPlan
 from ..policies.base import NEVER
 from ..runner.release import decode_counts
 

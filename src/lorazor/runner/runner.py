@@ -4,7 +4,7 @@ It owns the decoder forward (prefill of a padded batch, one-token decode steps, 
 prefill chunks beside decode rows), the LM head, the LoRA step context, the KV caches (contiguous
 for `generate()`, paged for the engine, one interface: `begin_decode`, `update`,
 `attention_kwargs`) and the CUDA-graph families built on one base (`graphs.py`). `generate()`
-(`lorazor.generate.decode_loop`) and the engine (`lorazor.engine`) call only its public methods.
+(`lorazor.model.generate.decode_loop`) and the engine (`lorazor.engine`) call only its public methods.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .compiled_layers import CompiledLayers
 from .decode_graphs import DecodeGraphs
 from .graphs import batch_bucket
 from .kv_cache import KVCache
-from .lora_context import StepContext
+from ..lora.context import StepContext
 from .paged_cache import PAGED_KWARG, PagedKVCache, PagedStep
 from .paged_graphs import PagedDecodeGraphs, PendingTokens
 from .release import decide_release

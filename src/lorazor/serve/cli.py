@@ -219,7 +219,7 @@ def settings_of(args: argparse.Namespace):
 def check_model(model: str) -> None:
     """Refuse an unsupported or missing model from its config.json, in one line, before any weight
     is read (and before the engine's process starts)."""
-    from lorazor.build import check_before_loading
+    from lorazor.model.build import check_before_loading
     from lorazor.config import LoRazorConfig
 
     try:

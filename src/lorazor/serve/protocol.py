@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from ..hf_generation import REPETITION_PENALTY_RANGE
+from ..model.hf_generation import REPETITION_PENALTY_RANGE
 from ..policies.base import MAX_RELEASE
 
 # OpenAI's default `max_tokens` for completions.

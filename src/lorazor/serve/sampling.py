@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
-from ..hf_generation import SAMPLING_EPS
+from ..model.hf_generation import SAMPLING_EPS
 from .protocol import DEFAULT_MAX_TOKENS, SEED_RANGE, ApiError, SamplingFields
 
 

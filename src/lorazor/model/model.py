@@ -16,21 +16,21 @@ from transformers import (GenerationConfig, LogitsProcessorList, PreTrainedModel
                           StoppingCriteriaList)
 from transformers.generation.streamers import BaseStreamer
 
-from .adapters import AdapterBank, AdapterRegistry, AdapterStatus
+from ..adapters import AdapterBank, AdapterRegistry, AdapterStatus
+from ..config import RELEASE_MODES, LoRazorConfig
+from ..lora.context import StepContext
+from ..lora.layers import patch_layers, unpatch_layers
+from ..lora.merged import merge_projections
+from ..policies.base import ReleasePolicy, check_policy
+from ..runner import ModelRunner
+from ..runner.attention import ATTENTION_NAME, register_attention
+from ..runner.decode_graphs import DecodeGraphs
+from ..runner.graphs import cache_bucket
 from .build import build_from_peft, build_from_pretrained
-from .config import RELEASE_MODES, LoRazorConfig
 from .generate import LoRazorOutput, decode_loop
 from .guard import ModelGuard
 from .hf_generation import GenerationPlan, plan_generation, resolve_config
 from .inputs import check_batch, encode_prompts, expand_rows
-from .layers import patch_layers, unpatch_layers
-from .merged import merge_projections
-from .policies.base import ReleasePolicy, check_policy
-from .runner import ModelRunner
-from .runner.attention import ATTENTION_NAME, register_attention
-from .runner.decode_graphs import DecodeGraphs
-from .runner.graphs import cache_bucket
-from .runner.lora_context import StepContext
 
 
 class LoRazorModel(nn.Module):
@@ -172,7 +172,7 @@ class LoRazorModel(nn.Module):
 
     def load_release_policy(self, root) -> ReleasePolicy:
         """Load the policies saved beside the adapters under `root/<adapter>/` as the default policy."""
-        from .policies import load_release_policy
+        from ..policies import load_release_policy
 
         policy = load_release_policy(root)
         if self.config.release not in ("none", policy.kind):

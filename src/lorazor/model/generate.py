@@ -16,9 +16,9 @@ import torch
 from transformers.utils import ModelOutput
 
 from .hf_generation import GenerationPlan
-from .policies.base import ReleasePolicy, ReleaseState
-from .runner.release import decode_counts
-from .runner.sampling import float_scores, next_tokens
+from ..policies.base import ReleasePolicy, ReleaseState
+from ..runner.release import decode_counts
+from ..runner.sampling import float_scores, next_tokens
 
 # Check "all rows finished" on the host once every this many steps (one sync each, not per step).
 STOP_CHECK_EVERY = 16

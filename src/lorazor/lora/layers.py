@@ -10,8 +10,8 @@ import torch
 from lorazor_kernels import linear_lora_op
 from torch import nn
 
-from .adapters import AdapterBank, ModuleLoRA, find_lora_layers
-from .runner.lora_context import StepContext
+from ..adapters import AdapterBank, ModuleLoRA, find_lora_layers
+from .context import StepContext
 
 
 def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .adapters import AdapterBank, AdapterError, check_adapter_name, check_lora_config, check_lora_layer
-from .adapters import find_lora_layers, peft_adapter_weights, read_adapter
-from .config import LoRazorConfig
+from ..adapters import AdapterBank, AdapterError, check_adapter_name, check_lora_config, check_lora_layer
+from ..adapters import find_lora_layers, peft_adapter_weights, read_adapter
+from ..config import LoRazorConfig
 
 # Hugging Face `model_type`s whose decoders run through LoRazor's runner (tested against PEFT).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
@@ -94,7 +94,7 @@ def build_from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None):
         raise TypeError(
             f"from_peft needs a peft.PeftModel holding LoRA adapters, got {type(peft_model).__name__} (a "
             "merge_and_unload()ed model has its adapters merged away: pass the PeftModel itself)")
-    from .layers import BatchedLoRALinear
+    from ..lora.layers import BatchedLoRALinear
 
     if any(isinstance(m, BatchedLoRALinear) for m in peft_model.modules()):
         raise RuntimeError("this PeftModel is already patched by another LoRazorModel: call its unpatch() "
