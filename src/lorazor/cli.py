@@ -133,8 +133,16 @@ def demo_random(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """`lorazor serve`: one server (`lorazor.serve`), or with `--replicas` replicas of it on Ray
+    Serve (`lorazor.ray`, which builds on `lorazor.serve`; the server knows nothing of Ray)."""
     from lorazor.serve.cli import main as serve_main
+    from lorazor.serve.cli import require_serve_extra
 
+    if args.replicas:
+        require_serve_extra()
+        from lorazor.ray import run_local
+
+        return run_local(args)
     return serve_main(args)
 
 
@@ -168,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("calibrate", "eval"):
         from lorazor.calibration.cli import main as calibration_main
+        from lorazor.testbed.calibrate import TESTBED  # the testbed plugs into calibration as a source
 
-        return calibration_main(argv[0], argv[1:])
+        return calibration_main(argv[0], argv[1:], [TESTBED])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

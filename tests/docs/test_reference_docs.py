@@ -39,6 +39,7 @@ def flag_rows(parser: argparse.ArgumentParser) -> list[str]:
 def render_cli() -> str:
     from lorazor.calibration.cli import parser as calibration_parser
     from lorazor.cli import build_parser
+    from lorazor.testbed.calibrate import TESTBED
 
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     demo = commands.choices["demo"]
@@ -52,7 +53,7 @@ def render_cli() -> str:
     for command, what in (("calibrate", "StepTrim calibration of your adapters on your data "
                                         "([StepTrim](steptrim.md#calibrate-and-serve-your-own-adapters))."),
                           ("eval", "Accuracy and decode skip of adapters under a policy folder, or none.")):
-        parts += [f"## lorazor {command}", "", what, "", *flag_rows(calibration_parser(command)), ""]
+        parts += [f"## lorazor {command}", "", what, "", *flag_rows(calibration_parser(command, [TESTBED])), ""]
     return "\n".join(parts)
 
 

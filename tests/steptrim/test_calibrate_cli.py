@@ -118,9 +118,10 @@ def test_calibrate_own_adapters_then_serve_the_policy(user):
 
 def refusal(user, capsys, *args) -> str:
     from lorazor.calibration.cli import calibrate
+    from lorazor.testbed.calibrate import TESTBED
 
     with pytest.raises(SystemExit) as err:
-        calibrate(list(args))
+        calibrate(list(args), [TESTBED])
     assert err.value.code == 2 or "error" in str(err.value)
     return str(err.value)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .loader import AdapterError, AdapterWeights
+from .types import AdapterError, AdapterWeights
 
 NO_ADAPTER = -1
 

@@ -16,10 +16,12 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .types import AdapterError, AdapterWeights
 
 PEFT_PREFIX = "base_model.model."
 CONFIG_FILE = "adapter_config.json"
@@ -41,10 +43,6 @@ REFUSED_FEATURES = (
     ("layer_replication", bool, "layer_replication, which LoRazor does not support"),
     ("target_parameters", bool, "target_parameters (non-Linear targets), which LoRazor does not support"),
 )
-
-
-class AdapterError(ValueError):
-    """An adapter LoRazor cannot serve as asked; the message names the adapter and the reason."""
 
 
 def check_adapter_name(name) -> str:
@@ -115,21 +113,6 @@ def weights_digest(config: dict, tensors: dict[str, torch.Tensor]) -> bytes:
         h.update(f"\0{key}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
         h.update(tensor.cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.digest()
-
-
-@dataclass
-class AdapterWeights:
-    """One adapter's weights per bank module, on the host: (A `[r, K]`, B `[N, r]`, scale)."""
-
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b, _ in self.modules.values())
-
-    def pinned(self) -> "AdapterWeights":
-        """A copy in page-locked memory, so host -> GPU copies run asynchronously."""
-        return AdapterWeights({m: (a.pin_memory(), b.pin_memory(), s) for m, (a, b, s) in self.modules.items()})
 
 
 def check_shapes(name: str, module: str, a_shape, b_shape, rank: int, in_features: int, out_features: int) -> None:

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from .bank import AdapterBank, SlotImage
-from .loader import (AdapterError, AdapterSource, AdapterWeights, check_adapter_name, check_finite, check_source,
-                     load_adapter_weights, read_adapter, weights_digest)
+from .loader import (AdapterSource, check_adapter_name, check_finite, check_source, load_adapter_weights,
+                     read_adapter, weights_digest)
+from .types import AdapterError, AdapterWeights
 
 
 @dataclass(frozen=True)

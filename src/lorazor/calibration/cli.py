@@ -9,6 +9,10 @@
 `calibrate` writes, per adapter, the files `load_release_policy` and `lorazor serve
 --release-policy DIR` read, and `calibration.json` / `calibration.md`: accuracy with the adapter to
 the end, at every release setting tried, the realized decode skip, and the chosen point and why.
+
+Where the model, adapters and data come from is a *source*: `--model`/`--adapter`/`--data` here,
+and others that plug in (`Source`): the shipped testbed's (`lorazor.testbed.calibrate`) adds
+`--testbed`. This module knows no source but its own.
 """
 
 from __future__ import annotations
@@ -31,15 +35,34 @@ class CalibrationError(SystemExit):
         self.code = 2
 
 
-def add_common(ap: argparse.ArgumentParser) -> None:
+class Source:
+    """Where a run's model, tokenizer, adapters and data come from, beside `--model`/`--adapter`.
+
+    `add_arguments(group)` adds its flags; `applies(args)` says whether the parsed arguments ask for
+    it; `check(args)` refuses flags of its own given without it; `load(args, device)` returns
+    (model, tokenizer, adapter names, generation settings) and may fill `args.data`,
+    `args.train_data` and `args.metric` with its own."""
+
+    def add_arguments(self, group) -> None:
+        pass
+
+    def applies(self, args) -> bool:
+        return False
+
+    def check(self, args) -> None:
+        pass
+
+    def load(self, args, device: str):
+        raise NotImplementedError
+
+
+def add_common(ap: argparse.ArgumentParser, sources=()) -> None:
     src = ap.add_argument_group("model and adapters")
     src.add_argument("--model", help="base model id or folder (Hugging Face)")
     src.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                      help="a PEFT adapter folder to calibrate, under NAME (repeat for several)")
-    src.add_argument("--testbed", action="store_true",
-                     help="the shipped testbed: its backbone, its four adapters and its tasks' data")
-    src.add_argument("--tasks", help="with --testbed: comma-separated adapters (default: all four)")
-    src.add_argument("--assets", type=Path, help="with --testbed: another copy of its assets")
+    for source in sources:
+        source.add_arguments(src)
     src.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     src.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu or cuda")
     data = ap.add_argument_group("data")
@@ -55,9 +78,9 @@ def add_common(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def parser(command: str) -> argparse.ArgumentParser:
+def parser(command: str, sources=()) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"lorazor {command}")
-    add_common(ap)
+    add_common(ap, sources)
     if command == "calibrate":
         ap.add_argument("--policy", choices=("profiled", "learned"), default="profiled")
         rule = ap.add_mutually_exclusive_group()
@@ -100,11 +123,8 @@ def targets_of(args) -> list[dict]:
 
 def refuse_ignored(args) -> None:
     """A flag that would not apply to this run is refused, never ignored."""
-    testbed = args.testbed or not (args.model or args.adapter or args.data)
     learned = getattr(args, "policy", None) == "learned"
-    unused = [("--tasks", args.tasks, not testbed, "applies to --testbed"),
-              ("--assets", args.assets, not testbed, "applies to --testbed"),
-              ("--lengths", getattr(args, "lengths", None), learned, "sets the profiled policy's candidates"),
+    unused = [("--lengths", getattr(args, "lengths", None), learned, "sets the profiled policy's candidates"),
               ("--train-data", getattr(args, "train_data", None), not learned, "is for --policy learned"),
               ("--train-split", getattr(args, "train_split", None), not learned, "is for --policy learned"),
               ("--seed", getattr(args, "seed", None), not learned, "is for --policy learned")]
@@ -113,69 +133,32 @@ def refuse_ignored(args) -> None:
             raise CalibrationError(f"{flag} {value} does not apply here: it {why}")
 
 
-def load_inputs(args):
-    """(model, tokenizer, validation sets, scorer spec, the data's adapters) from the arguments."""
+def load_inputs(args, sources=()):
+    """(model, tokenizer, validation sets, training sets) from the arguments: the first source
+    that applies, else `--model` and `--adapter`."""
     import torch
 
-    from ..config import LoRazorConfig
-    from ..model import LoRazorModel
     from .data import DataError, load_validation, parse_columns
     from .metrics import resolve_metric
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     refuse_ignored(args)
-    gen = {}
-    if not (args.model or args.adapter or args.data):
-        args.testbed = True  # `lorazor calibrate --min-skip 0.5 --out DIR`: the testbed, as before
-    if args.testbed:
-        from ..testbed import ASSETS, load, version_of
-        from ..testbed.export import TESTBED_METRIC, export_tasks
-
-        if args.model or args.adapter:
-            raise CalibrationError("--testbed brings its own model and adapters: leave out --model and --adapter")
-        peft_model, tokenizer, tasks = load(args.assets)
-        names = [n for n in (args.tasks.split(",") if args.tasks else tasks)]
-        unknown = sorted(set(names) - set(tasks))
-        if unknown:
-            raise CalibrationError(f"unknown tasks {unknown}; the testbed has {sorted(tasks)}")
-        folder = export_tasks(args.out_data, {n: tasks[n] for n in names}, version_of(args.assets or ASSETS))
-        args.data = args.data or str(folder / ("validation.jsonl" if args.command == "calibrate" else "test.jsonl"))
-        if getattr(args, "policy", None) == "learned":
-            args.train_data = args.train_data or str(folder / "train.jsonl")
-        args.metric = args.metric or TESTBED_METRIC
-        model = LoRazorModel.from_peft(peft_model.to(device), LoRazorConfig(dtype=args.dtype))
-        gen = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    source = next((s for s in sources if s.applies(args)), None)
+    for other in sources:
+        if other is not source:
+            other.check(args)
+    if source is not None:
+        model, tokenizer, names, gen = source.load(args, device)
     else:
-        if not args.model or not args.adapter:
-            raise CalibrationError("give --model BASE and at least one --adapter NAME=PATH (or --testbed)")
-        adapters = {}
-        for spec in args.adapter:
-            name, sep, path = spec.partition("=")
-            if not sep or not name or not path:
-                raise CalibrationError(f"--adapter {spec!r}: give NAME=PATH")
-            if not Path(path).is_dir():
-                raise CalibrationError(f"--adapter {spec!r}: {path!r} is not a folder")
-            adapters[name] = path
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        kw = dict(device_map=device) if device != "cpu" else {}
-        try:
-            model = LoRazorModel.from_pretrained(args.model, adapters, LoRazorConfig(dtype=args.dtype), **kw)
-        except (NotImplementedError, ValueError, OSError) as err:  # refused from config.json, before weights
-            raise CalibrationError(str(err)) from None
-        names = list(adapters)
-        gen = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        model, tokenizer, names, gen = load_model_and_adapters(args, device)
     if not args.data or not args.metric:
         raise CalibrationError("give --data (a file or a dataset id) and --metric (" + METRIC_HELP + ")")
     try:
         scorer = resolve_metric(args.metric)
         columns = parse_columns(args.columns)
 
-        def read(source, split, limit, seed=None, default_split="validation"):
-            return load_validation(source, names, scorer, args.metric, tokenizer, args.max_new_tokens, split, columns,
+        def read(data, split, limit, seed=None, default_split="validation"):
+            return load_validation(data, names, scorer, args.metric, tokenizer, args.max_new_tokens, split, columns,
                                    gen, limit, seed, default_split)
 
         validation = read(args.data, args.split, args.limit)
@@ -187,6 +170,55 @@ def load_inputs(args):
     except (DataError, ValueError) as err:
         raise CalibrationError(str(err)) from None
     return model, tokenizer, validation, train
+
+
+def load_model_and_adapters(args, device: str):
+    """(model, tokenizer, adapter names, generation settings) from `--model` and `--adapter`."""
+    from ..config import LoRazorConfig
+    from ..model import LoRazorModel
+
+    if not args.model or not args.adapter:
+        raise CalibrationError("give --model BASE and at least one --adapter NAME=PATH")
+    adapters = {}
+    for spec in args.adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CalibrationError(f"--adapter {spec!r}: give NAME=PATH")
+        if not Path(path).is_dir():
+            raise CalibrationError(f"--adapter {spec!r}: {path!r} is not a folder")
+        adapters[name] = path
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    kw = dict(device_map=device) if device != "cpu" else {}
+    try:
+        model = LoRazorModel.from_pretrained(args.model, adapters, LoRazorConfig(dtype=args.dtype), **kw)
+    except (NotImplementedError, ValueError, OSError) as err:  # refused from config.json, before weights
+        raise CalibrationError(str(err)) from None
+    return model, tokenizer, list(adapters), dict(eos_token_id=tokenizer.eos_token_id,
+                                                  pad_token_id=tokenizer.pad_token_id)
+
+
+def environment_line(device) -> str:
+    """Commit (when run from a git checkout), package versions and device, for a results file."""
+    import os
+    import subprocess
+
+    import peft
+    import torch
+    import transformers
+
+    commit = os.environ.get("LORAZOR_COMMIT", "")[:7]  # the GPU machine's copy of the tree has no .git
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
+    return (f"commit {commit}; torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"peft {peft.__version__}; {device.type}")
 
 
 def describe(point) -> str:
@@ -203,8 +235,6 @@ def why(target: dict, point, full) -> str:
 
 def write_report(out: Path, args, curves: dict, choices: dict, seconds: float, device) -> str:
     """`calibration.json` + `calibration.md` in `out`; returns the Markdown."""
-    from ..testbed.calibrate import environment_line
-
     given = " ".join(args.argv)
     lines = [f"# StepTrim {args.policy} calibration", "", f"`lorazor calibrate {given}`", "",
              "| adapter | setting | validation accuracy | vs kept to the end | decode LoRA skipped | chosen for |",
@@ -236,17 +266,16 @@ def write_report(out: Path, args, curves: dict, choices: dict, seconds: float, d
     return text
 
 
-def calibrate(argv: list[str]) -> int:
+def calibrate(argv: list[str], sources=()) -> int:
     from ..calibration import DEFAULT_RELEASE_LENGTHS, calibrate_learned, calibrate_profiled, select_point
     from ..policies import LearnedRelease, ProfiledRelease, save_release_policy
     from .data import DataError
 
-    args = parser("calibrate").parse_args(argv)
+    args = parser("calibrate", sources).parse_args(argv)
     args.command, args.argv = "calibrate", argv
-    args.out_data = args.out / "testbed_data"
     targets = targets_of(args)
     start = time.time()
-    model, tokenizer, validation, train = load_inputs(args)
+    model, tokenizer, validation, train = load_inputs(args, sources)
     progress = not args.no_progress
     first = targets[0]
     try:
@@ -293,15 +322,14 @@ def calibrate(argv: list[str]) -> int:
     return 0
 
 
-def evaluate(argv: list[str]) -> int:
+def evaluate(argv: list[str], sources=()) -> int:
     from ..calibration.runs import run_cases
     from ..policies import ProfiledRelease, load_release_policy
     from .data import DataError
 
-    args = parser("eval").parse_args(argv)
+    args = parser("eval", sources).parse_args(argv)
     args.command, args.argv = "eval", argv
-    args.out_data = (args.out or Path(".")) / "testbed_data"
-    model, tokenizer, validation, _ = load_inputs(args)
+    model, tokenizer, validation, _ = load_inputs(args, sources)
     policy = None
     if args.policy_dir is not None:
         try:
@@ -327,11 +355,12 @@ def evaluate(argv: list[str]) -> int:
     return 0
 
 
-def main(command: str, argv: list[str] | None = None) -> int:
-    """Run `command`; a refusal is printed as one line on stderr and returns 2."""
+def main(command: str, argv: list[str] | None = None, sources=()) -> int:
+    """Run `command` with these extra `sources`; a refusal is printed as one line on stderr and
+    returns 2."""
     argv = sys.argv[2:] if argv is None else argv
     try:
-        return calibrate(argv) if command == "calibrate" else evaluate(argv)
+        return calibrate(argv, sources) if command == "calibrate" else evaluate(argv, sources)
     except CalibrationError as err:
         print(err.args[0], file=sys.stderr)
         return 2

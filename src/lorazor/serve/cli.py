@@ -269,9 +269,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the server until it is stopped; returns 1 if it stopped because the engine died."""
     require_serve_extra()
     if args.replicas:
-        from lorazor.ray import run_local
-
-        return run_local(args)
+        raise SystemExit("lorazor serve --replicas runs on Ray: start it with the `lorazor` command (lorazor.cli)")
     import uvicorn
 
     from .guards import GuardedH11Protocol, RepeatFilter, raise_open_file_limit

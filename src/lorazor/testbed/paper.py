@@ -193,7 +193,8 @@ def plot(results: list[dict], out: Path) -> None:
 def main(argv=None) -> None:
     from lorazor import LoRazorConfig, LoRazorModel
     from lorazor.testbed import load
-    from lorazor.testbed.calibrate import environment_line, pick_tasks
+    from lorazor.calibration.cli import environment_line
+    from lorazor.testbed.calibrate import pick_tasks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
