@@ -79,7 +79,7 @@ def reader_namespace() -> dict:
     from lorazor import LoRazorModel, ProfiledRelease, save_release_policy
     from lorazor.testbed import load
     from lorazor.testbed.sql import same_result
-    from lorazor.testbed.v2.tasks import task_database
+    from lorazor.testbed.tasks import task_database
 
     peft_model, tokenizer, tasks = load()
     prompts = [tasks[n].split("test")[0]["prompt"] for n in ("math", "sql", "medqa", "math")]

@@ -295,7 +295,7 @@ def test_echo_puts_the_prompt_before_the_completion(server):
 def test_penalties_and_logit_bias_follow_openais_formula(server):
     """The served tokens equal the library's `generate` with OpenAI's formula as a logits processor,
     and the processor equals the formula written out on random scores."""
-    from lorazor.serve.sampling import OpenAIPenalties
+    from lorazor.serve.openai_sampling import OpenAIPenalties
 
     g = torch.Generator().manual_seed(0)
     scores, ids = torch.randn(2, 50, generator=g), torch.randint(0, 50, (2, 9), generator=g)

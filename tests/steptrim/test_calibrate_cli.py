@@ -10,11 +10,11 @@ import pytest
 import torch
 
 pytest.importorskip("datasets")
-from lorazor.calibration.metrics import resolve_metric  # noqa: E402
+from lorazor.calibration.scorers import resolve_metric  # noqa: E402
 
 TIMEOUT = 600
 SCORER = '''
-from lorazor.testbed.v2 import make_tasks
+from lorazor.testbed import make_tasks
 
 TASKS = make_tasks()
 
@@ -35,7 +35,7 @@ def user(tmp_path_factory):
     """A user's folder: `base/` (a small Llama with its tokenizer), adapters `arith/` and `query/`,
     `val.jsonl` with their examples, and `my_scorer.py`."""
     from lorazor.testbed import ASSETS
-    from lorazor.testbed.v2 import make_tasks
+    from lorazor.testbed import make_tasks
 
     root = tmp_path_factory.mktemp("user")
     shutil.copytree(ASSETS / "backbone", root / "base")

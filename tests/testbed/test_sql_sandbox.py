@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from lorazor.testbed.tasks import make_tasks
+from lorazor.testbed.v1.tasks import make_tasks
 from lorazor.testbed.sql import build_database, run_query
 
 COUNT = "SELECT COUNT(*) FROM employees"

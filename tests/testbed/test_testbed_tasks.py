@@ -3,7 +3,7 @@ right and reject wrong answers, safe SQL; its training pipeline; and the shipped
 weights: they load in seconds and their adapters beat the backbone."""
 
 import pytest
-from lorazor.testbed.tasks import make_tasks
+from lorazor.testbed.v1.tasks import make_tasks
 from lorazor.testbed.sql import build_database, run_query
 
 TASKS = make_tasks()

@@ -3,9 +3,9 @@ and a tokenizer that makes answers tens of tokens."""
 
 import pytest
 import torch
-from lorazor.testbed.v2 import make_tasks, pretraining_text, train_tokenizer
-from lorazor.testbed.v2.knowledge import TASK_SCHEMA
-from lorazor.testbed.v2.tasks import task_database
+from lorazor.testbed import make_tasks, pretraining_text, train_tokenizer
+from lorazor.testbed.knowledge import TASK_SCHEMA
+from lorazor.testbed.tasks import task_database
 
 TASKS = make_tasks()
 

@@ -1,14 +1,14 @@
 """StepTrim calibration on validation data: profiled release lengths (paper 3.2.1) and learned
 release heads trained from paired ON/OFF continuations (3.2.2)."""
 
-from .learned import (
+from .heads import (
     RELEASE_POSITIONS,
     ReleaseExamples,
     calibrate_learned,
     collect_release_examples,
     train_risk_head,
 )
-from .profiled import (
+from .lengths import (
     DEFAULT_RELEASE_LENGTHS,
     ReleasePoint,
     ValidationSet,

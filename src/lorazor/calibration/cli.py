@@ -139,7 +139,7 @@ def load_inputs(args, sources=()):
     import torch
 
     from .data import DataError, load_validation, parse_columns
-    from .metrics import resolve_metric
+    from .scorers import resolve_metric
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     refuse_ignored(args)

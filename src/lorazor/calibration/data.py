@@ -13,8 +13,8 @@ import json
 import random
 from pathlib import Path
 
-from .metrics import Scorer
-from .profiled import ValidationSet
+from .scorers import Scorer
+from .lengths import ValidationSet
 
 FIELDS = ("adapter", "prompt", "messages", "reference", "max_new_tokens")
 FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}

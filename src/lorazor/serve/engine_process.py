@@ -32,7 +32,7 @@ import traceback
 from ..engine.background import merge
 from ..engine.request import RequestOutput, TokenPrefix
 from .engines import REQUEST_ERRORS, engine_info, engine_stats, register
-from .sampling import engine_arguments
+from .openai_sampling import engine_arguments
 
 log = logging.getLogger("lorazor.serve")
 

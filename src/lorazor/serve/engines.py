@@ -15,7 +15,7 @@ runs.
 from __future__ import annotations
 
 from ..adapters import AdapterError
-from .sampling import engine_arguments
+from .openai_sampling import engine_arguments
 
 # What a bad request raises from `prepare_request`; the app answers them with 400.
 REQUEST_ERRORS = (ValueError, KeyError, TypeError, AdapterError, NotImplementedError)

@@ -34,7 +34,7 @@ from .protocol import (
     UnloadAdapterRequest,
 )
 from .responses import Choice, Response as OpenAIResponse
-from .sampling import choice_seed, generation_kwargs
+from .openai_sampling import choice_seed, generation_kwargs
 
 router = APIRouter()
 log = logging.getLogger("lorazor.serve")

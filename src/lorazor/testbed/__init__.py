@@ -4,7 +4,8 @@
 
 Tasks and evaluators (`make_tasks`: math, sql, medqa, science) are plain code; the weights come
 from `lorazor.testbed.train` and live in `assets/` (backbone, tokenizer, PEFT adapters named after
-the tasks). `lorazor.testbed.tasks` holds the earlier character-level testbed's tasks (v1).
+the tasks). `lorazor.testbed.v1` holds the earlier character-level testbed (its tasks, corpus and
+tokenizer), kept to rebuild its results.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .tasks import Task
-from .v2 import make_tasks
+from .corpus import pretraining_documents, pretraining_text
+from .task import Task
+from .tasks import make_tasks
+from .tokenizer import train_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -22,7 +25,7 @@ def tasks_of_version(version) -> dict[str, Task]:
     """The tasks of testbed `version` (2: shipped; 1: the earlier character-level testbed)."""
     if str(version) == "2":
         return make_tasks()
-    from .tasks import make_tasks as make_v1_tasks
+    from .v1.tasks import make_tasks as make_v1_tasks
 
     return make_v1_tasks()
 
@@ -74,4 +77,5 @@ def load(assets: str | Path | None = None):
     return model.eval(), tokenizer, {n: tasks[n] for n in names}
 
 
-__all__ = ["ASSETS", "Task", "load", "load_tokenizer", "make_tasks"]
+__all__ = ["ASSETS", "Task", "load", "load_tokenizer", "make_tasks", "pretraining_documents", "pretraining_text",
+           "train_tokenizer"]

@@ -52,7 +52,7 @@ def safe_cutoffs(full: list[bool], by_k: dict[int, list[bool]]) -> list[int | No
 
 def choose(curve, **criterion):
     """`select_point` on a validation curve, or None when no point meets the criterion."""
-    from lorazor.calibration.profiled import select_point
+    from lorazor.calibration.lengths import select_point
 
     try:
         return select_point(curve, **criterion)

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 
-from .corpus import pretraining_text
-from .tokenizer import build_tokenizer
 
 BACKBONE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
                 num_key_value_heads=2, max_position_embeddings=512)
@@ -56,17 +54,19 @@ class Recipe:
 
 def recipe(version: int, seed: int) -> Recipe:
     """The training recipe of testbed `version` (2: shipped; 1: the earlier character-level one)."""
-    from . import tasks_of_version, v2
+    from . import pretraining_documents, pretraining_text, tasks_of_version, train_tokenizer
 
     tasks = tasks_of_version(version)
     if version == 1:
-        return Recipe(tasks, pretraining_text, build_tokenizer(), BACKBONE)
+        from .v1.corpus import pretraining_text as v1_text
+        from .v1.tokenizer import build_tokenizer
+
+        return Recipe(tasks, v1_text, build_tokenizer(), BACKBONE)
     # The tokenizer learns from a sample of the corpus and the tasks' training text.
-    sample = v2.pretraining_text(2_000_000, seed)
+    sample = pretraining_text(2_000_000, seed)
     texts = [sample[i:i + 10_000] for i in range(0, len(sample), 10_000)]
     texts += [ex["prompt"] + ex["reference"] for task in tasks.values() for ex in task.split("train")]
-    return Recipe(tasks, v2.pretraining_text, v2.train_tokenizer(texts), BACKBONE_V2, 3.7,
-                  documents=v2.pretraining_documents)
+    return Recipe(tasks, pretraining_text, train_tokenizer(texts), BACKBONE_V2, 3.7, documents=pretraining_documents)
 
 
 def _lr(step: int, steps: int, peak: float) -> float:
@@ -91,7 +91,10 @@ def corpus_ids(recipe: Recipe, tokenizer, num_tokens: int, seed: int) -> torch.T
 
 def pretrain(model, tokenizer, steps: int, batch: int, seq: int, device, seed: int, log: dict,
              recipe: Recipe | None = None) -> None:
-    recipe = recipe or Recipe(None, pretraining_text, tokenizer, BACKBONE)
+    if recipe is None:  # testbed v1's character corpus
+        from .v1.corpus import pretraining_text as v1_text
+
+        recipe = Recipe(None, v1_text, tokenizer, BACKBONE)
     # A quarter of the tokens the steps read, distinct (random windows revisit them), at least a batch.
     ids = corpus_ids(recipe, tokenizer, steps * batch * seq // 4 + seq * batch, seed)
     g = torch.Generator().manual_seed(seed)

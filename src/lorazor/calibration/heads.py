@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..policies import LearnedRelease, ProfiledRelease, ReleasePolicy
-from .profiled import ReleasePoint, ValidationSet, accuracy_of, generate_answers, select_point
+from .lengths import ReleasePoint, ValidationSet, accuracy_of, generate_answers, select_point
 from .runs import run_cases
 
 if TYPE_CHECKING:
