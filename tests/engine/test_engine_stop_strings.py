@@ -67,7 +67,7 @@ def test_batched_stop_checks_equal_hf_on_every_sequence(testbed):
     # Random sequences (some ending inside, some after a stop string): the engine's check (tail,
     # prefilter on the last token, one call per group) says "stop" exactly where HF's criterion on
     # the whole sequence does.
-    from lorazor.engine.stops import stop_reasons
+    from lorazor.engine.outputs import stop_reasons
 
     model, tokenizer, _ = testbed
     eng = LoRazorEngine(model, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=128, block_size=16)

@@ -174,14 +174,14 @@ class StopFailsAfter:
 def test_a_request_whose_own_code_raises_ends_alone(async_scheduling, monkeypatch):
     # A request's logits processor raising mid-generation, and a stop check raising, end those two
     # requests with finish reason "error" and the reason; the requests beside them finish as alone.
-    from lorazor.engine import stops
+    from lorazor.engine import outputs
 
     model, _ = build_pair("llama", LoRazorConfig())
     ps = prompts(4, seed=43)
     engine = LoRazorEngine(model, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64, block_size=4,
                            async_scheduling=async_scheduling)
     broken_stop = StopFailsAfter(3)
-    real_reasons = stops.stop_reasons
+    real_reasons = outputs.stop_reasons
 
     def reasons(appended):  # the stop check of one request raises at its third token
         for request, _ in appended:
@@ -189,7 +189,7 @@ def test_a_request_whose_own_code_raises_ends_alone(async_scheduling, monkeypatc
                 request.plan.stop_reason = broken_stop
         return real_reasons(appended)
 
-    monkeypatch.setattr("lorazor.engine.engine.stop_reasons", reasons)
+    monkeypatch.setattr("lorazor.engine.outputs.stop_reasons", reasons)
     specs = [dict(prompt_ids=ps[0], adapter="math", max_new_tokens=8, logits_processor=[FailsAfter(4)],
                   request_id="sample-raises"),
              dict(prompt_ids=ps[1], adapter="sql", max_new_tokens=8, request_id="stop-raises"),

@@ -32,14 +32,14 @@ from transformers import GenerationConfig, LogitsProcessorList
 from ..model.hf_generation import ResolvedConfigs, plan_generation
 from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
 from ..runner.release import BoundPolicies
-from ..runner.sampling import batchable, float_scores, next_tokens
+from ..runner.sampling import batchable
 from .background import BackgroundLoop
 from .blocks import BACKBONE, BlockPool, adapter_identity
 from .launched import launch_picks
+from .outputs import postprocess
 from .request import Request, RequestOutput, Status
 from .scheduler import Scheduler
 from .step_inputs import BlockTables, prepare
-from .stops import stop_reasons
 
 # Default seats and tokens per step: on bench_engine's trace, 512 seats take most of the throughput
 # that 1,024 gain over 256, for half the graphs to capture (benchmarks/results/engine/shapes_h100/).
@@ -249,7 +249,7 @@ class LoRazorEngine:
             adapter, self.model.registry.digest(adapter))
         request.logprobs = logprobs
         request.logprob_processors = LogitsProcessorList(logits_processor or [])
-        # A request that reports log-probabilities is sampled on its own (`_sample`), where its scores are.
+        # A request that reports log-probabilities is sampled on its own (`outputs.sample_on_host`).
         request.plain_greedy = plain_greedy
         request.sampling = sampling
         return request
@@ -333,42 +333,71 @@ class LoRazorEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output per request that got a token or finished.
 
-        With async scheduling the outputs are those of the step before (read back while this one
-        runs on the GPU), and a call with nothing new to run reads the last one back. A step whose
-        launch raises is retried without the requests that make it fail (`_launch_isolating`):
-        those end with finish reason "error", the others go on with the tokens they would get
-        alone. Only a failure outside any request's launch (reading a step back) leaves the running
-        requests' state unknown: `step_or_abort_all` then aborts them."""
+        A step is four phases: schedule (which requests, how many tokens each), load (their
+        adapters into GPU slots), launch (the forward and the device's picks, queued without a host
+        sync), postprocess (a launched step read back into outputs, `outputs.py`). With async
+        scheduling the step launched here is read back by the next call, so the outputs are those
+        of the step before, and a call with nothing new to run reads the last one back.
+
+        A step whose launch raises is retried without the requests that make it fail
+        (`_launch_isolating`): those end with finish reason "error", the others go on with the
+        tokens they would get alone. Only a failure outside any request's launch (reading a step
+        back) leaves the running requests' state unknown: `step_or_abort_all` then aborts them."""
         with self.model.guard.hold("run an engine step"):
             previous, self._in_flight = self._in_flight, None
-            chunks = self.scheduler.schedule(preempt=previous is None)
-            outputs = []
-            if chunks is None:  # preemption needed: the running requests' tokens must be on the host first
-                outputs, previous = self._read_back(previous), None
-                chunks = self.scheduler.schedule()
-            now = time.monotonic()
-            for chunk in chunks:
-                if chunk.request.scheduled_time is None:
-                    chunk.request.scheduled_time = now
-            failed = self._load_adapters(chunks)
-            if failed:
-                chunks = [c for c in chunks if c.request.status is not Status.FINISHED]
+            chunks, previous, outputs = self._schedule(previous)
+            chunks, failed = self._load(chunks)
             outputs += failed
-            if chunks:
-                try:
-                    launched = self._launch(chunks, previous)
-                except Exception as err:
-                    return outputs + self._launch_isolating(chunks, previous, err)
-                if self.async_scheduling and launched.overlappable:
-                    self._in_flight = launched
-                else:
-                    outputs += self._read_back(previous, launched)
-                    previous = None
-            elif previous is None and self.requests and not failed:
-                raise RuntimeError(f"{len(self.requests)} requests wait but none can be scheduled")
-            if previous is not None:
-                outputs += self._read_back(previous)
-        return outputs
+            if not chunks:
+                if previous is None and self.requests and not failed:
+                    raise RuntimeError(f"{len(self.requests)} requests wait but none can be scheduled")
+                return outputs + self._postprocess(previous)
+            try:
+                launched = self._launch(chunks, previous)
+            except Exception as err:
+                return outputs + self._launch_isolating(chunks, previous, err)
+            if self.async_scheduling and launched.overlappable:
+                self._in_flight = launched
+                return outputs + self._postprocess(previous)
+            return outputs + self._postprocess(previous, launched)
+
+    def _schedule(self, previous):
+        """(chunks, the step in flight or None once read back, outputs read back): the scheduler's
+        choice; where it must preempt, the step in flight is read back first."""
+        chunks = self.scheduler.schedule(preempt=previous is None)
+        outputs = []
+        if chunks is None:  # preemption needed: the running requests' tokens must be on the host first
+            outputs, previous = self._postprocess(previous), None
+            chunks = self.scheduler.schedule()
+        now = time.monotonic()
+        for chunk in chunks:
+            if chunk.request.scheduled_time is None:
+                chunk.request.scheduled_time = now
+        return chunks, previous, outputs
+
+    def _load(self, chunks):
+        """(the chunks that can run, the outputs of requests that cannot): the step's adapters put in
+        GPU slots, the compute stream waiting for their copies. An adapter whose weights fail to
+        load is marked broken, and only the requests that use it end (finish reason "error", with
+        the reason); every other request of the step runs."""
+        registry = self.model.registry
+        names = list(dict.fromkeys(c.request.adapter for c in chunks if c.request.adapter is not None))
+        failed = registry.load_each(names)
+        ended = []
+        if failed:
+            for name, reason in failed.items():
+                log.error("adapter %r failed to load: %s; failing its requests", name, reason)
+            ended = [r for r in list(self.requests.values()) if r.adapter in failed]
+            for request in ended:
+                request.error = f"adapter {request.adapter!r} failed to load: {failed[request.adapter]}"
+                self._finish(request, "error")
+            chunks = [c for c in chunks if c.request.status is not Status.FINISHED]
+        registry.make_resident([name for name in names if name not in failed])
+        return chunks, [request.report([]) for request in ended]
+
+    def _postprocess(self, *steps) -> list[RequestOutput]:
+        """The outputs of launched steps, in order (None: skipped)."""
+        return [out for step in steps if step is not None for out in postprocess(step, self._finish)]
 
     def _launch(self, chunks, previous):
         """Queue the step's forward and its device picks (no host sync); `previous`: the step in
@@ -400,7 +429,7 @@ class LoRazorEngine:
         this step does not overlap the next; the step in flight is read back first."""
         log.warning("engine step of %d requests failed (%s: %s); retrying in parts to find the requests that "
                     "cause it", len(chunks), type(err).__name__, err)
-        outputs = self._read_back(previous)
+        outputs = self._postprocess(previous)
         parts = [[c for c in chunks if c.request.status is Status.RUNNING]]
         while parts:
             part = parts.pop()
@@ -420,64 +449,8 @@ class LoRazorEngine:
                 self._finish(request, "error")
                 outputs.append(request.report([]))
                 continue
-            outputs += self._read_back(launched)
+            outputs += self._postprocess(launched)
         return outputs
-
-    def _read_back(self, *steps) -> list[RequestOutput]:
-        """Read launched steps back in order (None: skipped): their tokens (the host samples the
-        rows the device did not), stop checks, outputs. A request that finished or was aborted
-        while a step was in flight drops that step's token. A request whose own code raises (its
-        logits processors, its stopping criteria) ends with finish reason "error"; the others go on."""
-        outputs = []
-        for step in filter(None, steps):
-            tokens = step.read()
-            now = time.monotonic()
-            appended = []
-            for i, token, request, finite in zip(step.rows, tokens, step.requests, step.finite):
-                request.pending -= 1
-                if request.status is not Status.RUNNING:
-                    continue
-                if not finite:  # NaN or infinite logits: this request's token is garbage
-                    log.error("request %s: non-finite logits (adapter %r)", request.request_id, request.adapter)
-                    request.error = (f"the model computed non-finite logits (NaN or infinity) for this request "
-                                     f"(adapter {request.adapter!r}); it was stopped")
-                    self._finish(request, "error")
-                    outputs.append(request.report([]))
-                    continue
-                if token is None:
-                    try:
-                        token = self._sample(request, step.logits[i])
-                    except Exception as err:  # its own logits processor: it ends this request only
-                        log.error("request %s: sampling failed: %s", request.request_id, err)
-                        request.fail("sampling", err)
-                        self._finish(request, "error")
-                        outputs.append(request.report([]))
-                        continue
-                request.append(token)
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                appended.append((request, token))
-            for (request, token), reason in zip(appended, stop_reasons(appended)):
-                if reason is not None:
-                    self._finish(request, reason)
-                outputs.append(request.report([token], None if request.logprobs is None else [request.last_logprobs]))
-        return outputs
-
-    def _load_adapters(self, chunks) -> list[RequestOutput]:
-        """Put the step's adapters in GPU slots. An adapter whose weights fail to load is marked
-        broken, and only the requests that use it end (finish reason "error", with the reason);
-        every other request of the step runs. Returns the ended requests' outputs."""
-        names = list(dict.fromkeys(c.request.adapter for c in chunks if c.request.adapter is not None))
-        failed = self.model.registry.load_each(names)
-        if not failed:
-            return []
-        for name, reason in failed.items():
-            log.error("adapter %r failed to load: %s; failing its requests", name, reason)
-        ended = [r for r in list(self.requests.values()) if r.adapter in failed]
-        for request in ended:
-            request.error = f"adapter {request.adapter!r} failed to load: {failed[request.adapter]}"
-            self._finish(request, "error")
-        return [request.report([]) for request in ended]
 
     def _prefetch_waiting(self, chunks) -> None:
         """Start loading the adapters of the next waiting requests into free or idle GPU slots, on
@@ -495,23 +468,6 @@ class LoRazorEngine:
         if any(name not in registry.bank.slot_of for name in wanted):
             # A failing load marks its adapter broken; its requests end when they are scheduled.
             registry.load_each(wanted, protected=busy)
-
-    def _sample(self, request: Request, logits: torch.Tensor) -> int:
-        seq = torch.tensor([request.tokens], dtype=torch.long, device=logits.device)
-        raw = float_scores(logits[None])
-        if request.logprobs is not None:
-            # As vLLM reports them: the model's distribution after the request's own processors
-            # (OpenAI's penalties and logit bias), before temperature and top-k/top-p.
-            adjusted = request.logprob_processors(seq, raw.clone()) if request.logprob_processors else raw.clone()
-            logprobs = torch.log_softmax(adjusted[0], dim=-1)
-        scores = request.plan.processors(seq, raw)
-        request.last_scores = scores
-        token = int(next_tokens(scores, request.plan.config.do_sample, request.generator)[0])
-        if request.logprobs is not None:
-            top = logprobs.topk(request.logprobs) if request.logprobs else None
-            request.last_logprobs = (float(logprobs[token]), [] if top is None else list(
-                zip(top.indices.tolist(), top.values.tolist())))
-        return token
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.remove(request)

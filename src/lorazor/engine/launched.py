@@ -55,6 +55,7 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None
 
     finite: list | None = None  # per row, after `read`: whether its logits were finite
+    values_host: list | None = None  # `values` on the host, after `read`
 
     @property
     def overlappable(self) -> bool:
@@ -73,14 +74,13 @@ class LaunchedStep:
         return PendingTokens(to_device(index, self.values.device), self.values)
 
     def read(self) -> list:
-        """Wait for the values, then record each decision on its request and each row's finite
-        flag in `finite`; returns the token of each row (None where the host samples it)."""
+        """Wait for the values (`values_host` afterwards) and each row's finite flag (`finite`);
+        returns the token of each row (None where the host samples it). `outputs.postprocess`
+        turns them into outputs."""
         if self.done is not None:
             # Waits with the GIL released: a server's event loop runs meanwhile.
             self.done.synchronize()
-        values = self.host.tolist()
-        for request, (index, forward) in self.decision_at.items():
-            request.record_decision(forward, bool(values[index]))
+        values = self.values_host = self.host.tolist()
         self.finite = [bool(flag) for flag in values[len(values) - len(self.rows):]]
         return [None if r not in self.token_at else values[self.token_at[r]] for r in self.requests]
 

@@ -85,7 +85,7 @@ class StepInputs:
 
 
 def prepare(registry, block_size: int, tables: BlockTables, chunks: list[Chunk]) -> StepInputs:
-    """The step's host lists; loads the step's adapters that are not in GPU slots."""
+    """The step's host lists. Its adapters are in GPU slots already (the engine's load phase)."""
     ids, positions, names, pool_positions, rows, last, pending = [], [], [], [], [], [], []
     page = block_size
     for chunk in chunks:
@@ -122,9 +122,7 @@ def prepare(registry, block_size: int, tables: BlockTables, chunks: list[Chunk])
             names.extend(request.adapter if request.uses_adapter_at(p) else None for p in recomputed)
         rows.append((row, start, chunk.num_tokens))
         last.append(len(ids) - 1)
-    # Loads the step's adapters that are not in GPU slots (before the forward that reads them).
     distinct = [n for n in dict.fromkeys(names) if n is not None]
-    registry.make_resident(distinct)
     slot_of = registry.bank.slot_of
     slots = [-1 if n is None else slot_of[n] for n in names]
     return StepInputs(ids, positions, slots, pool_positions, rows, last, len(distinct), pending)
