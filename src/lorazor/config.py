@@ -1,9 +1,19 @@
-"""LoRazorConfig: how a LoRazorModel is built and run. Frozen, validated, JSON round-trip."""
+"""The configuration, in one place: `LoRazorConfig` (how a `LoRazorModel` is built and run) and
+`EngineConfig` (how a `LoRazorEngine` batches and caches); the server's settings are
+`lorazor.serve.settings.ServerSettings`. Each is a frozen, validated dataclass whose fields are
+documented in its docstring; `lorazor serve`'s flags are generated from those fields
+(`add_config_arguments`), their help text from those docs (`field_docs`).
+"""
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import json
-from dataclasses import asdict, dataclass, field, fields
+import re
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -141,3 +151,116 @@ class LoRazorConfig:
         if unknown:
             raise ValueError(f"unknown LoRazorConfig keys {unknown}")
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of a `LoRazorEngine` (its keyword arguments; `lorazor serve`'s engine flags).
+
+    Attributes:
+        max_num_seqs: requests running at once.
+        max_num_batched_tokens: tokens per engine step (decode tokens plus prefill chunks).
+        num_kv_blocks: KV-cache blocks in the pool; None: `gpu_memory_utilization` of the free GPU
+            memory, less 3 GiB for activations and graphs (256 blocks on the CPU).
+        block_size: token positions per KV block.
+        gpu_memory_utilization: share of the free GPU memory the KV pool takes when `num_kv_blocks`
+            is not given.
+        max_model_len: the longest prompt + output a request may have; None: the model's
+            `max_position_embeddings`, at most 4096.
+        async_scheduling: queue each step before the one in flight is read back, so the host's work
+            overlaps the GPU's; None: on where the model runs on a GPU, off on the CPU.
+        enable_prefix_caching: reuse the KV of prompt prefixes computed before by the same adapter
+            (same weights) or the backbone.
+    """
+
+    # Seats and tokens per step: on bench_engine's trace, 512 seats take most of the throughput that
+    # 1,024 gain over 256, for half the graphs to capture (benchmarks/results/engine/shapes_h100/).
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 4096
+    num_kv_blocks: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    async_scheduling: bool | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is None and name in ("num_kv_blocks", "max_model_len"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A copy with `changes`; an unknown name raises TypeError naming it."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"unknown engine settings {unknown}; EngineConfig has {sorted(known)}")
+        return EngineConfig(**{**asdict(self), **changes})
+
+
+# ---- command-line flags from configuration fields ---------------------------------------------------
+def field_docs(cls) -> dict[str, str]:
+    """Field name -> its description in the class docstring's `Attributes:` section (continuation
+    lines joined)."""
+    doc = inspect.getdoc(cls) or ""
+    section = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
+    docs: dict[str, str] = {}
+    current = None
+    for line in section.splitlines():
+        match = re.match(r"^    (\w+(?:, \w+)*): (.*)$", line)
+        if match:
+            names, text = match.groups()
+            for name in names.split(", "):
+                docs[name] = text
+            current = names.split(", ")
+        elif line.startswith("        ") and current:
+            for name in current:
+                docs[name] += " " + line.strip()
+        elif line.strip() and not line.startswith(" "):
+            break
+    return docs
+
+
+def _value_type(annotation):
+    """(the scalar type of a field's annotation, whether None is allowed)."""
+    hints = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or \
+        typing.get_origin(annotation) is typing.Union else (annotation,)
+    kinds = [h for h in hints if h is not type(None)]
+    return (kinds[0] if len(kinds) == 1 else str), type(None) in hints
+
+
+def add_config_arguments(group, cls, names=None, help_override: dict | None = None,
+                         defaults: dict | None = None) -> None:
+    """Add a `--kebab-case` flag per field of dataclass `cls` (those of `names`, in their order):
+    booleans as `--flag/--no-flag`, others typed by their annotation, defaults from the fields (or
+    `defaults`), help from `field_docs` (or `help_override`)."""
+    docs = {**field_docs(cls), **(help_override or {})}
+    hints = typing.get_type_hints(cls)
+    by_name = {f.name: f for f in fields(cls)}
+    for name in names or [f.name for f in fields(cls)]:
+        spec = by_name[name]
+        kind, _ = _value_type(hints[name])
+        default = (defaults or {}).get(name, spec.default if spec.default is not MISSING else None)
+        flag = "--" + name.replace("_", "-")
+        help_text = docs.get(name, "").replace("%", "%%")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            group.add_argument(flag, type=Path if kind is Path else kind, default=default, help=help_text)
+
+
+def config_from_args(cls, args: argparse.Namespace, names=None, **extra):
+    """`cls` built from the parsed flags of its fields (those of `names`), plus `extra`."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls)
+              if (names is None or f.name in names) and hasattr(args, f.name)}
+    return cls(**values, **extra)

@@ -55,7 +55,7 @@ def server(tmp_path_factory):
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
     from lorazor.serve.engine_process import EngineProcess
-    from lorazor.serve.guards import ServerSettings
+    from lorazor.serve.settings import ServerSettings
     from lorazor.testbed import ASSETS, load
 
     root = tmp_path_factory.mktemp("lora_root")
@@ -238,7 +238,7 @@ def test_a_body_that_trickles_is_timed_out_with_a_json_408(server):
 def test_the_concurrency_limit_answers_json(server):
     """Past `--limit-concurrency`, the 503 is OpenAI's JSON error body."""
     from lorazor.serve import build_app
-    from lorazor.serve.guards import ServerSettings
+    from lorazor.serve.settings import ServerSettings
 
     class Idle:  # an engine stand-in: this test never reaches it
         info = {"max_model_len": 8, "vocab_size": 8}

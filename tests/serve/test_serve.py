@@ -43,7 +43,7 @@ def served(request):
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
     from lorazor.serve.engine_process import EngineProcess
-    from lorazor.serve.guards import ServerSettings
+    from lorazor.serve.settings import ServerSettings
     from lorazor.testbed import load
 
     peft_model, tokenizer, tasks = load()

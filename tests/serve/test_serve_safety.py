@@ -36,7 +36,8 @@ def server(tmp_path_factory):
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
     from lorazor.serve.engine_process import EngineProcess
-    from lorazor.serve.guards import GuardedH11Protocol, ServerSettings
+    from lorazor.serve.guards import GuardedH11Protocol
+    from lorazor.serve.settings import ServerSettings
     from lorazor.testbed import ASSETS, load
 
     root = tmp_path_factory.mktemp("lora_root")

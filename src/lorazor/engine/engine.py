@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
+from ..config import EngineConfig
 from ..model.hf_generation import ResolvedConfigs, plan_generation
 from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
 from ..runner.release import BoundPolicies
@@ -41,10 +42,9 @@ from .request import Request, RequestOutput, Status
 from .scheduler import Scheduler
 from .step_inputs import BlockTables, prepare
 
-# Default seats and tokens per step: on bench_engine's trace, 512 seats take most of the throughput
-# that 1,024 gain over 256, for half the graphs to capture (benchmarks/results/engine/shapes_h100/).
-DEFAULT_MAX_NUM_SEQS = 512
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+# The engine's defaults live in one place: `EngineConfig` (these names stay for callers of old).
+DEFAULT_MAX_NUM_SEQS = EngineConfig.max_num_seqs
+DEFAULT_MAX_NUM_BATCHED_TOKENS = EngineConfig.max_num_batched_tokens
 # KV blocks on the CPU when `num_kv_blocks` is not given (on the GPU: `gpu_memory_utilization`).
 DEFAULT_CPU_BLOCKS = 256
 # Default `max_model_len` cap (the block-table width follows it).
@@ -67,38 +67,21 @@ class LoRazorEngine:
 
     Args:
         model: the `LoRazorModel` to serve (every adapter registered with it can be requested).
-        max_num_seqs: requests running at once.
-        max_num_batched_tokens: tokens per step (decode tokens plus prefill chunks).
-        num_kv_blocks: KV blocks in the pool; None: `gpu_memory_utilization` of the free GPU memory
-            (`DEFAULT_CPU_BLOCKS` on the CPU).
-        block_size: token positions per block.
-        gpu_memory_utilization: share of the free GPU memory the pool takes when sized automatically
-            (less `GPU_HEADROOM_BYTES` for activations and graphs).
-        max_model_len: the longest prompt + output a request may have; None: the model's
-            `max_position_embeddings`, at most `DEFAULT_MAX_MODEL_LEN`.
-        async_scheduling: queue each step before the step in flight is read back, so the host's
-            work (reading tokens back, stop checks, outputs, scheduling, preparing inputs) overlaps
-            the GPU's; `step()` then returns the step before's outputs. A request that stops is
-            found one step late and that step's token for it is dropped. False: each step is read
-            back before the next is scheduled. None (default): on where the model runs on a GPU;
-            off on the CPU, where the host computes the steps itself and nothing can overlap.
-        enable_prefix_caching: reuse the KV of full blocks that an earlier request computed with
-            the same tokens and the same weights (the backbone, or the same adapter by name and
-            weights digest); a request then prefills only the rest of its prompt
-            (`RequestOutput.num_cached_tokens`). On by default, as in vLLM.
+        config: an `EngineConfig` (`lorazor.config`: seats, tokens per step, the KV pool, async
+            scheduling, prefix caching; every field documented there); None: its defaults.
+        **settings: `EngineConfig` fields that override `config`'s, e.g.
+            `LoRazorEngine(model, max_num_seqs=64, enable_prefix_caching=False)`.
+
+    With async scheduling `step()` returns the step before's outputs, and a request that stops is
+    found one step late (that step's token for it is dropped). With prefix caching a request
+    prefills only the part of its prompt no earlier request computed with the same weights
+    (`RequestOutput.num_cached_tokens`).
     """
 
-    def __init__(self, model: LoRazorModel, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 num_kv_blocks: int | None = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
-                 max_model_len: int | None = None, async_scheduling: bool | None = None,
-                 enable_prefix_caching: bool = True):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("block_size", block_size), ("max_model_len", max_model_len or 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    def __init__(self, model: LoRazorModel, config: EngineConfig | None = None, **settings):
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        config = self.config = (config or EngineConfig()).replace(**settings)
         self.model = model
         runner = self.runner = model.runner
         if runner.attention_softcap is not None:
@@ -106,14 +89,16 @@ class LoRazorEngine:
                 f"the engine's paged attention has no attention-logit softcapping, which this "
                 f"{runner.hf_model.config.model_type} model uses (attn_logit_softcapping={runner.attention_softcap}): "
                 "use LoRazorModel.generate for it")
+        block_size, num_kv_blocks = config.block_size, config.num_kv_blocks
         if num_kv_blocks is None:
             per_block = runner.kv_bytes_per_token() * block_size
             if model.device.type == "cuda":
-                free = torch.cuda.mem_get_info(model.device)[0] * gpu_memory_utilization - GPU_HEADROOM_BYTES
+                free = torch.cuda.mem_get_info(model.device)[0] * config.gpu_memory_utilization - GPU_HEADROOM_BYTES
                 num_kv_blocks = max(int(free // per_block), 1)
             else:
                 num_kv_blocks = DEFAULT_CPU_BLOCKS
         max_pos = runner.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        max_model_len = config.max_model_len
         if max_model_len is None:
             max_model_len = min(max_pos, DEFAULT_MAX_MODEL_LEN)
         elif max_model_len > max_pos:
@@ -123,26 +108,22 @@ class LoRazorEngine:
             raise NotImplementedError(f"the engine's attention has no sliding window: max_model_len={max_model_len} "
                                       f"exceeds the model's sliding_window={window}; pass max_model_len<={window}")
         self.max_model_len = max_model_len
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
-        self.pool = BlockPool(num_kv_blocks, block_size, enable_caching=enable_prefix_caching)
+        seats, tokens = config.max_num_seqs, config.max_num_batched_tokens
+        self.pool = BlockPool(num_kv_blocks, block_size, enable_caching=config.enable_prefix_caching)
         self.cache = runner.new_paged_cache(num_kv_blocks, block_size)
-        self.tables = BlockTables(max_num_seqs, -(-max_model_len // block_size), num_kv_blocks, model.device)
-        self.graphs = runner.paged_graphs(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.tables = BlockTables(seats, -(-max_model_len // block_size), num_kv_blocks, model.device)
+        self.graphs = runner.paged_graphs(self.cache, seats, tokens)
         # Each release policy in use, bound to the adapters in the bank's slots.
         self.policies = BoundPolicies(model.bank, model.device)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, model.bank.num_slots,
-                                   on_free=self.tables.release)
+        self.scheduler = Scheduler(self.pool, seats, tokens, model.bank.num_slots, on_free=self.tables.release)
         self.requests: dict[str, Request] = {}
         self._configs = ResolvedConfigs(runner.hf_model)  # HF's settings resolution, once per distinct settings
         self._loads_at_start = model.registry.loads
         self._ids = itertools.count()
         self._background: BackgroundLoop | None = None
-        if async_scheduling is None:
-            async_scheduling = model.device.type == "cuda"
-        if not isinstance(async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True, False or None, got {async_scheduling!r}")
-        self.async_scheduling = async_scheduling
+        # Off the GPU the host computes the steps itself: nothing could overlap.
+        self.async_scheduling = model.device.type == "cuda" if config.async_scheduling is None \
+            else config.async_scheduling
         self._in_flight = None  # the launched step not read back yet (async scheduling)
 
     def warm_up(self, batch_sizes=None) -> int:

@@ -42,26 +42,27 @@ HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 
 def serve_args(options: dict | argparse.Namespace) -> argparse.Namespace:
     """`lorazor serve` arguments from a Namespace or a dict of flag names (`max-loras` or
-    `max_loras`) to values, validated by the command's own parser (a YAML config's `args`)."""
+    `max_loras`) to values, validated by the command's own parser (a YAML config's `args`): True
+    turns a flag on, False off (`--no-...` where the flag is on by default), a list repeats its
+    values."""
     if isinstance(options, argparse.Namespace):
         return options
     parser = serve_parser()
-    actions = {a.dest: a for a in parser._actions}
+    defaults = vars(parser.parse_args([]))
     argv = []
     for key, value in options.items():
-        action = actions.get(key.replace("-", "_"))
-        if action is None:
+        dest = key.replace("-", "_")
+        if dest not in defaults:
             raise ValueError(f"unknown lorazor serve argument {key!r}")
-        flag = action.option_strings[0]
+        flag = "--" + dest.replace("_", "-")
         if value is True:
             argv.append(flag)
-        elif value is False or value is None:
-            continue
+        elif value is False:
+            if defaults[dest] is not False:  # a --flag/--no-flag pair whose default is on or unset
+                argv.append("--no-" + flag[2:])
         elif isinstance(value, (list, tuple)):
-            # `--adapter` repeats; `--lora-modules` takes several values after one flag
-            argv += [x for v in value for x in (flag, str(v))] if isinstance(action, argparse._AppendAction) \
-                else [flag, *map(str, value)]
-        else:
+            argv += [flag, *map(str, value)]
+        elif value is not None:
             argv += [flag, str(value)]
     try:
         return parser.parse_args(argv)
@@ -297,7 +298,7 @@ def build_app(options: dict | argparse.Namespace) -> serve.Application:
     replica = replica_deployment(per_replica).options(**options)
     name = args.served_model_name or ("testbed" if args.testbed else args.model)
     # Only `lorazor serve`'s own arguments travel to the replicas (not the top-level command's).
-    dests = {a.dest for a in serve_parser()._actions if a.dest != "help"}
+    dests = set(vars(serve_parser().parse_args([])))
     own = argparse.Namespace(**{k: v for k, v in vars(args).items() if k in dests})
     return LoRazorRouter.options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=ROUTER_MAX_ONGOING).bind(
         replica.bind(own), name, not args.no_affinity, args.host)

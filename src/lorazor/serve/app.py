@@ -14,7 +14,8 @@ from fastapi import Depends, FastAPI, Request
 from .. import __version__
 from . import errors
 from .engines import LocalEngine
-from .guards import GuardMiddleware, ServerSettings
+from .guards import GuardMiddleware
+from .settings import ServerSettings
 from .metrics import ServerMetrics
 from .protocol import ApiError
 from .routes import ServerState, router

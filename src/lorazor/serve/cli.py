@@ -11,76 +11,43 @@ import signal
 import sys
 from pathlib import Path
 
-from ..engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from ..config import EngineConfig, LoRazorConfig, add_config_arguments, config_from_args
+from .settings import ServerSettings
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # File descriptors kept out of `--limit-concurrency`'s default: the engine's pipes, model files, logs.
 RESERVED_FDS = 64
+# The `LoRazorConfig` fields `lorazor serve` takes as flags (the rest keep their defaults).
+MODEL_FIELDS = ("max_loras", "max_lora_rank", "max_cpu_loras", "dtype", "compile")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`lorazor serve`'s flags: what to serve (written here), then one group per configuration
+    dataclass, generated from its fields (`LoRazorConfig`'s serving fields, `EngineConfig`,
+    `ServerSettings`), then Ray's."""
     p.add_argument("--testbed", action="store_true", help="serve the shipped testbed (CPU; no other arguments needed)")
     p.add_argument("--model", help="base model id or path")
-    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+    p.add_argument("--adapter", action="extend", nargs="+", default=[], metavar="NAME=PATH",
                    help="a PEFT adapter folder to register (repeatable)")
-    p.add_argument("--served-model-name", help="name of the base model in requests (default: --model, or 'testbed')")
-    p.add_argument("--max-loras", type=int, help="GPU adapter slots")
-    p.add_argument("--max-lora-rank", type=int, help="the largest adapter rank")
-    p.add_argument("--max-cpu-loras", type=int, help="host copies of adapters kept for fast reloads")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto",
-                   help="where the model runs: auto (the GPU when there is one; the testbed: cpu), cpu, cuda, cuda:N")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (GPU; fewer, fused kernels; a longer start-up)")
-    p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizers without one")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="queue each step before the one in flight is read back (default: on where the model runs "
-                        "on a GPU, off on the CPU); --no-async-scheduling reads each step back first")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of prompt prefixes computed before by the same adapter (by weights) or the "
-                        "backbone (default: on); --no-enable-prefix-caching computes every prompt")
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help="tokens per engine step (decode tokens plus prefill chunks)")
-    p.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: from free GPU memory; 256 on the CPU)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, help="the longest prompt + output a request may have")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of the free GPU memory the KV pool takes when --num-kv-blocks is not given")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the engine on a thread of the server's process (default: a process of its own)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH|JSON",
+    p.add_argument("--lora-modules", action="extend", nargs="+", default=[], metavar="NAME=PATH|JSON",
                    help="adapters to register, as vLLM takes them: name=path, or "
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    p.add_argument("--served-model-name", help="name of the base model in requests (default: --model, or 'testbed')")
+    p.add_argument("--device", default="auto",
+                   help="where the model runs: auto (the GPU when there is one; the testbed: cpu), cpu, cuda, cuda:N")
+    p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizers without one")
     p.add_argument("--release-policy", type=Path, metavar="DIR",
                    help="serve the StepTrim policies saved under DIR (one folder per adapter, as `lorazor "
                         "calibrate` writes them) as every request's default; a request's `release` overrides")
-    s = p.add_argument_group("security and limits")
-    s.add_argument("--api-key", default=os.environ.get("LORAZOR_API_KEY"),
-                   help="clients must send 'Authorization: Bearer KEY' (default: $LORAZOR_API_KEY; none if unset)")
-    s.add_argument("--enable-runtime-lora", action="store_true",
-                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: off)")
-    s.add_argument("--lora-root", type=Path, help="runtime loads only from folders under this one")
-    s.add_argument("--max-registered-loras", type=int, default=256,
-                   help="the most adapters registered at once (default: 256)")
-    s.add_argument("--max-prompt-bytes", type=int, default=1 << 20,
-                   help="the longest prompt in UTF-8 bytes (default: 1 MiB); request bodies up to 4x that")
-    s.add_argument("--limit-concurrency", type=int,
-                   help="open connections and requests at once before new ones get 503 (default: the open-file "
-                        f"limit less {RESERVED_FDS})")
-    s.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle keep-alive connection stays open")
-    s.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a new connection may take to send its request head")
-    s.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request's body may take to arrive after its head (then 408 and the connection "
-                        "is closed; default: 30)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM or Ctrl-C, seconds the server lets running requests finish before it aborts "
-                        "them and exits (default: 30)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the engine on a thread of the server's process (default: a process of its own)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_config_arguments(p.add_argument_group("model (LoRazorConfig)"), LoRazorConfig, MODEL_FIELDS,
+                         help_override={"dtype": "float32, float16 or bfloat16 (default: the model's own)"})
+    add_config_arguments(p.add_argument_group("engine (EngineConfig)"), EngineConfig)
+    add_config_arguments(p.add_argument_group("server, security and limits (ServerSettings)"), ServerSettings,
+                         defaults={"api_key": os.environ.get("LORAZOR_API_KEY")})
     r = p.add_argument_group("replicas on Ray Serve (the ray extra)")
     r.add_argument("--replicas", type=int, default=0,
                    help="run this many engine replicas on Ray Serve behind one endpoint (default: 0, no Ray)")
@@ -146,16 +113,14 @@ def load_tokenizer(args: argparse.Namespace):
 
 def build_engine(args: argparse.Namespace):
     """(engine, tokenizer) for parsed arguments, step graphs captured (in the engine's process)."""
-    from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel, load_release_policy
+    from lorazor import LoRazorEngine, LoRazorModel, load_release_policy
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     log = logging.getLogger("lorazor.serve")
     adapters = adapter_paths(args)
     device = serving_device(args)
     policy = load_release_policy(args.release_policy) if args.release_policy else None
-    config = LoRazorConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                           max_cpu_loras=args.max_cpu_loras, dtype=args.dtype,
-                           release=policy.kind if policy is not None else "none", compile=args.compile)
+    config = config_from_args(LoRazorConfig, args, MODEL_FIELDS, release=policy.kind if policy is not None else "none")
     if args.testbed:
         from lorazor.testbed import load
 
@@ -168,11 +133,7 @@ def build_engine(args: argparse.Namespace):
         model = LoRazorModel.from_pretrained(args.model, adapters=adapters, config=config, **placement)
     if policy is not None:
         model.load_release_policy(args.release_policy)
-    engine = LoRazorEngine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                           num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                           async_scheduling=args.async_scheduling,
-                           enable_prefix_caching=args.enable_prefix_caching)
+    engine = LoRazorEngine(model, config_from_args(EngineConfig, args))
     # On the GPU every step graph is captured before the first request (no-op on the CPU); the
     # engine logs how many and how long.
     engine.warm_up()
@@ -200,27 +161,35 @@ def _policy_adapters(policy) -> list[str]:
     return list(getattr(policy, "lengths", None) or getattr(policy, "heads", None) or [])
 
 
-def settings_of(args: argparse.Namespace):
-    from .guards import ServerSettings
-
+def settings_of(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings from the flags; a bad one stops the command with one line (exit 2)."""
     if args.api_key is not None and not args.api_key.strip():
         # An empty key (flag or $LORAZOR_API_KEY) would turn authentication off without a word.
-        print("lorazor serve: error: the API key is empty (--api-key or $LORAZOR_API_KEY): give a key, or unset it "
-              "to serve without one", file=sys.stderr)
-        raise SystemExit(2)
+        refuse("the API key is empty (--api-key or $LORAZOR_API_KEY): give a key, or unset it to serve without one")
     try:
-        return ServerSettings(api_key=args.api_key, enable_runtime_lora=args.enable_runtime_lora,
-                              lora_root=args.lora_root, max_registered_loras=args.max_registered_loras,
-                              max_prompt_bytes=args.max_prompt_bytes, body_timeout=args.body_timeout)
+        return config_from_args(ServerSettings, args)
     except ValueError as err:
-        raise SystemExit(f"lorazor serve: {err}") from err
+        refuse(str(err))
+
+
+def check_configs(args: argparse.Namespace) -> None:
+    """Refuse bad model and engine flags in one line, before any model loads."""
+    try:
+        config_from_args(LoRazorConfig, args, MODEL_FIELDS)
+        config_from_args(EngineConfig, args)
+    except ValueError as err:
+        refuse(str(err))
+
+
+def refuse(message: str):
+    print(f"lorazor serve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def check_model(model: str) -> None:
     """Refuse an unsupported or missing model from its config.json, in one line, before any weight
     is read (and before the engine's process starts)."""
     from lorazor.model.build import check_before_loading
-    from lorazor.config import LoRazorConfig
 
     try:
         check_before_loading(model, LoRazorConfig(), {})
@@ -239,6 +208,7 @@ def build(args: argparse.Namespace, on_engine_dead=None):
         raise SystemExit("lorazor serve needs --model PATH_OR_ID or --testbed")
     adapter_paths(args)  # a malformed --adapter or --device stops here, before any model loads
     serving_device(args)
+    check_configs(args)
     if args.model:
         check_model(args.model)
     settings = settings_of(args)

@@ -1,7 +1,6 @@
 """Who may use the server, and how much of it one client may take.
 
-- `ServerSettings`: the operator's choices (API key, runtime adapter loading, limits), from
-  `lorazor serve`'s flags or given to `build_app`.
+The operator's choices (API key, runtime adapter loading, limits) are `settings.ServerSettings`.
 - `GuardMiddleware`: the API key on every route but `/health` and `/metrics`, and a cap on request
   bodies, checked before a body is read, so a huge or unauthenticated request costs nothing.
 - `check_runtime_load`: runtime adapter loading only when enabled, from under `lora_root` when
@@ -21,59 +20,17 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..adapters.loader import CONFIG_FILE, LEGACY_FILE, SAFE_FILE
 from .protocol import ApiError
+from .settings import ServerSettings
 
 # Routes open without the API key: probes and scrapers (as vLLM leaves them open).
 OPEN_ROUTES = ("/health", "/metrics")
 # The files of an adapter folder that registration reads.
 ADAPTER_FILES = (CONFIG_FILE, SAFE_FILE, LEGACY_FILE)
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """What the operator allows (defaults: the safe choice).
-
-    Attributes:
-        api_key: clients must send `Authorization: Bearer <api_key>`; None: no key.
-        enable_runtime_lora: allow `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
-        lora_root: when set, runtime loads only from folders under it.
-        max_registered_loras: the most adapters registered at once (runtime loads beyond it: 400).
-        max_prompt_bytes: the longest prompt text (UTF-8 bytes, all chat messages together).
-        max_request_bytes: the largest request body; None: 4 x max_prompt_bytes + 64 KiB.
-        body_timeout: seconds a request's body may take to arrive after its head.
-    """
-
-    api_key: str | None = None
-    enable_runtime_lora: bool = False
-    lora_root: Path | None = None
-    max_registered_loras: int = 256
-    max_prompt_bytes: int = 1 << 20
-    max_request_bytes: int | None = None
-    body_timeout: float = 30.0
-
-    def __post_init__(self):
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must be a non-empty string or None")
-        if not 0 < self.body_timeout < float("inf"):
-            raise ValueError(f"body_timeout must be a positive number of seconds, got {self.body_timeout!r}")
-        for name in ("max_registered_loras", "max_prompt_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.lora_root is not None:
-            root = Path(self.lora_root)
-            if not root.is_dir():
-                raise ValueError(f"lora_root {str(root)!r} is not a folder")
-            object.__setattr__(self, "lora_root", root.resolve())
-
-    @property
-    def body_limit(self) -> int:
-        return self.max_request_bytes or 4 * self.max_prompt_bytes + (64 << 10)
 
 
 def _send_error(status: int, message: str, kind: str, close: bool = False):

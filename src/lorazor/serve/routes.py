@@ -21,7 +21,8 @@ from fastapi.responses import PlainTextResponse, Response
 
 from .. import __version__
 from ..adapters import AdapterError
-from .guards import ServerSettings, check_runtime_load
+from .guards import check_runtime_load
+from .settings import ServerSettings
 from .metrics import ServerMetrics
 from .protocol import (
     MAX_CHOICES,

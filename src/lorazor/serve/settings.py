@@ -1,0 +1,72 @@
+"""`ServerSettings`: the server's settings in one frozen dataclass, whose fields `lorazor serve`'s
+flags are generated from (`lorazor.config.add_config_arguments`, help text from the docs below)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the operator allows and how the HTTP server runs (defaults: the safe choice).
+
+    Attributes:
+        host: address to bind: loopback only unless you say otherwise.
+        port: the port to listen on.
+        api_key: key clients must send as `Authorization: Bearer KEY` (default: $LORAZOR_API_KEY; none
+            if unset); an empty key is refused.
+        enable_runtime_lora: allow `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+        lora_root: runtime loads only from folders under this one (their files too).
+        max_registered_loras: the most adapters registered at once (runtime loads beyond it: 400).
+        max_prompt_bytes: the longest prompt in UTF-8 bytes (all chat messages together); request
+            bodies may be 4x that plus 64 KiB.
+        max_request_bytes: the largest request body; None: 4 x max_prompt_bytes + 64 KiB.
+        limit_concurrency: connections and requests at once before new ones get a 503; None: the
+            open-file limit less 64.
+        timeout_keep_alive: seconds an idle keep-alive connection stays open.
+        header_timeout: seconds a new connection may take to send its request head.
+        body_timeout: seconds a request's body may take to arrive after its head (then 408 and the
+            connection is closed).
+        shutdown_timeout: on SIGTERM or Ctrl-C, seconds running requests may finish before they are
+            aborted.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    enable_runtime_lora: bool = False
+    lora_root: Path | None = None
+    max_registered_loras: int = 256
+    max_prompt_bytes: int = 1 << 20
+    max_request_bytes: int | None = None
+    limit_concurrency: int | None = None
+    timeout_keep_alive: int = 5
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty: give a key, or None to serve without one")
+        for name in ("max_registered_loras", "max_prompt_bytes", "port", "max_request_bytes", "limit_concurrency",
+                     "timeout_keep_alive"):
+            value = getattr(self, name)
+            if value is None and name in ("max_request_bytes", "limit_concurrency"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "port" else 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("header_timeout", "body_timeout", "shutdown_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.lora_root is not None:
+            root = Path(self.lora_root)
+            if not root.is_dir():
+                raise ValueError(f"lora_root {str(root)!r} is not a folder")
+            object.__setattr__(self, "lora_root", root.resolve())
+
+    @property
+    def body_limit(self) -> int:
+        return self.max_request_bytes or 4 * self.max_prompt_bytes + (64 << 10)
