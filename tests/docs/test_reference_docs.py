@@ -59,21 +59,38 @@ def render_cli() -> str:
 
 def render_configuration() -> str:
     from lorazor import LoRazorConfig
+    from lorazor.config import EngineConfig, field_docs
+    from lorazor.serve.settings import ServerSettings
 
-    doc = LoRazorConfig.__doc__.split("Attributes:")[1]
-    described = {m.group(1): m.group(2) for m in re.finditer(r"^ {8}(\w+): (.*?)(?=^ {8}\w+: |\Z)", doc, re.M | re.S)}
-    rows = ["| field | default | what it sets |", "|---|---|---|"]
-    for f in dataclasses.fields(LoRazorConfig):
-        if f.name == "extra":
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        rows.append(f"| `{f.name}` | `{default!r}` | {cell(described.get(f.name, ''))} |")
-    return "\n".join([GENERATED, "", "# Configuration", "",
-                      "`LoRazorConfig` is frozen and validated when built; `to_json()` / `from_json()` round-trip it "
-                      "(unknown keys are an error). Every field, with its default:", "",
-                      "```python", "from lorazor import LoRazorConfig", "",
-                      'config = LoRazorConfig(grid="exact", max_loras=64, max_lora_rank=16, dtype="bfloat16")',
-                      "assert LoRazorConfig.from_json(config.to_json()) == config", "```", "", *rows, ""])
+    def table(cls) -> list[str]:
+        described = field_docs(cls)
+        rows = ["| field | default | what it sets |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            if f.name == "extra":
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append(f"| `{f.name}` | `{default!r}` | {cell(described.get(f.name, ''))} |")
+        return rows
+
+    return "\n".join([
+        GENERATED, "", "# Configuration", "",
+        "Three frozen dataclasses, validated when built, hold every setting: `LoRazorConfig` (the model), "
+        "`EngineConfig` (the engine) and `ServerSettings` (the server). `lorazor serve`'s flags are generated "
+        "from their fields ([Serving](serving.md#flags)).", "",
+        "## LoRazorConfig", "",
+        "`to_json()` / `from_json()` round-trip it (unknown keys are an error). Every field, with its default:", "",
+        "```python", "from lorazor import LoRazorConfig", "",
+        'config = LoRazorConfig(grid="exact", max_loras=64, max_lora_rank=16, dtype="bfloat16")',
+        "assert LoRazorConfig.from_json(config.to_json()) == config", "```", "", *table(LoRazorConfig), "",
+        "## EngineConfig", "",
+        "`LoRazorEngine(model, config)` takes one; its fields are also the engine's keyword arguments "
+        "(`LoRazorEngine(model, max_num_seqs=64)`).", "",
+        "```python", "from lorazor.config import EngineConfig", "",
+        "config = EngineConfig(max_num_seqs=64, enable_prefix_caching=False)",
+        "assert config.replace(max_num_seqs=32).max_num_seqs == 32", "```", "", *table(EngineConfig), "",
+        "## ServerSettings", "",
+        "`lorazor.serve.build_app(engine, tokenizer, settings=ServerSettings(...))` takes one.", "",
+        *table(ServerSettings), ""])
 
 
 @pytest.mark.parametrize("page, render", [("cli.md", render_cli), ("configuration.md", render_configuration)])
