@@ -78,7 +78,7 @@ class LoRazorEngine:
     (`RequestOutput.num_cached_tokens`).
     """
 
-    def __init__(self, model: LoRazorModel, config: EngineConfig | None = None, **settings):
+    def __init__(self, model: LoRazorModel, config: EngineConfig | None = None, **settings: object):
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         config = self.config = (config or EngineConfig()).replace(**settings)
