@@ -94,6 +94,9 @@ def offline_requests(workload, identities, names, ks, release: bool, backbone: b
 
 
 def run_offline(engine, requests) -> dict:
+    """The requests offline, from a cold prefix cache: the runs of one process replay the same
+    prompts, and one run's blocks must not serve the next."""
+    engine.pool.reset_cache()
     start = time.perf_counter()
     outs = engine.generate(requests)
     elapsed = time.perf_counter() - start

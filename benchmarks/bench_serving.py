@@ -210,7 +210,9 @@ def main() -> None:
         return replicas_main(args, t0)
     engine, tokenizer, names, vocab = build(args)
     rates = [float(x) for x in args.rates.split(",")]
-    count = 4 * int(max(rates) * args.seconds * 1.5 / 4 + 4)
+    # Each rate sends requests of its own: the HTTP server's engine keeps its prefix cache between
+    # rates (the in-process engine's open loop starts cold), so no rate may replay another's prompts.
+    count = 4 * int(sum(rates) * args.seconds * 1.5 / 4 + 4)
     if args.workload == "shared-prefix":
         workload, identities = wl.build_shared_prefix(count, vocab, min(len(names), 128))
     else:
@@ -231,9 +233,11 @@ def main() -> None:
     pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     list(pool.map(time.sleep, [0.0] * args.clients))  # start the client processes before any timing
     try:
+        used = 0
         for rate in rates:
             offsets = wl.poisson_arrivals(rate, args.seconds, seed=int(rate))
-            batch = requests[:len(offsets)]
+            batch = requests[used:used + len(offsets)]
+            used += len(offsets)
             for path in ("in_process", "http"):
                 if path == "in_process":
                     row = wl.run_open_loop(engine, batch, offsets)

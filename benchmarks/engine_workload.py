@@ -155,7 +155,9 @@ def poisson_arrivals(rate: float, duration: float, seed: int) -> np.ndarray:
 
 def run_open_loop(engine, requests: list[dict], offsets: np.ndarray) -> dict:
     """In-process open loop: request i joins at `start + offsets[i]` (its TTFT counts from then);
-    steps run back to back while any request is in flight. Returns achieved req/s and percentiles."""
+    steps run back to back while any request is in flight. Returns achieved req/s and percentiles.
+    Starts from a cold prefix cache: a process's runs replay the same prompts."""
+    engine.pool.reset_cache()
     start = time.monotonic()
     pending = list(zip(offsets, requests))
     outs = []

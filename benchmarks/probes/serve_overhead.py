@@ -80,7 +80,8 @@ def main() -> None:
     args = ap.parse_args()
     engine, tokenizer, names, vocab = synthetic_setup(args)
     rates = [float(x) for x in args.rates.split(",")]
-    workload = wl.build(int(max(rates) * args.seconds * 1.5) + 16, vocab)
+    # Requests of its own per rate: the HTTP engine keeps its prefix cache between rates.
+    workload = wl.build(4 * int(sum(rates) * args.seconds * 1.5 / 4 + 4), vocab)
     requests = [dict(prompt_ids=r.prompt[:16], adapter=names[0], max_new_tokens=min(r.max_new_tokens,
                      args.max_new_tokens), release="never", pad_token_id=0) for r in workload]
     app_kwargs = {} if args.switch_interval == "app" else dict(
@@ -96,9 +97,11 @@ def main() -> None:
     pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     list(pool.map(time.sleep, [0.0] * args.clients))
     try:
+        used = 0
         for rate in rates:
             offsets = wl.poisson_arrivals(rate, args.seconds, seed=int(rate))
-            batch = requests[:len(offsets)]
+            batch = requests[used:used + len(offsets)]
+            used += len(offsets)
             for path in ("in_process", "http"):
                 row = (wl.run_open_loop(engine, batch, offsets) if path == "in_process"
                        else bs.http_open_loop(pool, url, batch, offsets))

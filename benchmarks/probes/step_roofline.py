@@ -290,6 +290,7 @@ class Probe:
             ids = wl.assign(workload, ADAPTERS)
             reqs = [dict(prompt_ids=r.prompt, max_new_tokens=r.max_new_tokens, pad_token_id=0, adapter=self.names[i],
                          release="never") for r, i in zip(workload, ids)]
+            self.engine.pool.reset_cache()  # each trace from a cold prefix cache
             start = time.perf_counter()
             self.engine.generate(reqs)
             rates.append(round(requests / (time.perf_counter() - start), 1))

@@ -7,7 +7,6 @@
 import argparse
 import dataclasses
 import os
-import re
 from pathlib import Path
 
 import pytest
