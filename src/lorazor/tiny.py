@@ -92,7 +92,10 @@ def tiny_peft_model(
             init_lora_weights=False, lora_dropout=0.0,
         )
         if peft_model is None:
-            peft_model = get_peft_model(base, cfg, adapter_name=spec.name)
+            from .model.build import quiet_peft
+
+            with quiet_peft():
+                peft_model = get_peft_model(base, cfg, adapter_name=spec.name)
         else:
             peft_model.add_adapter(spec.name, cfg)
     peft_model.eval()

@@ -23,6 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+# A chosen setting that loses more validation accuracy than this (a fraction) is said loudly, not
+# silently written: a --min-skip target can be met only by settings that break the adapter.
+LARGE_DROP = 0.10
 METRIC_HELP = ("exact_match, prefix_match, contains, regex:PATTERN, choice, python:MODULE:FUNCTION, "
                "evaluate:NAME (see docs/steptrim.md)")
 
@@ -221,6 +224,13 @@ def environment_line(device) -> str:
             f"peft {peft.__version__}; {device.type}")
 
 
+def large_drop_warning(name: str, label: str, point, full) -> str:
+    return (f"lorazor calibrate: warning: adapter {name!r} ({label}): the chosen {describe(point)} loses "
+            f"{100 * (full.accuracy - point.accuracy):.1f} points of validation accuracy ({full.accuracy:.1%} -> "
+            f"{point.accuracy:.1%}) to skip {point.skip_fraction:.0%} of decode LoRA calls; --max-drop bounds the "
+            "loss instead")
+
+
 def describe(point) -> str:
     return f"tau={point.tau:.4g}" if point.tau is not None else ("k=never" if point.k is None else f"k={point.k}")
 
@@ -255,8 +265,11 @@ def write_report(out: Path, args, curves: dict, choices: dict, seconds: float, d
         }
     lines += ["", "Chosen, and why:", ""]
     for name, picked in choices.items():
+        full = next(p for p in curves[name] if p.is_full_lora)
         for label, (p, reason) in picked.items():
             lines.append(f"- {name}, {label}: {describe(p)}: {reason}; realized skip {p.skip_fraction:.0%}.")
+            if full.accuracy - p.accuracy > LARGE_DROP:
+                lines.append(f"  **Warning**: {large_drop_warning(name, label, p, full).split(': ', 2)[2]}.")
     lines += ["", f"k=never / tau=-inf keep the adapter to the end. {environment_line(device)}; "
               f"{time.strftime('%Y-%m-%d')}; took {seconds:.0f} s."]
     out.mkdir(parents=True, exist_ok=True)
@@ -306,6 +319,8 @@ def calibrate(argv: list[str], sources=()) -> int:
                                 f"the most any reaches is {best.skip_fraction:.0%} ({describe(best)})")
                 continue
             choices[name][label] = (point, why(target, point, full))
+            if full.accuracy - point.accuracy > LARGE_DROP:
+                print(large_drop_warning(name, label, point, full), file=sys.stderr)
     seconds = time.time() - start
     print(write_report(args.out, args, curves, choices, seconds, model.device))
     if failures:

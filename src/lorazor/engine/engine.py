@@ -62,6 +62,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("lorazor.engine")
 
 
+def check_engine_supports(hf_config) -> None:
+    """Refuse a model whose config (its `config.json`, before any weight is read) needs what the
+    engine's steps do not do."""
+    cap = getattr(hf_config, "attn_logit_softcapping", None)
+    if cap is not None:
+        raise NotImplementedError(
+            f"the engine's paged attention has no attention-logit softcapping, which this "
+            f"{getattr(hf_config, 'model_type', '?')} model uses (attn_logit_softcapping={cap}): "
+            "use LoRazorModel.generate for it")
+
+
 class LoRazorEngine:
     """Continuous batching with a paged KV cache, chunked prefill, per-request adapters and StepTrim.
 
@@ -84,11 +95,7 @@ class LoRazorEngine:
         config = self.config = (config or EngineConfig()).replace(**settings)
         self.model = model
         runner = self.runner = model.runner
-        if runner.attention_softcap is not None:
-            raise NotImplementedError(
-                f"the engine's paged attention has no attention-logit softcapping, which this "
-                f"{runner.hf_model.config.model_type} model uses (attn_logit_softcapping={runner.attention_softcap}): "
-                "use LoRazorModel.generate for it")
+        check_engine_supports(runner.hf_model.config)
         block_size, num_kv_blocks = config.block_size, config.num_kv_blocks
         if num_kv_blocks is None:
             per_block = runner.kv_bytes_per_token() * block_size

@@ -7,6 +7,8 @@ Both paths end the same way: the target linear layers are found, an empty `Adapt
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,6 +17,16 @@ from torch import nn
 from ..adapters import AdapterBank, AdapterError, check_adapter_name, check_lora_config, check_lora_layer
 from ..adapters import find_lora_layers, peft_adapter_weights, read_adapter
 from ..config import LoRazorConfig
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """Building a PeftModel with peft 0.21 under transformers >= 5.24 warns that
+    `is_gradient_checkpointing` is deprecated (PEFT reads it, not LoRazor or its user): a warning on
+    every run that nobody here can act on. Silence that one warning while PEFT builds."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 # Hugging Face `model_type`s whose decoders run through LoRazor's runner (tested against PEFT).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")

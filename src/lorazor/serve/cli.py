@@ -189,12 +189,16 @@ def refuse(message: str):
 def check_model(model: str) -> None:
     """Refuse an unsupported or missing model from its config.json, in one line, before any weight
     is read (and before the engine's process starts)."""
+    from transformers import AutoConfig
+
+    from lorazor.engine.engine import check_engine_supports
     from lorazor.model.build import check_before_loading
 
     try:
         check_before_loading(model, LoRazorConfig(), {})
+        check_engine_supports(AutoConfig.from_pretrained(model))
     except (NotImplementedError, ValueError, OSError) as err:
-        raise SystemExit(f"lorazor serve: error: {err}") from None
+        refuse(str(err))
 
 
 def build(args: argparse.Namespace, on_engine_dead=None):
@@ -261,8 +265,10 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         app, name = build(args, on_engine_dead=engine_dead)
-    except RuntimeError as err:  # the engine failed to build: its reason, not a traceback of ours
-        raise SystemExit(f"lorazor serve: {err}") from err
+    except RuntimeError as err:  # the engine failed to build: its reason in one line, the traceback logged
+        log.debug("%s", err)
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        refuse(f"{lines[-1] if lines else err} (--log-level debug shows the traceback)")
     protocol = type("HTTPProtocol", (GuardedH11Protocol,), {"HEADER_TIMEOUT_S": args.header_timeout})
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
                             limit_concurrency=limit, timeout_keep_alive=args.timeout_keep_alive,

@@ -71,9 +71,12 @@ def load(assets: str | Path | None = None):
     names = [n for n in tasks if (root / "adapters" / n / "adapter_config.json").exists()]
     if not names:
         raise FileNotFoundError(f"no adapters under {root / 'adapters'}")
-    model = PeftModel.from_pretrained(base, root / "adapters" / names[0], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(root / "adapters" / name, adapter_name=name)
+    from ..model.build import quiet_peft
+
+    with quiet_peft():
+        model = PeftModel.from_pretrained(base, root / "adapters" / names[0], adapter_name=names[0])
+        for name in names[1:]:
+            model.load_adapter(root / "adapters" / name, adapter_name=name)
     return model.eval(), tokenizer, {n: tasks[n] for n in names}
 
 

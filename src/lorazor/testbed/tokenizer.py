@@ -3,6 +3,11 @@ so answers are tens of tokens as in the paper (not hundreds of characters)."""
 
 from __future__ import annotations
 
+# The testbed's tasks are plain prompts: a chat is its messages' contents in order, so a single user
+# message is the very prompt a completion gets (and gets the same answer).
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n{% endif %}"
+                 "{% endfor %}")
+
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 VOCAB_SIZE = 4096
 

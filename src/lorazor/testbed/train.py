@@ -144,7 +144,10 @@ def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, devi
 
     torch.manual_seed(seed)
     cfg = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0)
-    model = get_peft_model(base, cfg, adapter_name=name)
+    from ..model.build import quiet_peft
+
+    with quiet_peft():
+        model = get_peft_model(base, cfg, adapter_name=name)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     batches = task_batches(task, tokenizer, batch, torch.Generator().manual_seed(seed))
     model.train()
@@ -195,6 +198,9 @@ def main(argv=None) -> None:
     log["pretrain_seconds"] = round(time.time() - start, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     base.half().save_pretrained(args.out / "backbone")
+    from .tokenizer import CHAT_TEMPLATE
+
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(args.out / "tokenizer")
     (args.out / "train_log.json").write_text(json.dumps(log, indent=2))
     for i, (name, task) in enumerate(tasks.items()):

@@ -1,0 +1,86 @@
+"""A newcomer's first hour, as tests: what tripped a new user of a fresh clone, each held fixed."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_python_m_lorazor_works_beside_a_folder_named_lorazor(tmp_path):
+    """From the folder holding a clone named `lorazor/`, `python -m lorazor` once imported that folder
+    as a namespace package (`cannot import name '__version__'`)."""
+    (tmp_path / "lorazor" / "src").mkdir(parents=True)
+    (tmp_path / "lorazor" / "README.md").write_text("a clone\n")
+    done = subprocess.run([sys.executable, "-m", "lorazor", "--version"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("lorazor ")
+
+
+def test_the_license_file_is_the_one_pyproject_names():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0" in text
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_testbed_chats_as_it_completes():
+    """The testbed's tokenizer has a chat template, and one user message is the completion prompt."""
+    from lorazor.testbed import load_tokenizer, make_tasks
+
+    tokenizer = load_tokenizer()
+    prompt = make_tasks()["math"].split("test")[0]["prompt"]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert chat == prompt
+
+
+def test_building_the_testbed_warns_nothing():
+    """peft under transformers >= 5.24 warns that `is_gradient_checkpointing` is deprecated on every
+    PeftModel it builds: silenced where LoRazor builds one (no user can act on it)."""
+    from lorazor.testbed import load
+    from lorazor.tiny import tiny_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        load()
+        tiny_peft_model("llama")
+
+
+@pytest.mark.slow
+def test_serving_a_gemma2_model_is_refused_in_one_line(tmp_path):
+    """The engine has no attention-logit softcapping: `lorazor serve` on Gemma 2 says so in one line
+    (exit 2), from its config.json, before loading any weight."""
+    from lorazor.tiny import tiny_config
+
+    config = tiny_config("gemma2")
+    config.save_pretrained(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "lorazor", "serve", "--model", str(tmp_path), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert len(lines) == 1 and "softcapping" in lines[0], done.stderr[-3000:]
+    assert not (tmp_path / "model.safetensors").exists()  # refused from config.json alone
+
+
+def test_calibration_says_loudly_when_its_choice_breaks_the_adapter(tmp_path, capsys):
+    """A --min-skip target met only by a setting that loses most of the adapter's accuracy is warned
+    about on stderr and in the report, not chosen silently."""
+    from lorazor.calibration.cli import LARGE_DROP, large_drop_warning, write_report
+    from lorazor.calibration.lengths import ReleasePoint
+
+    full, broken = ReleasePoint(None, 0.9, 0.0), ReleasePoint(0, 0.1, 0.8)
+    assert full.accuracy - broken.accuracy > LARGE_DROP
+    warning = large_drop_warning("sql", "min-skip 0.5", broken, full)
+    assert "loses 80.0 points" in warning and "--max-drop" in warning
+    args = argparse.Namespace(argv=["--min-skip", "0.5"], policy="profiled")
+    text = write_report(tmp_path, args, {"sql": [full, broken]}, {"sql": {"min-skip 0.5": (broken, "why")}}, 1.0,
+                        argparse.Namespace(type="cpu"))
+    assert "**Warning**" in text and "loses 80.0 points" in text
+    assert json.loads((tmp_path / "calibration.json").read_text())["adapters"]["sql"]["chosen"]
