@@ -182,6 +182,15 @@ def test_every_replicas_metrics_reach_rays_export(cluster):
         time.sleep(1)
     lines = [line for line in text.splitlines() if line.startswith("ray_lorazor_request_success")]
     assert lines and all('replica="' in line for line in lines), text[-2000:]
+    # Residency, for routers: every replica's adapters by level, tagged with the replica.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "ray_lorazor_lora_adapter_loaded" not in text:
+        time.sleep(1)
+        text = httpx.get(cluster["metrics"], timeout=10).text
+    loaded = [line for line in text.splitlines() if line.startswith("ray_lorazor_lora_adapter_loaded{")]
+    assert loaded and all('replica="' in line and 'level="' in line for line in loaded), text[-2000:]
+    assert any('adapter_name="math"' in line and 'level="gpu"' in line for line in loaded), loaded
+    assert any(line.startswith("ray_lorazor_max_gpu_lora_adapters") for line in text.splitlines())
 
 
 def test_build_app_takes_a_config_files_arguments():

@@ -10,10 +10,12 @@ data, never graph keys: loads and evictions never invalidate a captured CUDA gra
 
 from __future__ import annotations
 
+import bisect
 import math
+import time
 import warnings
-from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,6 +54,37 @@ class _Entry:
     digest: bytes = b""  # of its config and weights (`loader.weights_digest`)
 
 
+# Upper bounds (seconds) of the load-time histogram's buckets: a host copy into a slot takes about a
+# millisecond, a read from disk tens of milliseconds to seconds.
+LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Load durations kept one by one (for exporters that observe each load, such as Ray's metrics).
+RECENT_LOADS = 1024
+
+
+@dataclass
+class LoadTimes:
+    """Host time of every load into a GPU slot by source ("disk": the folder read, checked and
+    packed; "cpu": from the host copy): per-bucket counts over `LOAD_BUCKETS` (the last one past
+    the largest bound), their sum and count, and the latest loads as (number, source, seconds)."""
+
+    counts: dict = field(default_factory=dict)
+    sums: dict = field(default_factory=dict)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_LOADS))
+    total: int = 0
+
+    def record(self, source: str, seconds: float) -> None:
+        counts = self.counts.setdefault(source, [0] * (len(LOAD_BUCKETS) + 1))
+        counts[bisect.bisect_left(LOAD_BUCKETS, seconds)] += 1
+        self.sums[source] = self.sums.get(source, 0.0) + seconds
+        self.total += 1
+        self.recent.append((self.total, source, seconds))
+
+    def snapshot(self) -> dict:
+        """A plain copy (for another thread or process): buckets, counts, sums, recent, total."""
+        return dict(buckets=list(LOAD_BUCKETS), counts={k: list(v) for k, v in self.counts.items()},
+                    sums=dict(self.sums), recent=list(self.recent), total=self.total)
+
+
 class SlotsFullError(AdapterError):
     """Every GPU slot holds an adapter that the step in flight uses."""
 
@@ -76,6 +109,7 @@ class AdapterRegistry:
         self._last_used = [0] * bank.num_slots
         self._tick = 0
         self.loads = 0  # slot writes so far (for tests and benchmarks)
+        self.load_times = LoadTimes()
         self.in_use: Counter[str] = Counter()  # unfinished engine requests per adapter
         # Adapters whose weights failed to load, with the reason: requests for them are refused
         # until the adapter is unregistered (and registered again, fixed).
@@ -206,12 +240,16 @@ class AdapterRegistry:
         return min(candidates, key=self._last_used.__getitem__)
 
     def _load(self, name: str, slot: int) -> None:
+        start = time.perf_counter()
+        source = "disk" if self.entries[name].image is None else "cpu"
         image = self._image(name)  # first: a load that fails leaves the slot's adapter in place
         old = self.bank.names[slot]
         if old is not None and self.entries[old].source is None:
             self.entries[old].image = self.bank.read(slot)  # no folder: keep it on the host
         self.bank.write(slot, name, image)
         self.loads += 1
+        # The host's part: the read and pack, and queueing the copy (which then overlaps the step).
+        self.load_times.record(source, time.perf_counter() - start)
         entry = self.entries[name]
         if entry.source is not None and name not in self._host_lru:
             entry.image = None  # max_cpu_loras=0: no host copy outlives the load
@@ -239,6 +277,11 @@ class AdapterRegistry:
 
     def statuses(self) -> dict[str, AdapterStatus]:
         return {name: self.status(name) for name in self.entries}
+
+    def residency(self) -> dict[str, tuple[bool, bool]]:
+        """Adapter name -> (in a GPU slot, has a host copy): the levels a router reads."""
+        slot_of = self.bank.slot_of
+        return {name: (name in slot_of, entry.image is not None) for name, entry in self.entries.items()}
 
 
 def warn_if_other_base(name: str, trained_on, served) -> None:

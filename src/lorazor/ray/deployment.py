@@ -97,6 +97,17 @@ class RayMetricsMirror:
         self.waiting = metrics.Gauge("lorazor_num_requests_waiting", "Requests waiting", tags)
         self.kv = metrics.Gauge("lorazor_kv_cache_usage_perc", "KV-cache usage", tags)
         self.loads = metrics.Gauge("lorazor_lora_adapter_loads", "Adapter loads into GPU slots so far", tags)
+        # Residency, as the server's /metrics has it (for routers that read where adapters live).
+        self.loaded = metrics.Gauge("lorazor_lora_adapter_loaded", "1 for each adapter and level it is resident at",
+                                    tags + ("adapter_name", "level"))
+        self.gpu_loaded = metrics.Gauge("lorazor_num_gpu_loaded_lora_adapters", "Adapters in GPU slots", tags)
+        self.max_gpu = metrics.Gauge("lorazor_max_gpu_lora_adapters", "GPU adapter slots (max_loras)", tags)
+        from ..adapters.registry import LOAD_BUCKETS
+
+        self.load_seconds = metrics.Histogram("lorazor_lora_adapter_load_seconds", "Host time to load an adapter "
+                                              "into a GPU slot, by source", list(LOAD_BUCKETS), tags + ("source",))
+        self._loads_seen = 0
+        self._levels: set = set()  # (adapter, level) pairs set to 1 at the last poll
 
     def observe(self, out, prompt_tokens: int) -> None:
         self.finished.inc(1, {**self.tags, "finished_reason": out.finish_reason or "abort"})
@@ -116,6 +127,17 @@ class RayMetricsMirror:
         self.waiting.set(stats["waiting"], self.tags)
         self.kv.set(stats["kv_blocks_used"] / max(stats["kv_blocks_total"], 1), self.tags)
         self.loads.set(stats["adapter_loads"], self.tags)
+        levels = {(name, level) for name, flags in stats["residency"].items()
+                  for level, resident in zip(("gpu", "cpu"), flags) if resident}
+        for name, level in levels | self._levels:  # a level left since the last poll reads 0
+            self.loaded.set(1 if (name, level) in levels else 0, {**self.tags, "adapter_name": name, "level": level})
+        self._levels = levels
+        self.gpu_loaded.set(sum(on_gpu for on_gpu, _ in stats["residency"].values()), self.tags)
+        self.max_gpu.set(stats["max_loras"], self.tags)
+        for number, source, seconds in stats["load_times"]["recent"]:
+            if number > self._loads_seen:
+                self.load_seconds.observe(seconds, {**self.tags, "source": source})
+        self._loads_seen = max(self._loads_seen, stats["load_times"]["total"])
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

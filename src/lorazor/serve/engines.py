@@ -29,6 +29,8 @@ def engine_stats(engine) -> dict:
                 adapters_resident=len(engine.model.bank.slot_of), preemptions=scheduler.num_preemptions,
                 adapter_loads=engine.adapter_loads, prefix_cache_queries=pool.queries, prefix_cache_hits=pool.hits,
                 running_adapters=sorted({r.adapter for r in scheduler.running if r.adapter is not None}),
+                residency=engine.model.registry.residency(),
+                load_times=engine.model.registry.load_times.snapshot(),
                 waiting_adapters=sorted({r.adapter for r in scheduler.waiting if r.adapter is not None}),
                 max_loras=engine.model.bank.num_slots)
 

@@ -7,7 +7,11 @@ here), so dashboards and gateway routers that read vLLM's metrics read these wit
 (decode steps of adapter requests) and `lorazor:released_requests_total`; the share of decode LoRA
 skipped is `1 - lora_decode_steps / adapter_decode_steps`. The prefix cache's counters are vLLM's:
 `lorazor:prefix_cache_queries_total` (prompt tokens looked up) and `lorazor:prefix_cache_hits_total`
-(of those, found cached). docs/serving.md lists every metric.
+(of those, found cached). Where adapters live, for routers that place requests by residency (vLLM's
+names, as llm-d's lora-load-state scorer reads them): `lorazor:lora_adapter_loaded{adapter_name,
+level}` (1 per adapter per level, "gpu" or "cpu"), `lorazor:num_gpu_loaded_lora_adapters`,
+`lorazor:max_gpu_lora_adapters`, and the histogram `lorazor:lora_adapter_load_seconds{source}`
+("disk" or "cpu"). docs/serving.md lists every metric.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import disable_created_metrics
+from prometheus_client.core import HistogramMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PREFIX = "lorazor:"
@@ -50,6 +55,12 @@ class ServerMetrics:
         self.resident = gauge("lora_adapters_resident", "Adapters in GPU slots")
         self.lora_info = gauge("lora_requests_info", "Running and waiting adapters (value: time of the scrape)",
                                ["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        self.adapter_loaded = gauge("lora_adapter_loaded", "1 for each adapter and level it is resident at",
+                                    ["adapter_name", "level"])
+        self.gpu_loaded = gauge("num_gpu_loaded_lora_adapters", "Adapters in GPU slots")
+        self.max_gpu = gauge("max_gpu_lora_adapters", "GPU adapter slots (max_loras)")
+        self._load_times: dict = {}  # the engine's load-time histogram at the last scrape
+        registry.register(_LoadSeconds(self))
         self.preemptions = counter("num_preemptions", "Preemptions (a request recomputed later)")
         self.adapter_loads = counter("lora_adapter_loads", "Adapter weights copied into a GPU slot")
         self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
@@ -127,7 +138,39 @@ class ServerMetrics:
         self.lora_info.clear()
         self.lora_info.labels(m, ",".join(stats["running_adapters"]), ",".join(stats["waiting_adapters"]),
                               str(stats["max_loras"])).set(time.time())
+        residency = stats["residency"]
+        self.adapter_loaded.clear()
+        for name, (on_gpu, on_cpu) in residency.items():
+            for level, resident in (("gpu", on_gpu), ("cpu", on_cpu)):
+                if resident:
+                    self.adapter_loaded.labels(m, name, level).set(1)
+        self.gpu_loaded.labels(m).set(sum(on_gpu for on_gpu, _ in residency.values()))
+        self.max_gpu.labels(m).set(stats["max_loras"])
+        self._load_times = stats["load_times"]
         for key, counter in self._engine_counters.items():
             counter.labels(m).inc(max(stats[key] - self._seen[key], 0))
             self._seen[key] = max(stats[key], self._seen[key])
         return generate_latest(self.registry)
+
+
+class _LoadSeconds:
+    """`lorazor:lora_adapter_load_seconds{model_name, source}`: the engine's own histogram of load
+    times (`AdapterRegistry.load_times`, cumulative since it started), exported as it was at the
+    last scrape (the engine may run in another process)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        family = HistogramMetricFamily(PREFIX + "lora_adapter_load_seconds",
+                                       "Host time to load an adapter into a GPU slot, by source (disk or cpu)",
+                                       labels=["model_name", "source"])
+        times = self.metrics._load_times
+        for source in ("disk", "cpu"):
+            counts = times.get("counts", {}).get(source, [0] * (len(times.get("buckets", ())) + 1))
+            cumulative, buckets = 0, []
+            for bound, count in zip([*map(str, times.get("buckets", ())), "+Inf"], counts):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            family.add_metric([self.metrics.model_name, source], buckets, times.get("sums", {}).get(source, 0.0))
+        yield family

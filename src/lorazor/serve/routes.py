@@ -56,6 +56,8 @@ class ServerState:
     # tokenizer at once (HF's fast tokenizers can refuse concurrent use: "Already borrowed").
     tokenizing: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="lorazor-tokenizer"))
+    # Adapters the resolver is registering: name -> the task doing it (concurrent first requests share it).
+    resolving: dict = field(default_factory=dict)
 
     async def off_loop(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, functools.partial(fn, *args, **kwargs))
@@ -66,14 +68,46 @@ def state_of(request: Request) -> ServerState:
 
 
 # ---- helpers --------------------------------------------------------------------------------------
-def adapter_for(state: ServerState, name: str) -> str | None:
-    """The adapter a request's `model` names (None: the base model), or a 404."""
+async def adapter_for(state: ServerState, name: str, resolve_unknown: bool = True) -> str | None:
+    """The adapter a request's `model` names (None: the base model), or a 404. With the filesystem
+    resolver, a generation request's unregistered name that is a folder under `--lora-root` is
+    registered first (`resolve_unknown`; lookups such as `GET /v1/models/{id}` register nothing)."""
     if name == state.model_name:
         return None
+    if name not in state.engine.adapter_names and resolve_unknown and state.settings.lora_resolver == "filesystem":
+        await resolve(state, name)
     if name not in state.engine.adapter_names:
         raise ApiError(404, f"model {name!r} not found: serve {state.model_name!r} or one of the adapters "
                             f"{state.engine.adapter_names}", kind="not_found_error", param="model")
     return name
+
+
+async def resolve(state: ServerState, name: str) -> None:
+    """Register adapter `name` from the folder `--lora-root/name`, once however many requests ask
+    at the same time; a name that is no such folder is left unregistered (the caller's 404). The
+    checks of a runtime load apply (the cap, the reserved name, links under the root), and so do
+    the registration's own: a refused folder is a 400."""
+    from ..adapters.loader import ADAPTER_NAME
+
+    folder = state.settings.lora_root / name
+    if not ADAPTER_NAME.fullmatch(name) or not folder.is_dir():
+        return
+    task = state.resolving.get(name)
+    if task is None:
+        async def register():
+            try:
+                path = check_runtime_load(state.settings, name, name, state.engine.adapter_names,
+                                          {state.model_name}, replace=False)
+                await state.engine.register_adapter(name, path)
+                log.info("adapter %r resolved from %s", name, path)
+            except (AdapterError, ValueError, OSError) as err:
+                raise ApiError(400, f"adapter {name!r} could not be loaded from --lora-root: {err}",
+                               param="model") from err
+            finally:
+                state.resolving.pop(name, None)
+
+        task = state.resolving[name] = asyncio.ensure_future(register())
+    await asyncio.shield(task)  # a client that leaves does not cancel the registration
 
 
 def checked_text(state: ServerState, text: str, param: str) -> str:
@@ -109,9 +143,9 @@ async def chat_prompt(state: ServerState, messages, add_generation_prompt: bool 
                        param="messages") from err
 
 
-def choices_for(state: ServerState, request, prompts: list[tuple[list[int], str]], max_tokens, logprobs) -> list:
+async def choices_for(state: ServerState, request, prompts: list[tuple[list[int], str]], max_tokens, logprobs) -> list:
     """One engine request per prompt and choice (`n`), with the choice's seed."""
-    adapter = adapter_for(state, request.model)
+    adapter = await adapter_for(state, request.model)
     base = generation_kwargs(request, state.tokenizer, max_tokens, logprobs)
     return [Choice(p * request.n + i, ids, dict(base, prompt_ids=ids, adapter=adapter,
                                                 seed=choice_seed(request.seed, p * request.n + i)), echo)
@@ -162,8 +196,8 @@ def model_card(state: ServerState, name: str, parent: str | None) -> dict:
 async def completions(body: CompletionRequest, request: Request):
     state = state_of(request)
     prompts = await completion_prompts(state, body)
-    return await respond(state, body, choices_for(state, body, prompts, body.max_tokens, body.logprobs), chat=False,
-                         logprobs=body.logprobs)
+    choices = await choices_for(state, body, prompts, body.max_tokens, body.logprobs)
+    return await respond(state, body, choices, chat=False, logprobs=body.logprobs)
 
 
 @router.post("/v1/chat/completions")
@@ -171,7 +205,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     state = state_of(request)
     ids = await encode(state, await chat_prompt(state, body.messages), add_special_tokens=False)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    choices = choices_for(state, body, [(ids, "")], body.max_completion_tokens or body.max_tokens, logprobs)
+    choices = await choices_for(state, body, [(ids, "")], body.max_completion_tokens or body.max_tokens, logprobs)
     return await respond(state, body, choices, chat=True, logprobs=logprobs)
 
 
@@ -186,7 +220,7 @@ async def models(request: Request):
 @router.get("/v1/models/{name:path}")
 async def model(name: str, request: Request):
     state = state_of(request)
-    adapter_for(state, name)
+    await adapter_for(state, name, resolve_unknown=False)
     return model_card(state, name, None if name == state.model_name else state.model_name)
 
 
@@ -222,7 +256,7 @@ async def unload_adapter(body: UnloadAdapterRequest, request: Request):
 async def tokenize(body: TokenizeRequest, request: Request):
     state = state_of(request)
     if body.model is not None:
-        adapter_for(state, body.model)
+        await adapter_for(state, body.model, resolve_unknown=False)
     if body.messages is not None:
         ids = await encode(state, await chat_prompt(state, body.messages, body.add_generation_prompt), False)
     else:
@@ -234,7 +268,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 async def detokenize(body: DetokenizeRequest, request: Request):
     state = state_of(request)
     if body.model is not None:
-        adapter_for(state, body.model)
+        await adapter_for(state, body.model, resolve_unknown=False)
     vocab = state.engine.info["vocab_size"]
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

@@ -7,6 +7,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+# How a request's unregistered adapter name may be resolved (vLLM's filesystem resolver).
+RESOLVERS = ("filesystem",)
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -19,6 +22,9 @@ class ServerSettings:
             if unset); an empty key is refused.
         enable_runtime_lora: allow `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
         lora_root: runtime loads only from folders under this one (their files too).
+        lora_resolver: "filesystem": a request naming an adapter that is not registered but is a
+            folder directly under `lora_root` registers and loads it, then is served (needs
+            `enable_runtime_lora` and `lora_root`; the registration checks and the cap apply).
         max_registered_loras: the most adapters registered at once (runtime loads beyond it: 400).
         max_prompt_bytes: the longest prompt in UTF-8 bytes (all chat messages together); request
             bodies may be 4x that plus 64 KiB.
@@ -38,6 +44,7 @@ class ServerSettings:
     api_key: str | None = None
     enable_runtime_lora: bool = False
     lora_root: Path | None = None
+    lora_resolver: str | None = None
     max_registered_loras: int = 256
     max_prompt_bytes: int = 1 << 20
     max_request_bytes: int | None = None
@@ -61,6 +68,12 @@ class ServerSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.lora_resolver is not None:
+            if self.lora_resolver not in RESOLVERS:
+                raise ValueError(f"lora_resolver must be one of {RESOLVERS}, got {self.lora_resolver!r}")
+            if not self.enable_runtime_lora or self.lora_root is None:
+                raise ValueError(f"lora_resolver {self.lora_resolver!r} needs enable_runtime_lora and lora_root "
+                                 "(--enable-runtime-lora --lora-root DIR)")
         if self.lora_root is not None:
             root = Path(self.lora_root)
             if not root.is_dir():
