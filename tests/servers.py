@@ -58,3 +58,41 @@ def stop_process_group(proc: subprocess.Popen, timeout: float = 60) -> str:
         out, _ = proc.communicate()
     signal_group(signal.SIGKILL)  # children left behind by a server that exited
     return out or ""
+
+
+def run_uvicorn(app, limit_concurrency=None, header_timeout: float | None = None):
+    """`app` on a free loopback port, on a thread, with the server's own protocol (`header_timeout`
+    seconds for a request head, else its default); returns (url, stop)."""
+    import threading
+
+    import uvicorn
+
+    from lorazor.serve.guards import GuardedH11Protocol
+
+    protocol = GuardedH11Protocol if header_timeout is None else type(
+        "Protocol", (GuardedH11Protocol,), {"HEADER_TIMEOUT_S": header_timeout})
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol,
+                                           limit_concurrency=limit_concurrency))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url)
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    return url, stop
+
+
+def testbed_lora_root(tmp_path_factory):
+    """A runtime-loading root holding copies of the testbed's sql and math adapter folders."""
+    import shutil
+
+    from lorazor.testbed import ASSETS
+
+    root = tmp_path_factory.mktemp("lora_root")
+    for name in ("sql", "math"):
+        shutil.copytree(ASSETS / "adapters" / name, root / name)
+    return root

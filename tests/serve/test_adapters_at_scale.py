@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_hostile_clients import run_uvicorn  # noqa: E402
+from servers import run_uvicorn  # noqa: E402
 
 NEW = 8
 

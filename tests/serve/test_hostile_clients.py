@@ -24,29 +24,11 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from servers import free_port, start_serve_command, stop_process_group, wait_healthy  # noqa: E402
+from servers import (free_port, run_uvicorn, start_serve_command, stop_process_group,  # noqa: E402
+                     testbed_lora_root, wait_healthy)
 from test_serve import serve_args  # noqa: E402
 
 NEW = 12
-
-
-def run_uvicorn(app, limit_concurrency=None):
-    """`app` on a free loopback port, on a thread, with the server's own protocol; (url, stop)."""
-    from lorazor.serve.guards import GuardedH11Protocol
-
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                        http=GuardedH11Protocol, limit_concurrency=limit_concurrency))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
-
-    def stop():
-        srv.should_exit = True
-        thread.join(timeout=30)
-
-    return url, stop
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +38,9 @@ def server(tmp_path_factory):
     from lorazor.serve.cli import build_engine
     from lorazor.serve.engine_process import EngineProcess
     from lorazor.serve.settings import ServerSettings
-    from lorazor.testbed import ASSETS, load
+    from lorazor.testbed import load
 
-    root = tmp_path_factory.mktemp("lora_root")
-    for name in ("sql", "math"):
-        shutil.copytree(ASSETS / "adapters" / name, root / name)
+    root = testbed_lora_root(tmp_path_factory)
     peft_model, tokenizer, tasks = load()
     engine = EngineProcess(functools.partial(build_engine, serve_args()))
     settings = ServerSettings(enable_runtime_lora=True, lora_root=root, body_timeout=1.0)

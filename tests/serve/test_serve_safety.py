@@ -24,6 +24,7 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from servers import run_uvicorn, testbed_lora_root  # noqa: E402
 from test_serve import (TEMPLATE, free_port, serve_args, start_serve_command, stop_process_group,  # noqa: E402
                         wait_healthy)
 
@@ -36,29 +37,19 @@ def server(tmp_path_factory):
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
     from lorazor.serve.engine_process import EngineProcess
-    from lorazor.serve.guards import GuardedH11Protocol
     from lorazor.serve.settings import ServerSettings
-    from lorazor.testbed import ASSETS, load
+    from lorazor.testbed import load
 
-    root = tmp_path_factory.mktemp("lora_root")
-    for name in ("sql", "math"):
-        shutil.copytree(ASSETS / "adapters" / name, root / name)
+    root = testbed_lora_root(tmp_path_factory)
     peft_model, tokenizer, tasks = load()
     engine = EngineProcess(functools.partial(build_engine, serve_args()))
     settings = ServerSettings(api_key=KEY, enable_runtime_lora=True, lora_root=root, max_registered_loras=7,
                               max_prompt_bytes=100_000)
     app = build_app(engine, tokenizer, model_name="testbed", chat_template=TEMPLATE, settings=settings)
-    protocol = type("P", (GuardedH11Protocol,), {"HEADER_TIMEOUT_S": 1.0})
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
+    url, stop = run_uvicorn(app, header_timeout=1.0)
     yield dict(url=url, root=root, model=LoRazorModel.from_peft(peft_model), tokenizer=tokenizer, tasks=tasks,
                peft=load()[0])
-    srv.should_exit = True
-    thread.join(timeout=30)
+    stop()
 
 
 def client(server, key=KEY):
