@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from .fp8 import fp8_linear
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
@@ -103,16 +104,19 @@ def _linear_lora(
     scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor,
     slot_start: torch.Tensor, tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None,
     large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
-    backend: str, mask_rank: bool, segments: list[int], config_key: str,
+    backend: str, mask_rank: bool, segments: list[int], config_key: str, weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
                          tile_rows, row_bound, large_slots, class_split)
     cfg = None
     if backend == "triton":
         cfg = _CONFIGS[config_key] if config_key else get_kernel_config(x.device)
-    if cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None and not cfg.fused:
+    if weight_scale is not None:  # fp8 base weights: their own GEMM, then the delta added
+        y = fp8_linear(x, weight, weight_scale, bias)
+    elif cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None and not cfg.fused:
         return _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
-    y = torch.nn.functional.linear(x, weight, bias)
+    else:
+        y = torch.nn.functional.linear(x, weight, bias)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank=mask_rank,
                              segments=segments or None)
 
@@ -133,7 +137,7 @@ def _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, ma
 @_linear_lora_op.register_fake
 def _(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
       large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments,
-      config_key) -> torch.Tensor:
+      config_key, weight_scale=None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -152,25 +156,34 @@ def _config_key(cfg: KernelConfig | None) -> str:
 
 def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: LoRABatchMeta,
                    backend: str = "triton", mask_rank: bool = True, segments: tuple[int, ...] = (),
-                   cfg: KernelConfig | None = None):
+                   cfg: KernelConfig | None = None, weight_scale: torch.Tensor | None = None):
     """`linear(x, weight, bias)` plus the batched LoRA delta, as the registered custom op
     `lorazor::linear_lora` (x `[M, K]`; the other arguments as in `add_batched_lora_`).
 
     The base GEMM, then the delta added in place; with `KernelConfig.gemm_adds_lora` (`exact`
     grid, no bias) the delta first, written by a write-only expand, and the GEMM adding x @ W.T to
     it. torch.compile treats the op as opaque, so compiled model code runs the GEMM and the Triton
-    kernels as they are. `cfg`: the kernel launch config (default: the device's tuned file, looked
+    kernels as they are. `weight_scale`: fp8 base weights' per-channel scales (`fp8.py`); the GEMM is
+    then `fp8_linear`. `cfg`: the kernel launch config (default: the device's tuned file, looked
     up per call through a cached device name). (The shrink on a side stream beside the GEMM was measured slower end to
     end: `benchmarks/results/archive/e2e_ab_overlap_e8044b4/`.)
     """
     if meta.has_lora is False:
-        return torch.nn.functional.linear(x, weight, bias)
+        return base_linear(x, weight, bias, weight_scale)
     op = torch.ops.lorazor.linear_lora if torch.compiler.is_compiling() else _linear_lora
     return op(
         x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
         meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
-        meta.row_bound, meta.class_split, backend, mask_rank, list(segments), _config_key(cfg),
+        meta.row_bound, meta.class_split, backend, mask_rank, list(segments), _config_key(cfg), weight_scale,
     )
+
+
+def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The base layer's product: a plain linear, or with `weight_scale` over fp8 weights (`fp8.py`)."""
+    if weight_scale is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return fp8_linear(x, weight, weight_scale, bias)
 
 
 def batched_lora(

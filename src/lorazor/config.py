@@ -22,6 +22,8 @@ from lorazor_kernels import GRID_MODES
 BACKENDS = ("auto", "triton", "reference")
 RELEASE_MODES = ("none", "profiled", "learned", "custom")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Base-weight quantizations (`lorazor.quant`).
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ class LoRazorConfig:
         capture_batch_sizes: batch sizes whose decode graphs `from_peft` captures up front (with
             CUDA graphs on the GPU; needs `max_cache_len`), so no request pays for capture (or,
             with `compile=True`, compilation). Other sizes are captured when first used.
+        quantization: "fp8": the base weights of every decoder projection quantized at build to
+            float8_e4m3fn with a scale per output channel (adapters, norms, embeddings and the LM
+            head keep the model's dtype); on GPUs with fp8 matrix units the base GEMMs run in fp8
+            with activations quantized per token. None: the model's own dtype.
     """
 
     grid: str = "exact"
@@ -85,6 +91,7 @@ class LoRazorConfig:
     max_cache_len: int | None = None
     capture_batch_sizes: tuple[int, ...] = ()
     merge_projections: bool = True
+    quantization: str | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +103,8 @@ class LoRazorConfig:
             raise ValueError(f"attention must be 'auto', 'triton' or 'sdpa', got {self.attention!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
         if self.lora_target_modules is not None:

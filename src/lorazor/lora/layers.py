@@ -7,7 +7,7 @@ of these (sharing the base weights, no copy) and returns what `unpatch_layers` n
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import linear_lora_op
+from lorazor_kernels import base_linear, linear_lora_op
 from torch import nn
 
 from ..adapters import AdapterBank, ModuleLoRA, find_lora_layers
@@ -15,20 +15,24 @@ from .context import StepContext
 
 
 def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scaling, rank, mask_rank: bool,
-                     segments: tuple[int, ...] = ()) -> torch.Tensor:
+                     segments: tuple[int, ...] = (), weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`linear(x, weight, bias)` plus the step's batched LoRA delta (x of any leading shape).
 
-    Outside a step, or when no row has an adapter, the plain linear. `segments`: merged projections.
+    Outside a step, or when no row has an adapter, the plain linear. `segments`: merged projections;
+    `weight_scale`: fp8 base weights' per-channel scales (`lorazor.quant`).
     """
     meta = context.meta
     if meta is None or meta.has_lora is False:
-        return nn.functional.linear(x, weight, bias)
+        if weight_scale is None:
+            return nn.functional.linear(x, weight, bias)
+        y = base_linear(x.reshape(-1, x.shape[-1]), weight, bias, weight_scale)
+        return y.view(*x.shape[:-1], y.shape[-1])
     # The row count from a tensor's size, not `meta.num_rows`: torch.compile would guard on that int
     # and recompile for every batch size.
     if x.numel() // x.shape[-1] != meta.row_slot.shape[0]:
         raise RuntimeError(f"layer got {x.numel() // x.shape[-1]} rows but the step has {meta.row_slot.shape[0]}")
     y = linear_lora_op(x.reshape(-1, x.shape[-1]), weight, bias, lora_a, lora_b, scaling, rank, meta,
-                       backend=context.backend, mask_rank=mask_rank, segments=segments)
+                       backend=context.backend, mask_rank=mask_rank, segments=segments, weight_scale=weight_scale)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -36,12 +40,13 @@ class BatchedLoRALinear(nn.Module):
     """`y = base(x) + delta`, delta[m] = scaling[s] * B[s] A[s] x[m] for the slot s of row m.
 
     Args:
-        base_layer: the frozen `nn.Linear` (shared with the PEFT model, not copied).
+        base_layer: the frozen `nn.Linear` (shared with the PEFT model, not copied), or an
+            `Fp8Linear` (`lorazor.quant`) once the base is quantized.
         lora: this module's stacked slot weights.
         context: the model's shared `StepContext`; outside a step the layer is the base layer.
     """
 
-    def __init__(self, base_layer: nn.Linear, lora: ModuleLoRA, context: StepContext):
+    def __init__(self, base_layer: nn.Module, lora: ModuleLoRA, context: StepContext):
         super().__init__()
         self.base_layer = base_layer
         self.lora = lora
@@ -65,7 +70,7 @@ class BatchedLoRALinear(nn.Module):
                 return out
         lora, base = self.lora, self.base_layer
         return linear_step_lora(x, base.weight, base.bias, self.context, lora.lora_a, lora.lora_b, lora.scaling,
-                                lora.rank, lora.mask_rank)
+                                lora.rank, lora.mask_rank, weight_scale=getattr(base, "weight_scale", None))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, slots={self.lora.lora_a.shape[0]}"

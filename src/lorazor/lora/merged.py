@@ -41,10 +41,15 @@ class MergedGroup:
         if any(b.bias is not None for b in bases):
             self.bias = torch.cat([b.bias.data if b.bias is not None else self.weight.new_zeros(w)
                                    for b, w in zip(bases, widths)])
+        # fp8 bases (`lorazor.quant`): their per-channel scales, concatenated the same way.
+        scales = [getattr(b, "weight_scale", None) for b in bases]
+        self.weight_scale = None if scales[0] is None else torch.cat([s.data for s in scales])
         for base, (lo, hi) in zip(bases, self.spans):
             base.weight.data = self.weight[lo:hi]
             if base.bias is not None:
                 base.bias.data = self.bias[lo:hi]
+            if self.weight_scale is not None:
+                base.weight_scale.data = self.weight_scale[lo:hi]
         # Adapters: A stacked [L, G*r, K], B [L, r, sum N] used as [L, sum N, r], scaling [G, L].
         loras = [m.lora for m in members]
         r = loras[0].lora_a.shape[1]
@@ -80,7 +85,7 @@ class MergedGroup:
             self._input = self._output = None
             return None
         y = linear_step_lora(x, self.weight, self.bias, self.context, self.lora_a, self.lora_b, self.scaling,
-                             self.rank, mask_rank=False, segments=self.edges[:-1])
+                             self.rank, mask_rank=False, segments=self.edges[:-1], weight_scale=self.weight_scale)
         # Holding x keeps its identity unique until the last member has read its slice.
         self._input, self._output = x, y
         self.ran_merged = True
@@ -97,6 +102,9 @@ def _can_merge(members) -> str | None:
             return "members differ in input size or rank"
         if m.base_layer.weight.dtype != first.base_layer.weight.dtype:
             return "members differ in dtype"
+        if (getattr(m.base_layer, "weight_scale", None) is None) != (
+                getattr(first.base_layer, "weight_scale", None) is None):
+            return "members differ in quantization"
         if m.lora.lora_a.shape[0] != first.lora.lora_a.shape[0]:
             return "members differ in slots"
     if any(m.out_features % EDGE_MULTIPLE for m in members[:-1]):

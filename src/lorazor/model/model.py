@@ -22,6 +22,7 @@ from ..lora.context import StepContext
 from ..lora.layers import patch_layers, unpatch_layers
 from ..lora.merged import merge_projections
 from ..policies.base import ReleasePolicy, check_policy
+from ..quant import quantize_decoder
 from ..runner import ModelRunner
 from ..runner.attention import ATTENTION_NAME, register_attention
 from ..runner.decode_graphs import DecodeGraphs
@@ -59,6 +60,8 @@ class LoRazorModel(nn.Module):
                              "backend='reference' (or 'auto'), or set TRITON_INTERPRET=1 before importing triton")
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_layers(model, bank, self.context)
+        if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
+            quantize_decoder(self.model.get_decoder())
         self.merged_groups = merge_projections(self.model, self.context) if config.merge_projections else []
         self._previous_attn = self.model.config._attn_implementation
         register_attention()
@@ -199,6 +202,9 @@ class LoRazorModel(nn.Module):
     def unpatch(self) -> nn.Module:
         """Put the replaced layers (PEFT's, or plain linears) and attention back; returns the PeftModel
         (or the base model). This object is then unusable."""
+        if self.config.quantization is not None:
+            raise RuntimeError(f"a model quantized to {self.config.quantization} cannot be unpatched: its "
+                               "full-precision base weights were freed")
         with self.guard.hold("unpatch"):
             unpatch_layers(self.model, self._replaced)
             self.runner.remove_compiled_layers()

@@ -19,7 +19,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # File descriptors kept out of `--limit-concurrency`'s default: the engine's pipes, model files, logs.
 RESERVED_FDS = 64
 # The `LoRazorConfig` fields `lorazor serve` takes as flags (the rest keep their defaults).
-MODEL_FIELDS = ("max_loras", "max_lora_rank", "max_cpu_loras", "dtype", "compile")
+MODEL_FIELDS = ("max_loras", "max_lora_rank", "max_cpu_loras", "dtype", "compile", "quantization")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the engine on a thread of the server's process (default: a process of its own)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_config_arguments(p.add_argument_group("model (LoRazorConfig)"), LoRazorConfig, MODEL_FIELDS,
-                         help_override={"dtype": "float32, float16 or bfloat16 (default: the model's own)"})
+                         help_override={"dtype": "float32, float16 or bfloat16 (default: the model's own)",
+                                        "quantization": "fp8: the base weights of every decoder projection in fp8 "
+                                                        "with per-channel scales (default: none)"})
     add_config_arguments(p.add_argument_group("engine (EngineConfig)"), EngineConfig)
     add_config_arguments(p.add_argument_group("server, security and limits (ServerSettings)"), ServerSettings,
                          defaults={"api_key": os.environ.get("LORAZOR_API_KEY")})

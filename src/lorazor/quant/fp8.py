@@ -1,0 +1,78 @@
+"""fp8 base weights under many LoRA adapters (`LoRazorConfig(quantization="fp8")`).
+
+At build, every linear projection of the decoder (attention and MLP, adapted or not) is quantized
+to float8_e4m3fn with one scale per output channel (`lorazor_kernels.fp8`); adapters, norms,
+embeddings and the LM head stay in the model's dtype. A quantized projection is an `Fp8Linear`: a
+`BatchedLoRALinear` over one runs the fp8 GEMM and adds its LoRA delta as before, so every path
+(generate, the engine, graphs, StepTrim) serves fp8 bases unchanged. The original weights are freed:
+a quantized model cannot be unpatched back to its PeftModel.
+"""
+
+from __future__ import annotations
+
+import torch
+from lorazor_kernels import base_linear, dequantize, quantize_rows
+from torch import nn
+
+from ..config import QUANTIZATIONS  # noqa: F401  (what `LoRazorConfig.quantization` accepts)
+
+
+class Fp8Linear(nn.Module):
+    """A linear over float8_e4m3fn weights `[N, K]` and float32 per-output-channel scales `[N]`.
+
+    Attributes:
+        weight: the fp8 weights (a frozen parameter, so `.data` views work as for nn.Linear).
+        weight_scale: `[N]` float32.
+        bias: the original bias in the model dtype, or None.
+    """
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        weight, scale = quantize_rows(linear.weight)
+        return cls(weight, scale, linear.bias)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights this layer computes with, in `dtype` (for references and PEFT comparisons)."""
+        return dequantize(self.weight, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = base_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.weight_scale)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fp8 (e4m3, per-channel scales)"
+
+
+def quantize_decoder(decoder: nn.Module) -> int:
+    """Quantize every linear projection under `decoder` in place: a `BatchedLoRALinear`'s base
+    layer, or a plain nn.Linear; the replaced weights are freed. Returns how many."""
+    from ..lora.layers import BatchedLoRALinear
+
+    count = 0
+    for parent in list(decoder.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, BatchedLoRALinear) and isinstance(child.base_layer, nn.Linear):
+                old, child.base_layer = child.base_layer, Fp8Linear.from_linear(child.base_layer)
+            elif isinstance(child, nn.Linear):
+                old = child
+                setattr(parent, name, Fp8Linear.from_linear(child))
+            else:
+                continue
+            # The full-precision weights go: a PEFT layer that still holds this linear sees an empty one.
+            old.weight.data = torch.empty(0, dtype=old.weight.dtype, device=old.weight.device)
+            count += 1
+    return count
