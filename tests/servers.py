@@ -86,7 +86,7 @@ def run_uvicorn(app, limit_concurrency=None, header_timeout: float | None = None
     return url, stop
 
 
-def testbed_lora_root(tmp_path_factory):
+def copy_testbed_lora_root(tmp_path_factory):
     """A runtime-loading root holding copies of the testbed's sql and math adapter folders."""
     import shutil
 

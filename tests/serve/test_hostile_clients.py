@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from servers import (free_port, run_uvicorn, start_serve_command, stop_process_group,  # noqa: E402
-                     testbed_lora_root, wait_healthy)
+                     copy_testbed_lora_root, wait_healthy)
 from test_serve import serve_args  # noqa: E402
 
 NEW = 12
@@ -40,7 +40,7 @@ def server(tmp_path_factory):
     from lorazor.serve.settings import ServerSettings
     from lorazor.testbed import load
 
-    root = testbed_lora_root(tmp_path_factory)
+    root = copy_testbed_lora_root(tmp_path_factory)
     peft_model, tokenizer, tasks = load()
     engine = EngineProcess(functools.partial(build_engine, serve_args()))
     settings = ServerSettings(enable_runtime_lora=True, lora_root=root, body_timeout=1.0)

@@ -24,7 +24,7 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from servers import run_uvicorn, testbed_lora_root  # noqa: E402
+from servers import run_uvicorn, copy_testbed_lora_root  # noqa: E402
 from test_serve import (TEMPLATE, free_port, serve_args, start_serve_command, stop_process_group,  # noqa: E402
                         wait_healthy)
 
@@ -40,7 +40,7 @@ def server(tmp_path_factory):
     from lorazor.serve.settings import ServerSettings
     from lorazor.testbed import load
 
-    root = testbed_lora_root(tmp_path_factory)
+    root = copy_testbed_lora_root(tmp_path_factory)
     peft_model, tokenizer, tasks = load()
     engine = EngineProcess(functools.partial(build_engine, serve_args()))
     settings = ServerSettings(api_key=KEY, enable_runtime_lora=True, lora_root=root, max_registered_loras=7,
