@@ -14,7 +14,7 @@ KERNELS = ROOT / "kernels" / "lorazor_kernels"
 
 # Bottom to top: a package may import those before it, never those after it. The package root
 # (`lorazor`: public names and `__version__`) may be imported from anywhere.
-LAYERS = ["lorazor_kernels", "lorazor.config", "lorazor.adapters", "lorazor.policies", "lorazor.lora",
+LAYERS = ["lorazor_kernels", "lorazor.config", "lorazor.adapters", "lorazor.policies", "lorazor.lora", "lorazor.quant",
           "lorazor.runner", "lorazor.model", "lorazor.engine", "lorazor.calibration", "lorazor.testbed",
           "lorazor.serve", "lorazor.ray", "lorazor.tiny", "lorazor.cli", "lorazor.__main__"]
 MAX_ROOT_MODULES = 6

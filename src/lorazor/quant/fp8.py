@@ -15,6 +15,7 @@ from lorazor_kernels import base_linear, dequantize, quantize_rows
 from torch import nn
 
 from ..config import QUANTIZATIONS  # noqa: F401  (what `LoRazorConfig.quantization` accepts)
+from ..lora.layers import BatchedLoRALinear
 
 
 class Fp8Linear(nn.Module):
@@ -60,8 +61,6 @@ class Fp8Linear(nn.Module):
 def quantize_decoder(decoder: nn.Module) -> int:
     """Quantize every linear projection under `decoder` in place: a `BatchedLoRALinear`'s base
     layer, or a plain nn.Linear; the replaced weights are freed. Returns how many."""
-    from ..lora.layers import BatchedLoRALinear
-
     count = 0
     for parent in list(decoder.modules()):
         for name, child in list(parent.named_children()):
