@@ -111,12 +111,11 @@ def _linear_lora(
     cfg = None
     if backend == "triton":
         cfg = _CONFIGS[config_key] if config_key else get_kernel_config(x.device)
-    if weight_scale is not None:  # fp8 base weights: their own GEMM, then the delta added
-        y = fp8_linear(x, weight, weight_scale, bias)
-    elif cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None and not cfg.fused:
+    # fp8 base weights take their own GEMM (`base_linear`), then the delta added.
+    if (weight_scale is None and cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None
+            and not cfg.fused):
         return _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
-    else:
-        y = torch.nn.functional.linear(x, weight, bias)
+    y = base_linear(x, weight, bias, weight_scale)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank=mask_rank,
                              segments=segments or None)
 
@@ -180,10 +179,12 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
 
 def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The base layer's product: a plain linear, or with `weight_scale` over fp8 weights (`fp8.py`)."""
+    """The base layer's product (x of any leading shape): a plain linear, or with `weight_scale` over
+    fp8 weights (`fp8.py`)."""
     if weight_scale is None:
         return torch.nn.functional.linear(x, weight, bias)
-    return fp8_linear(x, weight, weight_scale, bias)
+    y = fp8_linear(x.reshape(-1, x.shape[-1]), weight, weight_scale, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def batched_lora(

@@ -23,10 +23,7 @@ def linear_step_lora(x, weight, bias, context: StepContext, lora_a, lora_b, scal
     """
     meta = context.meta
     if meta is None or meta.has_lora is False:
-        if weight_scale is None:
-            return nn.functional.linear(x, weight, bias)
-        y = base_linear(x.reshape(-1, x.shape[-1]), weight, bias, weight_scale)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return base_linear(x, weight, bias, weight_scale)
     # The row count from a tensor's size, not `meta.num_rows`: torch.compile would guard on that int
     # and recompile for every batch size.
     if x.numel() // x.shape[-1] != meta.row_slot.shape[0]:

@@ -51,8 +51,7 @@ class Fp8Linear(nn.Module):
         return dequantize(self.weight, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = base_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.weight_scale)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return base_linear(x, self.weight, self.bias, self.weight_scale)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8 (e4m3, per-channel scales)"
