@@ -224,38 +224,44 @@ def _check_inside_decoder(name: str, cfg: dict, keys) -> None:
 
 
 def read_adapter(name: str, path, allow_hub: bool = False) -> AdapterSource:
-    """Validate an adapter folder without reading its weights (for `.bin`, without its tensors).
-    `allow_hub`: a Hub repo id that is not a local folder is fetched (`resolve_adapter_folder`)."""
+    """Validate an adapter folder: its config, then its tensors' names, shapes and values (the
+    module docstring lists the checks). The tensors are not kept: they are read again at the first
+    load. `allow_hub`: a Hub repo id that is not a local folder is fetched (`resolve_adapter_folder`)."""
     check_adapter_name(name)
     folder = resolve_adapter_folder(name, path, allow_hub)
     cfg = _read_config(name, folder)
     _check_inside_decoder(name, cfg, ())
     if (folder / SAFE_FILE).is_file():
-        shapes = _header_shapes(name, folder / SAFE_FILE)  # dtypes and shapes before any data is read
+        _header_shapes(name, folder / SAFE_FILE)  # a bad header or dtype refused before any data is read
     elif not (folder / LEGACY_FILE).is_file():
         raise AdapterError(f"adapter {name!r}: no {SAFE_FILE} or {LEGACY_FILE} in {folder}")
     # The values are read and checked now, so a bad file is refused at registration, never when a
     # request first needs it.
-    digest: list[bytes] = []
-    tensors = _read_tensors(AdapterSource(name, folder, cfg, None, cfg["r"]), digest)
+    source = AdapterSource(name, folder, cfg, None, cfg["r"])
+    tensors = _read_tensors(source)
     shapes = _pair_shapes(name, {key: tuple(t.shape) for key, t in tensors.items()})
     check_finite(name, tensors)
-    ranks = [cfg["r"], *(cfg.get("rank_pattern") or {}).values()]
-    if shapes is not None:
-        ranks = [module_rank_alpha(cfg, module)[0] for module in shapes] or ranks
-    return AdapterSource(name, folder, cfg, shapes, max(ranks), digest[0])
+    ranks = ([module_rank_alpha(cfg, module)[0] for module in shapes]
+             or [cfg["r"], *(cfg.get("rank_pattern") or {}).values()])
+    return AdapterSource(name, folder, cfg, shapes, max(ranks), _source_digest(source, tensors))
 
 
-def _read_tensors(source: AdapterSource, digest: list | None = None) -> dict[str, torch.Tensor]:
-    """The folder's tensors; with `digest` (a list), the sha256 of its config and weights files'
-    bytes is appended to it."""
+def _source_digest(source: AdapterSource, tensors: dict[str, torch.Tensor]) -> bytes:
+    """sha256 of the folder's config and weights files' bytes (hashing the bytes is 4x cheaper than
+    the tensors); for a `.bin` file, of its config and tensors (`weights_digest`)."""
+    safe = source.path / SAFE_FILE
+    if safe.is_file():
+        return hashlib.sha256((source.path / CONFIG_FILE).read_bytes() + safe.read_bytes()).digest()
+    return weights_digest(source.config, tensors)
+
+
+def _read_tensors(source: AdapterSource) -> dict[str, torch.Tensor]:
+    """The folder's tensors (safetensors, or `.bin` through the weights-only unpickler)."""
     safe, legacy = source.path / SAFE_FILE, source.path / LEGACY_FILE
     try:
         if safe.is_file():
             from safetensors.torch import load_file
 
-            if digest is not None:
-                digest.append(hashlib.sha256((source.path / CONFIG_FILE).read_bytes() + safe.read_bytes()).digest())
             # Memory-mapped and aligned: tensors `safetensors.torch.load(bytes)` makes from a buffer
             # sum 50x slower.
             return load_file(str(safe))
@@ -269,8 +275,6 @@ def _read_tensors(source: AdapterSource, digest: list | None = None) -> dict[str
         if not isinstance(key, str) or not tensor.dtype.is_floating_point:
             raise AdapterError(f"adapter {source.name!r}: tensor {key!r} in {legacy} has dtype {tensor.dtype}, "
                                "not a floating type")
-    if digest is not None:
-        digest.append(weights_digest(source.config, tensors))
     return tensors
 
 

@@ -138,16 +138,16 @@ class AdapterRegistry:
         check_adapter_name(name)
         if name in self.entries:
             raise AdapterError(f"adapter {name!r} is already registered")
-        check_finite(name, {f"{m}.lora_{k}": t for m, (a, b, _) in weights.modules.items()
-                            for k, t in (("A", a), ("B", b))})
+        tensors = {f"{m}.lora_{k}": t for m, (a, b, _) in weights.modules.items() for k, t in (("A", a), ("B", b))}
+        check_finite(name, tensors)
         bad = [m for m, (_, _, scale) in weights.modules.items() if not math.isfinite(scale)]
         if bad:
             raise AdapterError(f"adapter {name!r}: {bad[0]} has a non-finite scaling (lora_alpha / r)")
         ranks = [a.shape[0] for a, _, _ in weights.modules.values()]
         if max(ranks, default=0) > self.bank.r_max:
             raise AdapterError(f"adapter {name!r} has rank {max(ranks)} > max_lora_rank={self.bank.r_max}")
-        tensors = {f"{m}.lora_{k}": t for m, (a, b, scale) in weights.modules.items() for k, t in
-                   (("A", a), ("B", b), ("scale", torch.tensor(float(scale), dtype=torch.float64)))}
+        tensors.update({f"{m}.scale": torch.tensor(float(scale), dtype=torch.float64)
+                        for m, (_, _, scale) in weights.modules.items()})
         self.entries[name] = _Entry(None, self.bank.pack(weights), max(ranks, default=0), _kinds(weights.modules),
                                     weights_digest({}, tensors))
         self.make_resident([name])
