@@ -4,7 +4,8 @@
 #   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh gpu-tests kernels e2e-quick
 # Steps:
 #   gpu-tests        every test on the GPU (or those under $TEST_PATHS), in $SHARDS parallel shards over the GPUs (default 10, $SHARD_TIMEOUT s each,
-#                    default 540; bf16 kernels, graph replay = eager, compile); check every shard's summary.
+#                    default 540; bf16 kernels, graph replay = eager, compile); check every shard's summary. Then the
+#                    whole_gpu tests alone (a default-size KV pool), in tests_whole_gpu.log.
 #                    SHARD_PART=k/m runs shards i with i % m == k only: the whole suite over m calls
 #   kernels          bench_kernels.py: every grid mode per layer against the memory floor (Llama, Mistral shapes)
 #   kernels-sweep    the same with a search over launch parameters; writes tuned_kernel_config.json
@@ -90,7 +91,9 @@ for step in "$@"; do
     gpu-tests) for path in ${TEST_PATHS:-tests}; do  # a missing path would collect nothing (see below)
                  [ -e "$path" ] || { echo "gpu-tests: no such test path: $path"; exit 2; }
                done
-               python3 -m pytest ${TEST_PATHS:-tests} --collect-only -q -p no:cacheprovider | grep :: > "$W/all_ids.txt"
+               # Tests marked whole_gpu take most of the GPU's memory: they run alone, after the shards.
+               python3 -m pytest ${TEST_PATHS:-tests} -m "not whole_gpu" --collect-only -q -p no:cacheprovider \
+                 | grep :: > "$W/all_ids.txt"
                # A shard given no test ids would run pytest with no arguments: the whole suite.
                [ -s "$W/all_ids.txt" ] || { echo "gpu-tests: pytest collected no tests"; exit 2; }
                n=${SHARDS:-10}
@@ -126,7 +129,9 @@ PY
                  CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout ${SHARD_TIMEOUT:-540} python3 -c "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + ['-q', '-p', 'no:cacheprovider']))" \
                    "$W/args_$i.txt" > "$W/tests_shard$i.log" 2>&1 &
                done
-               wait ;;
+               wait
+               [ "${part%/*}" -eq 0 ] && timeout ${SHARD_TIMEOUT:-540} python3 -m pytest ${TEST_PATHS:-tests} -m whole_gpu -q \
+                 -p no:cacheprovider > "$W/tests_whole_gpu.log" 2>&1 ;;
     kernels) timeout 300 python3 benchmarks/bench_kernels.py --out "$W" > "$W/kernels.log" 2>&1 ;;
     kernels-sweep) timeout 400 python3 benchmarks/bench_kernels.py --out "$W" --sweep --models llama-3.2-3b \
                  > "$W/kernels.log" 2>&1 ;;

@@ -188,3 +188,22 @@ def paged_attention_call(*args) -> torch.Tensor:
 def _(query, k_pool, v_pool, block_tables, decode_req, decode_q, decode_pos, decode_num, prefill_req, prefill_q,
       prefill_pos, prefill_num, scale, page_size, block_q, zero_fill, use_kernel):
     return torch.empty_like(query)
+
+
+# ---- writing a step's keys and values into the pool ---------------------------------------------
+def write_pool(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """`pool[slots[i]] = rows[i]` in place (`pool` `[P, H_kv, D]`, `rows` `[N, H_kv, D]`)."""
+    pool.index_copy_(0, slots, rows.to(pool.dtype))
+
+
+# An opaque op that mutates the pool, for compiled steps. Written as plain code, the scatter became an
+# inductor kernel that mutates the pool, and inductor's autotuning saves and restores every argument a
+# kernel mutates while it benchmarks configs: a copy of the whole KV pool (tens of GB at the default
+# `gpu_memory_utilization`) -> out of memory. Inductor never compiles or autotunes a custom op, and
+# re-inplaces its mutation (no functional copy of the pool: `tests/runner/test_layer_stack.py`).
+write_pool_op = torch.library.custom_op("lorazor::write_pool", mutates_args=("pool",))(write_pool)
+
+
+@write_pool_op.register_fake
+def _(pool, slots, rows):
+    return None

@@ -22,6 +22,8 @@ from lorazor_kernels import GRID_MODES
 BACKENDS = ("auto", "triton", "reference")
 RELEASE_MODES = ("none", "profiled", "learned", "custom")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# `LoRazorConfig.compile`'s values; "on"/"off" (the command line's) are read as True/False.
+COMPILE_MODES = ("auto", "on", "off")
 # Base-weight quantizations (`lorazor.quant`).
 QUANTIZATIONS = ("fp8",)
 
@@ -49,11 +51,14 @@ class LoRazorConfig:
         dtype: "float32", "float16" or "bfloat16" to cast the model and adapters; None keeps them.
         cuda_graphs: capture and replay the decode step as a CUDA graph on the GPU (with the Triton
             backend; the reference backend syncs with the host and always runs eagerly).
-        compile: run the decoder's layers through torch.compile (fuses the backbone's elementwise
-            ops; the LoRA and attention kernels stay opaque custom ops), captured in the step graphs.
-            One decoder layer is compiled and reused by every layer, so compile time does not grow
-            with depth. Batch and token counts are dynamic: a few compiles per step kind (decode-only
-            and packed steps, with LoRA and backbone only) serve every batch bucket.
+        compile: "auto" (default: compiled where the model runs on a GPU with the Triton kernels,
+            eager elsewhere; resolved when the model is built), True ("on") or False ("off"): run
+            the decoder's layers through torch.compile (fuses the backbone's elementwise ops; the
+            LoRA, attention and KV-write kernels stay opaque custom ops), captured in the step
+            graphs. One decoder layer is compiled and reused by every layer, so compile time does not
+            grow with depth. Batch and token counts are dynamic: a few compiles per step kind
+            (decode-only and padded packed steps, with LoRA and backbone only) serve every bucket.
+            Compiled code is cached on disk (see `lorazor.runner.compile_cache`).
         backend: "auto" (Triton kernels on the GPU, the pure-torch reference on the CPU),
             "triton" or "reference".
         attention: decode attention: "auto" (the Triton kernel that reads only each row's valid
@@ -84,7 +89,7 @@ class LoRazorConfig:
     lora_target_modules: tuple[str, ...] | None = None
     dtype: str | None = None
     cuda_graphs: bool = True
-    compile: bool = False
+    compile: bool | str = "auto"
     backend: str = "auto"
     attention: str = "auto"
     block_m: int = 16
@@ -103,6 +108,11 @@ class LoRazorConfig:
             raise ValueError(f"attention must be 'auto', 'triton' or 'sdpa', got {self.attention!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.compile in ("on", "off"):
+            object.__setattr__(self, "compile", self.compile == "on")
+        if self.compile not in (True, False, "auto") or isinstance(self.compile, int) and not isinstance(
+                self.compile, bool):
+            raise ValueError(f"compile must be True, False or one of {COMPILE_MODES}, got {self.compile!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -137,6 +147,14 @@ class LoRazorConfig:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         return DTYPES[self.dtype] if self.dtype else None
+
+    def resolve_compile(self, device: torch.device, backend: str) -> "LoRazorConfig":
+        """This config with `compile` a bool: "auto" is on for a CUDA model with the Triton kernels."""
+        if self.compile != "auto":
+            return self
+        from dataclasses import replace
+
+        return replace(self, compile=device.type == "cuda" and backend == "triton")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -248,6 +266,10 @@ def _value_type(annotation):
     return (kinds[0] if len(kinds) == 1 else str), type(None) in hints
 
 
+# Fields whose flag takes one of a few words: (the words, the field's value -> its word).
+FLAG_CHOICES = {"compile": (COMPILE_MODES, lambda v: {True: "on", False: "off"}.get(v, v))}
+
+
 def add_config_arguments(group, cls, names=None, help_override: dict | None = None,
                          defaults: dict | None = None) -> None:
     """Add a `--kebab-case` flag per field of dataclass `cls` (those of `names`, in their order):
@@ -262,7 +284,10 @@ def add_config_arguments(group, cls, names=None, help_override: dict | None = No
         default = (defaults or {}).get(name, spec.default if spec.default is not MISSING else None)
         flag = "--" + name.replace("_", "-")
         help_text = docs.get(name, "").replace("%", "%%")
-        if kind is bool:
+        if name in FLAG_CHOICES:
+            choices, to_flag = FLAG_CHOICES[name]
+            group.add_argument(flag, choices=choices, default=to_flag(default), help=help_text)
+        elif kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             group.add_argument(flag, type=Path if kind is Path else kind, default=default, help=help_text)

@@ -93,8 +93,8 @@ def test_compiled_engine_steps_equal_eager_and_peft(caplog):
     with caplog.at_level(logging.INFO, logger="lorazor.engine"):
         graph.warm_up()
     # The log says it compiles before the wait (a cold start takes minutes), then how long it took.
-    assert re.search(r"compiling the step graphs.*\n.*warm-up: captured \d+ step graphs in [0-9.]+ s .*compiled",
-                     caplog.text), caplog.text
+    assert re.search(r"compiling the step graphs.*\n(.*warm-up: .* captured \(.*\n)+.*warm-up: captured \d+ step "
+                     r"graphs in [0-9.]+ s .*compiled", caplog.text), caplog.text
     compiled = counters["stats"]["unique_graphs"]
     # Decode and packed steps, each with LoRA and backbone only, compile three regions (decoder layer,
     # final norm, rotary embedding) a few times each, about 16 in all; one per bucket would be 48 or more.
@@ -161,3 +161,25 @@ def test_async_steps_equal_sync_and_never_wait_for_the_gpu_but_once(compile):
         torch.cuda.set_sync_debug_mode(0)
     assert [(o.token_ids, o.release_step, o.lora_decode_steps) for o in outs] == expected
     assert any(o.release_step >= 0 for o in outs) and graph.pool.num_free == graph.pool.num_blocks
+
+
+@pytest.mark.whole_gpu
+def test_compiled_default_engine_starts_on_a_default_size_pool(caplog):
+    # The product's defaults on a GPU: compile="auto" (compiled) and a KV pool of 0.9 of the free
+    # memory. Inductor's autotuning once saved a copy of every tensor a generated kernel mutates, the
+    # whole pool included: out of memory in warm_up(). Runs alone (`-m whole_gpu`): it takes the GPU.
+    base = tiny_peft_model("llama", DEFAULT_ADAPTERS, dtype=torch.float32).cuda()
+    oracle = copy.deepcopy(base)
+    engine = LoRazorEngine(LoRazorModel.from_peft(base))
+    assert engine.model.config.compile is True
+    assert engine.cache.nbytes > 0.5 * torch.cuda.mem_get_info()[1], engine.cache.nbytes
+    with caplog.at_level(logging.INFO, logger="lorazor.engine"):
+        assert engine.warm_up(batch_sizes=[1, 4]) > 0
+    assert re.search(r"warm-up: captured \d+ step graphs in [0-9.]+ s .*compiled", caplog.text), caplog.text
+    requests = [dict(r, release="never") for r in trace(seed=7, n=6)]
+    for r, o in zip(requests, run_staggered(engine, requests)):
+        with torch.no_grad():
+            ref = oracle.generate(input_ids=torch.tensor([r["prompt_ids"]], device="cuda"),
+                                  adapter_names=peft_names([r["adapter"]]), do_sample=False,
+                                  max_new_tokens=r["max_new_tokens"], **GEN)
+        assert o.token_ids == ref[0, len(r["prompt_ids"]):].tolist(), r["adapter"]

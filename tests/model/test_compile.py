@@ -146,3 +146,30 @@ def test_generate_compiles_a_few_times_for_every_batch_size_and_length():
                              eos_token_id=EOS)
         assert torch.equal(out.sequences, peft_generate(oracle, ids, mask, adapters, max_new_tokens=n))
     assert 1 <= model.runner.compiled_layers.compiles()["LlamaDecoderLayer"] <= 3
+
+
+def test_compiled_kv_write_is_the_opaque_op_in_place_on_the_pool():
+    # Inductor autotunes the kernels it generates and, while it benchmarks, saves and restores every
+    # argument a kernel mutates: a generated scatter into the KV pool copied the whole pool (out of
+    # memory at the default gpu_memory_utilization on the GPU). The write must reach the compiled
+    # code as LoRazor's opaque op, on the pool itself (no functional copy of the pool anywhere).
+    from torch._inductor.utils import run_and_get_code
+
+    from lorazor.runner.layer_stack import LayerStack
+
+    stack = LayerStack(3, (40, 2, 16), torch.float32, "cpu")
+    expected = LayerStack(3, (40, 2, 16), torch.float32, "cpu")
+
+    def step(target, layer, slots, keys):
+        target.index_copy_(layer, slots, keys * 2)
+        return target.layer(layer).sum(0) + 1
+
+    slots, keys = torch.tensor([3, 7, 39]), torch.randn(3, 2, 16)
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(torch.compile(lambda *a: step(stack, *a)), 1, slots, keys)
+    code = "\n".join(codes)
+    assert torch.equal(out, step(expected, 1, slots, keys))
+    assert torch.equal(stack.flat, expected.flat)  # layer 1's rows 3, 7, 39 written, nothing else
+    assert "torch.ops.lorazor.write_pool.default(arg" in code, code
+    body = code.split("def call(")[1].split("def get_args(")[0]
+    assert "empty_strided_cpu((120, 2, 16)" not in body, body  # no pool-sized buffer

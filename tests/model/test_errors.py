@@ -123,11 +123,30 @@ def test_batch_with_more_adapters_than_max_loras():
             "entries must be ints in \\[1, max_batch_size=256\\], got 0",
         ),
         (dict(capture_batch_sizes=(512,), max_cache_len=64), "got 512"),
+        (dict(compile="fast"), "compile must be True, False or one of \\('auto', 'on', 'off'\\), got 'fast'"),
+        (dict(compile=1), "compile must be .* got 1"),
     ],
 )
 def test_bad_config_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LoRazorConfig(**kwargs)
+
+
+def test_compile_auto_is_resolved_by_the_device_and_forced_values_stay():
+    # "auto" (the default) compiles on a CUDA model with the Triton kernels only; on/off force it.
+    assert LoRazorConfig().compile == "auto"
+    assert LoRazorConfig(compile="on").compile is True and LoRazorConfig(compile="off").compile is False
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert LoRazorConfig().resolve_compile(cpu, "reference").compile is False
+    assert LoRazorConfig().resolve_compile(cuda, "triton").compile is True
+    assert LoRazorConfig().resolve_compile(cuda, "reference").compile is False
+    assert LoRazorConfig(compile=True).resolve_compile(cpu, "reference").compile is True
+    model = build_pair("llama", LoRazorConfig())[0]  # compiled on a GPU, eager on the CPU
+    assert model.config.compile is (DEVICE.type == "cuda")
+    model.reconfigure(compile="off")
+    assert model.config.compile is False
+    model.reconfigure(compile="auto")
+    assert model.config.compile is (DEVICE.type == "cuda")
 
 
 def test_config_json_round_trip(tmp_path):

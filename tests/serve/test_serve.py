@@ -388,3 +388,16 @@ def test_the_app_shortens_the_thread_switch_interval_while_it_runs():
         assert sys.getswitchinterval() == pytest.approx(0.004)
     finally:
         sys.setswitchinterval(outer)
+
+
+def test_compile_flag_takes_auto_on_off_and_refuses_other_words(capsys):
+    from lorazor import LoRazorConfig
+    from lorazor.config import config_from_args
+    from lorazor.serve.cli import MODEL_FIELDS
+
+    for words, value in (((), "auto"), (("--compile", "on"), True), (("--compile", "off"), False),
+                         (("--compile", "auto"), "auto")):
+        assert config_from_args(LoRazorConfig, serve_args(*words), MODEL_FIELDS).compile == value
+    with pytest.raises(SystemExit):
+        serve_args("--compile", "fast")
+    assert "invalid choice: 'fast'" in capsys.readouterr().err

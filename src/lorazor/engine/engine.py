@@ -142,8 +142,9 @@ class LoRazorEngine:
             return 0
         start = time.perf_counter()
         if self.model.config.compile:  # say it before the wait, not after: a cold start looks hung
-            log.info("warm-up: compiling the step graphs; with empty compile caches this takes minutes "
-                     "(the caches under TORCHINDUCTOR_CACHE_DIR make a restart take seconds)")
+            dirs = self.model.runner.compiled_layers.cache_dirs
+            log.info("warm-up: compiling the step graphs; with empty compile caches this takes minutes, with "
+                     "those a run left (inductor: %s, triton: %s) seconds", dirs["inductor"], dirs["triton"])
         with self.model.guard.hold("capture the engine's graphs"):
             captured = self.graphs.capture_all(self.tables.upload(), batch_sizes)
         graphs = self.graphs

@@ -58,6 +58,7 @@ class LoRazorModel(nn.Module):
         if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"backend='triton' needs a CUDA device, but the model is on {self.device}: use "
                              "backend='reference' (or 'auto'), or set TRITON_INTERPRET=1 before importing triton")
+        config = config.resolve_compile(self.device, backend)
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_layers(model, bank, self.context)
         if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
@@ -165,11 +166,12 @@ class LoRazorModel(nn.Module):
         """Same as `unregister_adapter`."""
         self.unregister_adapter(name)
 
-    def reconfigure(self, grid: str | None = None, compile: bool | None = None) -> None:
+    def reconfigure(self, grid: str | None = None, compile: bool | str | None = None) -> None:
         """Switch the grid mode and/or torch.compile of the decode step (drops captured graphs)."""
         changes = {k: v for k, v in (("grid", grid), ("compile", compile)) if v is not None}
         with self.guard.hold("reconfigure"):
-            self.config = dataclasses.replace(self.config, **changes)
+            config = dataclasses.replace(self.config, **changes)
+            self.config = config.resolve_compile(self.device, self.context.backend)
             self.context.grid = self.config.grid
             self.runner.reset_compiled()
 

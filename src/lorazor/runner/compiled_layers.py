@@ -22,6 +22,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .compile_cache import use_compile_cache
+
 # Specializations allowed per region (step kinds x batch classes x grid layouts): more than dynamo's
 # default limit of 8, past which it would silently run the region eagerly.
 REGION_VARIANTS = 256
@@ -61,6 +63,7 @@ class CompiledLayers:
 
     def __init__(self, decoder: nn.Module):
         self.active_regions = False
+        self.cache_dirs = use_compile_cache()  # before anything compiles: see compile_cache.py
         layers = getattr(decoder, "layers", None)
         if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
             raise ValueError(f"compile=True needs a decoder with a `layers` ModuleList; "

@@ -4,14 +4,16 @@ With `compile=True` torch.compile traces one decoder layer and reuses it for eve
 (`compiled_layers.py`). The layer's number (HF's `self_attn.layer_idx`) must then stay a symbolic
 int: indexing a Python list of per-layer tensors with it would make dynamo specialize on it (one
 compile per layer), and writing into a view of a stacked tensor makes inductor copy the whole
-layer back. So the compiled code writes into the flat tensor at `index + layer * rows` (one fused
-scatter, in place) and reads the layer as a narrowed view. Eager code takes the layer's view from a
-list (no offset kernel).
+layer back. So the compiled code writes into the flat tensor at `index + layer * rows` (in place,
+through the opaque `lorazor::write_pool` op: see there why inductor must not generate that scatter)
+and reads the layer as a narrowed view. Eager code takes the layer's view from a list (no offset
+kernel).
 """
 
 from __future__ import annotations
 
 import torch
+from lorazor_kernels import write_pool, write_pool_op
 
 
 class LayerStack:
@@ -39,9 +41,9 @@ class LayerStack:
     def index_copy_(self, layer, index: torch.Tensor, source: torch.Tensor) -> None:
         """`self[layer].index_copy_(0, index, source)`."""
         if torch.compiler.is_compiling():
-            self.flat.index_copy_(0, index + layer * self.rows, source)
+            write_pool_op(self.flat, index + layer * self.rows, source)
         else:
-            self.layers[layer].index_copy_(0, index, source)
+            write_pool(self.layers[layer], index, source)
 
     def put_(self, layer, rows: torch.Tensor, cols: torch.Tensor, source: torch.Tensor) -> None:
         """`self[layer][rows, :, cols] = source` (one position per row of a `[B, H, S, D]` layer)."""

@@ -119,7 +119,7 @@ class PagedKVCache:
         slots = self.step.slot_mapping
         for pool, new in ((self.keys, key), (self.values, value)):
             rows = new.transpose(1, 2).reshape(-1, *pool.flat.shape[1:])
-            pool.index_copy_(layer_idx, slots, rows.to(pool.flat.dtype))
+            pool.index_copy_(layer_idx, slots, rows)
         return key, value
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

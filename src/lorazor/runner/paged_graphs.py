@@ -16,6 +16,8 @@ no adapter and write and read only the pool's scratch block (their attention out
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +27,8 @@ from lorazor_kernels import fill_pending, slot_bound_class, warm_up_fill
 from .graphs import TOKEN_BUCKET, StepGraphs, batch_bucket, token_bucket
 from .paged_cache import PagedKVCache, PagedStep, tile_columns
 from .uploads import upload_into
+
+log = logging.getLogger("lorazor.engine")
 
 
 class SharedOutputs:
@@ -314,13 +318,21 @@ class PagedDecodeGraphs(StepGraphs):
         context = self.runner.context
         saved = context.enabled, context.slot_bound
         sizes = sorted({decode_bucket(b) for b in (batch_sizes or range(1, self.max_bucket + 1))})
-        before = self.num_captures
+        before, start = self.num_captures, time.perf_counter()
+        packed = self.packed.bucket_sizes()
+
+        def progress(kind: str, size: int, done: int) -> None:  # a cold compiled start takes minutes
+            log.info("warm-up: %s %d captured (%d of %d buckets, %d graphs, %.0f s)", kind, size, done,
+                     len(sizes) + len(packed), self.num_captures - before, time.perf_counter() - start)
+
         try:
-            for size in sizes:
+            for i, size in enumerate(sizes):
                 self.capture_sizes([size], reachable_keys(context, size), block_tables)
-            for size in self.packed.bucket_sizes():
+                progress("decode batch", size, i + 1)
+            for i, size in enumerate(packed):
                 self.packed.capture_sizes([size], reachable_keys(context, min(size, self.packed.max_rows)),
                                           block_tables)
+                progress("packed tokens", size, len(sizes) + i + 1)
         finally:
             context.enabled, context.slot_bound = saved
         # The async steps' token fill runs before a graph, not in it: compiled now, not on the first request.
