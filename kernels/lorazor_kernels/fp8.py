@@ -6,7 +6,8 @@ Semantics:
     fp8_linear(x, W8, scale, b) ~= x @ (W8 * scale[:, None]).T + b
 
 On a GPU with fp8 matrix units (compute capability >= 8.9), activations are quantized per token on
-the fly (a scale per row of x, as vLLM's `--quantization fp8` does) and the product runs in
+the fly (a scale per row of x, as vLLM's `--quantization fp8` does; one Triton kernel,
+`quantize_tokens`, that also pads the rows to `_scaled_mm`'s multiple) and the product runs in
 `torch._scaled_mm` with both scales applied in its epilogue. Elsewhere (the CPU) the weights are
 dequantized to x's dtype and the product is a plain linear: the same weights, activations unrounded.
 `fp8_linear_reference` is the dequantized definition; `scaled=True` forces the `_scaled_mm` path
@@ -16,6 +17,8 @@ dequantized to x's dtype and the product is a plain linear: the same weights, ac
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -43,6 +46,47 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return torch.nn.functional.linear(x, dequantize(weight, scale, x.dtype), bias)
 
 
+def quantize_tokens_reference(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8 `[rows, K]` float8_e4m3fn, scale `[rows, 1]` float32): x `[M, K]` quantized per row, padded
+    with zero rows to `rows` >= M."""
+    if rows > x.shape[0]:
+        x = torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0]))
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@triton.jit
+def _quantize_tokens_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_q, BLOCK_K: tl.constexpr,
+                            FP8_LIMIT: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+    # One program per output row; rows >= M (the padding) read as zeros.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=(k0 + cols < K) & (row < M), other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_LIMIT, SCALE_FLOOR)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=(k0 + cols < K) & (row < M), other=0.0)
+        q = tl.clamp(x.to(tl.float32) / scale, -FP8_LIMIT, FP8_LIMIT)
+        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_tokens(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_tokens_reference` in one kernel launch (a GPU tensor; the reference elsewhere)."""
+    if not x.is_cuda:
+        return quantize_tokens_reference(x, rows)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    K = x.shape[1]
+    x8 = torch.empty(rows, K, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    _quantize_tokens_kernel[(rows,)](x, x8, scale, x.shape[0], K, x.stride(0), x8.stride(0),
+                                     BLOCK_K=min(4096, triton.next_power_of_2(K)), FP8_LIMIT=FP8_MAX,
+                                     SCALE_FLOOR=MIN_SCALE)
+    return x8, scale
+
+
 def scaled_mm_available(device: torch.device) -> bool:
     """Whether `torch._scaled_mm` runs fp8 on `device`'s matrix units (Ada, Hopper and newer)."""
     device = torch.device(device)
@@ -54,17 +98,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     """`x [M, K]` times fp8 `weight [N, K]` with per-channel `scale [N]`, plus `bias`; `[M, N]` in
     x's dtype. `scaled`: the `_scaled_mm` path with per-token activation scales (None: where the
     GPU has fp8 matrix units)."""
-    if scaled is None:  # the GPU's fp8 rowwise-scaled GEMM writes bf16
-        scaled = x.dtype == torch.bfloat16 and scaled_mm_available(x.device)
+    if scaled is None:  # the GPU's fp8 rowwise-scaled GEMM writes bf16, over dims in multiples of 16
+        scaled = (x.dtype == torch.bfloat16 and scaled_mm_available(x.device)
+                  and not weight.shape[0] % ROW_MULTIPLE and not weight.shape[1] % ROW_MULTIPLE)
     if not scaled:
         return fp8_linear_reference(x, weight, scale, bias)
     rows = x.shape[0]
-    pad = -rows % ROW_MULTIPLE if x.is_cuda else 0
-    if pad:
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
-    x8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    padded = rows + (-rows % ROW_MULTIPLE if x.is_cuda else 0)
+    x8, x_scale = quantize_tokens(x, padded)
     # weight.t() of a row-major [N, K] is the column-major [K, N] _scaled_mm wants for its second operand.
     y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=x.dtype,
                          bias=None if bias is None else bias.to(x.dtype))
-    return y[:rows] if pad else y
+    return y[:rows] if padded != rows else y

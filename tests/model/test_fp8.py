@@ -3,6 +3,7 @@ equal to PEFT run on the same dequantized weights, close to the unquantized mode
 effect kept, the engine equal to static generate, and the `_scaled_mm` GEMM equal to its definition."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -127,3 +128,163 @@ def test_the_scaled_mm_gemm_equals_its_definition(M, K, N):
 def test_unknown_quantizations_are_refused_naming_the_supported_ones():
     with pytest.raises(ValueError, match=r"quantization must be one of \('fp8',\) or None, got 'int4'"):
         LoRazorConfig(quantization="int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, K", [(1, 64), (5, 96), (17, 4100), (33, 8192)])
+def test_gpu_token_quantization_kernel_equals_its_reference(M, K):
+    from lorazor_kernels.fp8 import quantize_tokens, quantize_tokens_reference
+
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3
+    x[0, :7] = 0  # a row with zeros, and (below) one of all zeros
+    x[-1] = 0
+    rows = M + (-M % 16)
+    got, ref = quantize_tokens(x, rows), quantize_tokens_reference(x, rows)
+    assert got[0].shape == (rows, K) and got[1].shape == (rows, 1)
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+    assert torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8))  # the same fp8 bits
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fp8_model_agrees_with_its_dequantized_bf16_reference():
+    # bf16 activations over fp8 weights through `_scaled_mm` (activations rounded to fp8 per token)
+    # against PEFT on the dequantized weights in bf16, in graphs and in the engine.
+    model, oracle = build_pair("llama", LoRazorConfig(quantization="fp8"), dtype=torch.bfloat16)
+    reference = dequantized_oracle(oracle)
+    ids, mask = make_batch(len(ADAPTERS), 9, seed=3, pad_rows=(2,))
+    ours, theirs = logits(model, reference, ids, mask)
+    error = ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
+    assert error < 0.05, error  # activations rounded to fp8 (3 mantissa bits) on top of bf16's
+    engine = LoRazorEngine(model, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64)
+    prompts = [ids[i][mask[i].bool()].tolist() for i in range(len(ADAPTERS))]
+    outs = engine.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=1, do_sample=False, pad_token_id=PAD,
+                                 eos_token_id=None) for p, a in zip(prompts, ADAPTERS)])
+    first = theirs[:, -1].argmax(-1).tolist()
+    agree = sum(o.token_ids[0] == t for o, t in zip(outs, first))
+    assert agree >= len(ADAPTERS) - 1, (agree, [o.token_ids for o in outs], first)  # near-ties may flip one
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_testbed_adapters_keep_their_accuracy_in_fp8():
+    from lorazor.testbed import load
+    from lorazor.testbed.evaluate import run_task
+
+    accuracy = {}
+    for quantization in (None, "fp8"):
+        peft_model, tokenizer, tasks = load()
+        model = LoRazorModel.from_peft(peft_model.to("cuda", torch.bfloat16),
+                                       LoRazorConfig(quantization=quantization))
+        accuracy[quantization] = {n: run_task(model, tokenizer, t, n, "full", limit=100)[0] for n, t in tasks.items()}
+    for name, bf16 in accuracy[None].items():
+        assert accuracy["fp8"][name] >= bf16 - 0.05, (name, accuracy)  # within 5 points per task
+
+
+BLOCK = (32, 32)  # a 112-wide MLP has a partial block, as real checkpoints' odd sizes do
+
+
+def write_block_fp8_checkpoint(folder, model):
+    """Save `model` in the Hugging Face fp8 format (transformers' FineGrainedFP8): each decoder
+    projection's weight in float8_e4m3fn with a float32 `weight_scale_inv` per BLOCK; returns the
+    block-dequantized weights, module name -> tensor (what the checkpoint means)."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    meant = {}
+    for key in list(tensors):
+        if not (key.startswith("model.layers.") and key.endswith("_proj.weight")):
+            continue
+        w = tensors[key].float()
+        n, k = w.shape
+        scale = torch.empty(-(-n // BLOCK[0]), -(-k // BLOCK[1]))
+        w8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                rows, cols = slice(i * BLOCK[0], (i + 1) * BLOCK[0]), slice(j * BLOCK[1], (j + 1) * BLOCK[1])
+                scale[i, j] = w[rows, cols].abs().max().clamp(min=1e-12) / 448.0
+                w8[rows, cols] = (w[rows, cols] / scale[i, j]).to(torch.float8_e4m3fn)
+        tensors[key], tensors[key.replace(".weight", ".weight_scale_inv")] = w8, scale
+        expand = scale.repeat_interleave(BLOCK[0], 0)[:n].repeat_interleave(BLOCK[1], 1)[:, :k]
+        meant[key[: -len(".weight")]] = w8.float() * expand
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(BLOCK)}
+    (folder / "config.json").write_text(json.dumps(config))
+    return meant
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """(checkpoint folder, adapter folders, PEFT oracle over the unquantized base, block-dequantized weights)."""
+    from lorazor.tiny import tiny_config
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("fp8")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    meant = write_block_fp8_checkpoint(root / "base", copy.deepcopy(base))
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    oracle = None
+    for name, r in (("math", 8), ("sql", 4)):
+        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=every, init_lora_weights=False)
+        oracle = get_peft_model(base, cfg, adapter_name=name) if oracle is None else oracle
+        if name != "math":
+            oracle.add_adapter(name, cfg)
+        oracle.save_pretrained(root / "adapters", selected_adapters=[name])
+    return root / "base", {n: root / "adapters" / n for n in ("math", "sql")}, oracle.eval(), meant
+
+
+def test_a_block_fp8_checkpoint_loads_in_fp8_and_equals_peft_on_its_weights(fp8_checkpoint):
+    from lorazor.quant import Fp8Linear
+
+    folder, adapters, oracle, meant = fp8_checkpoint
+    model = LoRazorModel.from_pretrained(folder, adapters=adapters, config=LoRazorConfig(dtype="float32"))
+    assert model.config.quantization == "fp8"
+    layers = {name: m for name, m in model.model.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(layers) == 2 * 7 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers.values())
+    rows = ["math", None, "sql"]
+    ids, mask = make_batch(len(rows), 8, seed=11, pad_rows=(1,))
+    ours = model(ids, attention_mask=mask, adapter_ids=rows)
+
+    def oracle_on(weights):
+        copied = copy.deepcopy(oracle)
+        replaced = 0
+        for name, module in copied.get_base_model().named_modules():
+            name = name.replace(".base_layer", "")  # PEFT's wrapped linear, under the projection's name
+            if isinstance(module, nn.Linear) and name in weights:
+                module.weight.data = weights[name].to(module.weight.dtype)
+                replaced += 1
+        assert replaced == len(weights) == 2 * 7
+        with torch.no_grad():
+            return copied(input_ids=ids, attention_mask=mask, adapter_names=peft_names(rows)).logits
+
+    # PEFT on the weights the model computes with: the same function.
+    ours_weights = {name.replace(".base_layer", ""): m.dequantized(torch.float32) for name, m in layers.items()}
+    torch.testing.assert_close(ours, oracle_on(ours_weights), atol=1e-4, rtol=1e-4)
+    # PEFT on the checkpoint's own block-dequantized weights: within one more fp8 rounding of some blocks.
+    theirs = oracle_on({name: w for name, w in meant.items()})
+    error = ((ours - theirs).norm() / theirs.norm()).item()
+    assert error < 3e-2, error
+    # Each row keeps the values of its largest-scale block exactly (which may be the narrow last one).
+    for name, w in meant.items():
+        kept = (ours_weights[name] == w).sum(1)
+        assert kept.min() >= min(BLOCK[1], w.shape[1] % BLOCK[1] or BLOCK[1]), (name, kept)
+
+
+@pytest.mark.parametrize("quantization_config, message", [
+    ({"quant_method": "awq", "bits": 4}, r"quant_method is 'awq'; LoRazor loads \('fp8',\) checkpoints"),
+    ({"quant_method": "fp8"}, "needs quantization_config.weight_block_size"),
+])
+def test_other_checkpoint_quantizations_are_refused_naming_the_supported_one(fp8_checkpoint, tmp_path,
+                                                                          quantization_config, message):
+    import shutil
+
+    folder = tmp_path / "base"
+    shutil.copytree(fp8_checkpoint[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    with pytest.raises(ValueError, match=message):
+        LoRazorModel.from_pretrained(folder, adapters=fp8_checkpoint[1])

@@ -8,6 +8,7 @@ Both paths end the same way: the target linear layers are found, an empty `Adapt
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from torch import nn
 from ..adapters import AdapterBank, AdapterError, check_adapter_name, check_lora_config, check_lora_layer
 from ..adapters import find_lora_layers, peft_adapter_weights, read_adapter
 from ..config import LoRazorConfig
+from ..quant.checkpoint import checkpoint_files, checkpoint_quantization, read_fp8_projections, without_quantization
 
 
 @contextlib.contextmanager
@@ -27,6 +29,21 @@ def quiet_peft():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield
+
+@contextlib.contextmanager
+def unexpected_scales_quiet(quiet: bool):
+    """Loaded without its quantizer, an fp8 checkpoint's `weight_scale_inv` tensors are "unexpected"
+    to transformers, which prints a load report of them: LoRazor reads them itself."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
 
 # Hugging Face `model_type`s whose decoders run through LoRazor's runner (tested against PEFT).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
@@ -63,11 +80,12 @@ def check_architecture(hf_model: nn.Module) -> None:
     check_model_type(getattr(getattr(hf_model, "config", None), "model_type", None))
 
 
-def check_before_loading(base, config: LoRazorConfig, load_kwargs: dict) -> None:
+def check_before_loading(base, config: LoRazorConfig, load_kwargs: dict):
     """Refuse a model id or folder from its config.json alone, before any weight is read: an
-    unsupported `model_type`, or no decoder linear layer matching `lora_target_modules` (checked on
-    the model's structure built with accelerate's empty weights). A local-looking path that does
-    not exist is refused as such (not as a malformed Hub id)."""
+    unsupported `model_type` or checkpoint quantization, or no decoder linear layer matching
+    `lora_target_modules` (checked on the model's structure built with accelerate's empty weights).
+    A local-looking path that does not exist is refused as such (not as a malformed Hub id).
+    Returns (the model config, the checkpoint's fp8 `quantization_config` or None)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -77,10 +95,12 @@ def check_before_loading(base, config: LoRazorConfig, load_kwargs: dict) -> None
     keys = ("revision", "trust_remote_code", "token", "cache_dir", "local_files_only")
     hf_config = AutoConfig.from_pretrained(base, **{k: v for k, v in load_kwargs.items() if k in keys})
     check_model_type(getattr(hf_config, "model_type", None))
+    scheme = checkpoint_quantization(hf_config)
     with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
+        skeleton = AutoModelForCausalLM.from_config(without_quantization(hf_config))
     if not linear_targets(skeleton, config.lora_target_modules):
         raise ValueError(f"no linear layer of the decoder matches lora_target_modules={config.lora_target_modules}")
+    return hf_config, scheme
 
 
 def linear_targets(hf_model: nn.Module, patterns) -> dict[str, nn.Linear]:
@@ -143,13 +163,22 @@ def build_from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None):
 def build_from_pretrained(cls, base, adapters: dict | None, config: LoRazorConfig | None, **load_kwargs):
     config = check_config(config)
     adapters = dict(adapters or {})
+    fp8_weights = None
     if isinstance(base, (str, Path)):
         from transformers import AutoModelForCausalLM
 
-        check_before_loading(base, config, load_kwargs)
+        hf_config, scheme = check_before_loading(base, config, load_kwargs)
+        if scheme is not None:  # an fp8 checkpoint: loaded without transformers' quantizer, kept in fp8
+            config = dataclasses.replace(config, quantization="fp8")
+            load_kwargs["config"] = without_quantization(hf_config)
+            load_kwargs.setdefault("dtype", config.torch_dtype or torch.bfloat16)
         if config.torch_dtype is not None:
             load_kwargs.setdefault("dtype", config.torch_dtype)
-        hf_model = AutoModelForCausalLM.from_pretrained(base, **load_kwargs)
+        with unexpected_scales_quiet(scheme is not None):
+            hf_model = AutoModelForCausalLM.from_pretrained(base, **load_kwargs)
+        if scheme is not None:
+            fp8_weights = read_fp8_projections(checkpoint_files(base, load_kwargs), hf_model,
+                                               scheme["weight_block_size"])
     else:
         if hasattr(base, "peft_config"):
             raise TypeError("from_pretrained takes a base model; for a peft.PeftModel use LoRazorModel.from_peft")
@@ -168,7 +197,7 @@ def build_from_pretrained(cls, base, adapters: dict | None, config: LoRazorConfi
     if not targets:
         raise ValueError(f"no linear layer of the decoder matches lora_target_modules={config.lora_target_modules}")
     bank = AdapterBank.empty(targets, config.max_loras or max(1, len(adapters)), max_rank, config.torch_dtype)
-    model = cls(hf_model, bank, config)
+    model = cls(hf_model, bank, config, fp8_weights=fp8_weights)
     for name, source in sources.items():
         model.registry.register(name, source.path, source=source)
     model.registry.make_resident(list(adapters)[: bank.num_slots])

@@ -44,7 +44,8 @@ class LoRazorModel(nn.Module):
         config: the `LoRazorConfig`.
     """
 
-    def __init__(self, model: nn.Module, bank: AdapterBank, config: LoRazorConfig, peft_model: nn.Module | None = None):
+    def __init__(self, model: nn.Module, bank: AdapterBank, config: LoRazorConfig, peft_model: nn.Module | None = None,
+                 fp8_weights: dict | None = None):
         super().__init__()
         self.peft_model = peft_model
         self.model = model
@@ -62,7 +63,7 @@ class LoRazorModel(nn.Module):
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_layers(model, bank, self.context)
         if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
-            quantize_decoder(self.model.get_decoder())
+            quantize_decoder(self.model.get_decoder(), fp8_weights)  # an fp8 checkpoint's own, where given
         self.merged_groups = merge_projections(self.model, self.context) if config.merge_projections else []
         self._previous_attn = self.model.config._attn_implementation
         register_attention()

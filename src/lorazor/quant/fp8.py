@@ -57,17 +57,27 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, fp8 (e4m3, per-channel scales)"
 
 
-def quantize_decoder(decoder: nn.Module) -> int:
+def quantize_decoder(decoder: nn.Module, prequantized: dict | None = None) -> int:
     """Quantize every linear projection under `decoder` in place: a `BatchedLoRALinear`'s base
-    layer, or a plain nn.Linear; the replaced weights are freed. Returns how many."""
+    layer, or a plain nn.Linear; the replaced weights are freed. `prequantized`: nn.Linear -> (fp8
+    weight, per-channel scale) to use instead of quantizing its weights (an fp8 checkpoint's,
+    `checkpoint.py`). Returns how many."""
+    prequantized = prequantized or {}
+
+    def quantized(linear: nn.Linear) -> Fp8Linear:
+        if linear in prequantized:
+            weight, scale = prequantized[linear]
+            return Fp8Linear(weight.to(linear.weight.device), scale.to(linear.weight.device), linear.bias)
+        return Fp8Linear.from_linear(linear)
+
     count = 0
     for parent in list(decoder.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, BatchedLoRALinear) and isinstance(child.base_layer, nn.Linear):
-                old, child.base_layer = child.base_layer, Fp8Linear.from_linear(child.base_layer)
+                old, child.base_layer = child.base_layer, quantized(child.base_layer)
             elif isinstance(child, nn.Linear):
                 old = child
-                setattr(parent, name, Fp8Linear.from_linear(child))
+                setattr(parent, name, quantized(child))
             else:
                 continue
             # The full-precision weights go: a PEFT layer that still holds this linear sees an empty one.
