@@ -172,7 +172,8 @@ def main() -> None:
         "--tag", default="", help="suffix of this run's rows and meta files (runs of one part side by side)"
     )
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on this machine (checks the logic)")
-    ap.add_argument("--compile", action="store_true", help="LoRazorConfig(compile=True): the compiled decoder layer")
+    ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                    help="LoRazorConfig.compile (default auto, the product's: compiled on a GPU, eager on the CPU)")
     ap.add_argument("--workload", choices=sorted(wl.SHAPES) + ["shared-prefix"], default="mixed",
                     help="request shape: the paper's mixed workload, decode-heavy (outputs ~3x longer, "
                          "release for >= 73%% of decode LoRA skipped), or shared-prefix (the prefix cache)")
@@ -193,7 +194,7 @@ def main() -> None:
     if args.workload == "shared-prefix":
         return shared_prefix(args, engine, names, vocab, rows_path, dict(
             environment(), part=args.part, workload=args.workload, graphs_captured=captured,
-            kv_blocks=engine.pool.num_blocks, setup_s=time.perf_counter() - t0, compile=args.compile, **shape))
+            kv_blocks=engine.pool.num_blocks, setup_s=time.perf_counter() - t0, compile=model.config.compile, **shape))
     workload = wl.build(args.requests, vocab, shape=args.workload)
     if args.tiny:  # a tiny model on the CPU: short prompts and outputs, same logic
         for r in workload:
@@ -211,9 +212,9 @@ def main() -> None:
         setup_s=time.perf_counter() - t0,
         kv_blocks=engine.pool.num_blocks,
         ttft_slo=args.ttft_slo,
-        compile=args.compile,
+        compile=model.config.compile,
         # dynamo's compiled entries per region: more than a handful means recompiles (warm-up time)
-        compiles=model.runner.compiled_layers.compiles() if args.compile else None,
+        compiles=model.runner.compiled_layers.compiles() if model.config.compile else None,
         **shape,
     )
     print(json.dumps(meta), flush=True)

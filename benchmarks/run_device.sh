@@ -17,7 +17,7 @@
 #   adapters         bench_adapters.py: registration, loads into slots, decode during loads, slot memory
 #   engine-quick     bench_engine.py on 512 requests, 4 and 128 adapters, two open-loop rates (a smoke run)
 #   engine-exact     bench_engine.py --part exact: LoRazor, exact without release, backbone, static, open loop
-#   engine-compiled  bench_engine.py --part exact --compile: LoRazor, exact and backbone at 128 adapters, compiled
+#   engine-compiled  bench_engine.py --part exact --compile on: LoRazor, exact and backbone at 128 adapters, compiled
 #   engine-decode-heavy  bench_engine.py --workload decode-heavy (1,536 requests, outputs ~3x longer, >= 73% of decode
 #                    LoRA released): LoRazor, exact and backbone at 128 adapters, eager then compiled; the summary
 #                    row gives LoRazor vs the backbone and the share of the exact -> backbone gap it closes
@@ -38,10 +38,12 @@
 #   engine-sweep     bench_engine.py --part exact at 4-64 adapters only (lorazor and exact), rows_exact_sweep.jsonl
 #   testbed-v2       python -m lorazor.testbed.train --version 2 on the GPU, then the paper's tables on it
 #                    (python -m lorazor.testbed.paper); assets come back as $OUT/testbed_v2.tgz.part-*
-#   roofline         probes/step_roofline.py --compile (decode rows async, prefill, the trace's mixed step, drift;
+#   roofline         probes/step_roofline.py --compile on (decode rows async, prefill, the trace's mixed step, drift;
 #                    kernel split): the step numbers of issue #37
 #   mixed            probes/step_roofline.py, mixed phase only, eager then compiled: the bench trace's typical step
 #                    (200 decode rows + 824 prompt tokens) against its floors
+#   defaults         probes/step_roofline.py --defaults: the step at the engine's defaults, compile=auto on cold caches
+#                    (warm-up, decode, prefill), its restart on the caches left, then eager (issue #54)
 #   warmup           probes/warmup_profile.py: warm_up() compiled with cold caches, compiled again with the caches
 #                    it left (a restart), eager with cold caches, eager again with its Triton cache (a restart)
 #   prefix-cache     bench_engine.py --workload shared-prefix (128 adapters with ~1,000-token system prompts, Zipf
@@ -78,7 +80,8 @@ engine_runs() {  # "mode seqs tokens skip seconds [name [VAR=value ...] [bench_e
     for field in "$@"; do
       case $field in [A-Z]*=*) envs+=("$field") ;; *) args+=("$field") ;; esac
     done
-    [ "$mode" = compiled ] && envs+=(TORCH_LOGS=recompiles) && args+=(--compile)
+    [ "$mode" = compiled ] && envs+=(TORCH_LOGS=recompiles) && args+=(--compile on)
+    [ "$mode" = eager ] && args+=(--compile off)
     env "${envs[@]}" timeout "$seconds" python3 benchmarks/bench_engine.py --part exact --out "$W/engine" \
       --deadline $(( seconds - 10 )) --adapters 128 --skip "$skip,static,open,skewed" --max-num-seqs "$seqs" \
       --max-num-batched-tokens "$tokens" --tag "_$name" "${args[@]}" > "$W/engine_$name.log" 2>&1
@@ -148,7 +151,7 @@ PY
                  > "$W/engine_exact.log" 2>&1 ;;
     engine-sweep) timeout 560 python3 benchmarks/bench_engine.py --part exact --out "$W/engine" --deadline ${ENGINE_DEADLINE:-520} \
                  --adapters 4,8,16,32,64 --skip backbone,static,open,skewed --tag _sweep > "$W/engine_sweep.log" 2>&1 ;;
-    engine-compiled) TORCH_LOGS=recompiles timeout 560 python3 benchmarks/bench_engine.py --part exact --compile --out "$W/engine" \
+    engine-compiled) TORCH_LOGS=recompiles timeout 560 python3 benchmarks/bench_engine.py --part exact --compile on --out "$W/engine" \
                  --deadline ${ENGINE_DEADLINE:-520} --adapters 128 --skip static,open,skewed --tag _compiled \
                  > "$W/engine_compiled.log" 2>&1 ;;
     engine-decode-heavy) secs=(${DECODE_HEAVY_SECONDS:-280 280})  # eager, compiled: a cold compile takes minutes
@@ -179,13 +182,28 @@ PY
                timeout ${V2_PAPER_TIMEOUT:-150} python3 -m lorazor.testbed.paper --assets "$TB" --device cuda \
                  --out "$W/testbed_paper" > "$W/testbed_paper.log" 2>&1 ;;
     roofline) # issue #37's numbers: the decode rows (async), prefill and drift with compile, then warm-up (eager)
-             timeout 330 python3 benchmarks/probes/step_roofline.py --compile --modes async \
+             timeout 330 python3 benchmarks/probes/step_roofline.py --compile on --modes async \
                --phases floors,decode,prefill,mixed,drift --out "$W" --tag "_${LORAZOR_COMMIT:-head}" > "$W/roofline.log" 2>&1 ;;
     mixed)   for mode in eager compiled; do
-               timeout 280 python3 benchmarks/probes/step_roofline.py $([ $mode = compiled ] && echo --compile) \
+               timeout 280 python3 benchmarks/probes/step_roofline.py --compile $([ $mode = compiled ] && echo on || echo off) \
                  --phases floors,mixed --out "$W" --tag "_mixed_${mode}_${LORAZOR_COMMIT:-head}" > "$W/mixed_$mode.log" 2>&1
                tar czf "$TGZ" -C "$W" .
              done ;;
+    defaults) # issue #54: the engine at EngineConfig's defaults (pool from gpu_memory_utilization), Llama-3.2-3B shape,
+             # 128 adapters: compile=auto (compiled) on cold caches with warm-up, decode and prefill rows; a restart
+             # on the caches it left (warm-up only); then the old eager default's rows. Tar after each.
+             export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_defaults TRITON_CACHE_DIR=/tmp/triton_defaults
+             rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
+             roof="python3 benchmarks/probes/step_roofline.py --defaults --modes async --out $W"
+             timeout ${DEFAULTS_COLD_S:-270} $roof --compile auto --phases floors,warmup,decode,prefill \
+               --tag _defaults_compiled > "$W/defaults_compiled.log" 2>&1
+             tar czf "$TGZ" -C "$W" .
+             timeout 80 $roof --compile auto --phases floors,warmup --tag _defaults_compiled_restart \
+               > "$W/defaults_compiled_restart.log" 2>&1
+             tar czf "$TGZ" -C "$W" .
+             timeout 130 $roof --compile off --phases floors,decode,prefill --tag _defaults_eager \
+               > "$W/defaults_eager.log" 2>&1
+             unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR ;;
     warmup)  # compiled on cold caches, compiled again on the caches it left (a restart), then eager; tar after each
              export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_warmup TRITON_CACHE_DIR=/tmp/triton_warmup
              rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
@@ -210,5 +228,6 @@ PY
 done
 for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f" | tail -12; done
 grep -h '^|' "$W"/kernels.log "$W"/release.log "$W"/adapters.log 2>/dev/null | tail -40
+for f in "$W"/defaults_*.log; do [ -f "$f" ] && grep -E '^\{' "$f" | cut -c1-330; done
 for f in "$W"/engine_*.log "$W"/serving.log; do [ -f "$f" ] && grep -E '^\{|Error|error|done' "$f" | cut -c1-400 | tail -60; done
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done

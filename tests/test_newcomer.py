@@ -57,6 +57,8 @@ def test_building_the_testbed_warns_nothing():
 def test_serving_a_gemma2_model_is_refused_in_one_line(tmp_path):
     """The engine has no attention-logit softcapping: `lorazor serve` on Gemma 2 says so in one line
     (exit 2), from its config.json, before loading any weight."""
+    pytest.importorskip("fastapi")  # `lorazor serve` needs the serve extra first
+    pytest.importorskip("uvicorn")
     from lorazor.tiny import tiny_config
 
     config = tiny_config("gemma2")

@@ -123,10 +123,13 @@ class Probe:
         self.base.generation_config.eos_token_id = None
         self.base.config.eos_token_id = None
         self.model = LoRazorModel.from_pretrained(self.base, None, LoRazorConfig(
-            max_loras=ADAPTERS, max_lora_rank=8, lora_target_modules=TARGETS, compile=args.compile))
+            max_loras=ADAPTERS, max_lora_rank=8, lora_target_modules=TARGETS, compile=args.compile,
+            quantization=args.quantization))
         self.names = fill_random_adapters(self.model, 0, ADAPTERS)
-        self.engine = LoRazorEngine(self.model, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=12000,
-                                    max_model_len=1024)
+        # --defaults: the engine as users get it (EngineConfig's defaults: the KV pool from
+        # gpu_memory_utilization, 512 seats, 4,096 tokens per step); else the probe's old shape.
+        self.engine = LoRazorEngine(self.model) if args.defaults else LoRazorEngine(
+            self.model, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=12000, max_model_len=1024)
         self.vocab = self.base.config.vocab_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.base.parameters())
         bank = self.model.bank
@@ -304,14 +307,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
     ap.add_argument("--tag", default="")
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", choices=("auto", "on", "off"), default="off",
+                    help="LoRazorConfig.compile (default off: the probe's old eager rows; auto: the product's default)")
+    ap.add_argument("--quantization", choices=("fp8",), default=None)
+    ap.add_argument("--defaults", action="store_true", help="the engine at EngineConfig's defaults (the KV pool "
+                    "sized by gpu_memory_utilization, 512 seats, 4,096 tokens a step)")
     ap.add_argument("--phases", default="floors,warmup,decode,prefill,mixed,drift")
     ap.add_argument("--modes", default="async,sync", help="decode scheduling modes to measure, in order")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     phases = args.phases.split(",")
     probe = Probe(args)
-    probe.record(phase="environment", **environment(), compile=args.compile)
+    probe.record(phase="environment", **environment(), compile=probe.model.config.compile,
+                 quantization=args.quantization, defaults=args.defaults, kv_blocks=probe.engine.pool.num_blocks)
     try:
         probe.floors()
         if "warmup" in phases:

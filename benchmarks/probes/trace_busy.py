@@ -1,6 +1,6 @@
 """Probe: is an offline engine trace bound by the GPU or by the host, and what are its steps?
 
-    python benchmarks/probes/trace_busy.py --out /tmp/probe [--compile] [--workload decode-heavy]
+    python benchmarks/probes/trace_busy.py --out /tmp/probe [--compile {auto,on,off}] [--workload decode-heavy]
     python benchmarks/probes/trace_busy.py --tiny --requests 16 --out /tmp/probe   # the logic, on the CPU
 
 `bench_engine.py`'s engine and workload (LoRazor: `exact` + StepTrim, 128 adapters, graphs captured
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on this machine (checks the logic)")
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--workload", choices=sorted(wl.SHAPES), default="mixed")
     ap.add_argument("--requests", type=int, default=4096)
     ap.add_argument("--window", type=int, default=200, help="steps recorded by the profiler (GPU only)")
@@ -72,11 +72,12 @@ def main() -> None:
     for request in requests:
         engine.add_request(**request)
     walls, window = [], None
+    window_steps = min(args.window, 2) if args.tiny else args.window  # a tiny trace has ~10 steps in all
     start = time.perf_counter()
     while engine.has_unfinished():
         if window is None and torch.cuda.is_available() and len(walls) >= len(requests) // 8:
-            window = profile_steps(engine, args.window, cpu=False)  # steps well inside the trace
-            walls += [window["profiled_wall_ms"] / 1e3] * args.window
+            window = profile_steps(engine, window_steps, cpu=False)  # steps well inside the trace
+            walls += [window["profiled_wall_ms"] / 1e3] * window_steps
             continue
         t = time.perf_counter()
         engine.step()
@@ -84,7 +85,7 @@ def main() -> None:
     total = time.perf_counter() - start
     # (tokens, decode-only) per step; the last schedule() call may have had nothing new to run
     kinds = [(decode + prefill, prefill == 0) for decode, prefill, _ in steps[:len(walls)]]
-    result = dict(environment(), compile=args.compile, workload=args.workload, requests=len(requests),
+    result = dict(environment(), compile=model.config.compile, workload=args.workload, requests=len(requests),
                   warm_up_s=round(warm_s, 2), graphs=graphs, total_s=round(total, 3),
                   req_s=round(len(requests) / total, 2), steps=len(walls), by_kind=summarize(walls, kinds),
                   window=window, window_gpu_busy_share=(round(window["gpu_busy_ms"] / window["profiled_wall_ms"], 3)
