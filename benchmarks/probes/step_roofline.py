@@ -314,6 +314,8 @@ def main() -> None:
                     "sized by gpu_memory_utilization, 512 seats, 4,096 tokens a step)")
     ap.add_argument("--phases", default="floors,warmup,decode,prefill,mixed,drift")
     ap.add_argument("--modes", default="async,sync", help="decode scheduling modes to measure, in order")
+    ap.add_argument("--decode-rows", default="1:backbone,1:lora,256:backbone,256:lora,256:released,256:half",
+                    help="the decode rows to measure: batch:kind (kind: backbone, lora, released, half)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     phases = args.phases.split(",")
@@ -325,9 +327,9 @@ def main() -> None:
         if "warmup" in phases:
             probe.warm_up()
         if "decode" in phases:
-            for batch, kind in ((1, "backbone"), (1, "lora"), (256, "backbone"), (256, "lora"), (256, "released"),
-                                (256, "half")):
-                probe.decode(batch, kind, modes=tuple(args.modes.split(",")))
+            for spec in args.decode_rows.split(","):
+                batch, kind = spec.split(":")
+                probe.decode(int(batch), kind, modes=tuple(args.modes.split(",")))
         if "prefill" in phases:
             probe.prefill("backbone")
             probe.prefill("lora")
