@@ -110,3 +110,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     y = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=x.dtype,
                          bias=None if bias is None else bias.to(x.dtype))
     return y[:rows] if padded != rows else y
+
+
+def _fp8_linear_default(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    return fp8_linear(x, weight, scale, bias)
+
+
+# The fp8 GEMM as an opaque op for compiled steps (a backbone-only step calls it outside the LoRA op):
+# traced, its Triton quantization kernel and `_scaled_mm` made inductor fail on the H100
+# (`InductorError: KeyError: 'op17'`), and there is nothing for inductor to fuse in it anyway.
+fp8_linear_op = torch.library.custom_op("lorazor::fp8_linear", mutates_args=())(_fp8_linear_default)
+
+
+@fp8_linear_op.register_fake
+def _(x, weight, scale, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])

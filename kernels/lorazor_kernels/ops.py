@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from .fp8 import fp8_linear
+from .fp8 import fp8_linear, fp8_linear_op
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
@@ -183,7 +183,8 @@ def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     fp8 weights (`fp8.py`)."""
     if weight_scale is None:
         return torch.nn.functional.linear(x, weight, bias)
-    y = fp8_linear(x.reshape(-1, x.shape[-1]), weight, weight_scale, bias)
+    gemm = fp8_linear_op if torch.compiler.is_compiling() else fp8_linear
+    y = gemm(x.reshape(-1, x.shape[-1]), weight, weight_scale, bias)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -308,3 +308,24 @@ def test_other_checkpoint_quantizations_are_refused_naming_the_supported_one(fp8
     (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
     with pytest.raises(ValueError, match=message):
         LoRazorModel.from_pretrained(folder, adapters=fp8_checkpoint[1])
+
+
+def test_compiled_backbone_only_steps_run_the_fp8_gemm_as_one_opaque_op():
+    # A step with no LoRA row calls the fp8 GEMM outside the LoRA op: compiled, it must stay opaque
+    # (traced, its Triton quantization kernel broke inductor on the GPU) and equal the eager step.
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = build_pair("llama", LoRazorConfig(quantization="fp8", compile=True, cuda_graphs=False))[0]
+    eager = build_pair("llama", LoRazorConfig(quantization="fp8", compile=False, cuda_graphs=False))[0]
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 96, (5 + i,), generator=g).tolist() for i in range(3)]
+    outs = []
+    for m in (model, eager):
+        engine = LoRazorEngine(m, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=4)
+        done = engine.generate([dict(prompt_ids=p, adapter=None, max_new_tokens=5, do_sample=False, pad_token_id=PAD,
+                                     eos_token_id=None) for p in prompts])
+        assert all(o.finish_reason == "length" for o in done), [o.finish_reason for o in done]
+        outs.append([o.token_ids for o in done])
+    assert outs[0] == outs[1]
+    assert dict(counters["graph_break"]) == {}
