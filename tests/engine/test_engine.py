@@ -173,6 +173,32 @@ def test_a_request_waiting_for_a_slot_does_not_block_the_others():
         assert done[rid].token_ids == peft_tokens(oracle, p, a, n)
 
 
+def test_a_released_request_gives_its_slot_to_a_waiting_adapter():
+    # StepTrim releases an adapter for good: once both slots' requests have released theirs, a third
+    # adapter's request runs beside them (before: it waited for one of them to finish), and every
+    # request's tokens still equal LoRazor's static generate with the same release.
+    model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False, max_loras=2))
+    eng = engine(model)
+    ps = prompts(3, seed=21)
+    first = [eng.add_request(ps[0], adapter="math", max_new_tokens=10, release=1, **GEN),
+             eng.add_request(ps[1], adapter="sql", max_new_tokens=10, release=1, **GEN)]
+    done = {}
+    for _ in range(4):  # prefill, then the decode forwards that release both
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert all(eng.requests[r].release_step == 1 for r in first)
+    third = eng.add_request(ps[2], adapter="med", max_new_tokens=3, **GEN)
+    done.update({o.request_id: o for o in eng.step() if o.finished})
+    running = {r.request_id for r in eng.scheduler.running}
+    assert third in running and set(first) <= running, running
+    assert model.adapters["med"].location == "gpu"
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    for rid, p, a in zip(first, ps, ["math", "sql"]):
+        ref = model.generate(torch.tensor([p]), adapter_ids=[a], max_new_tokens=10, release=[1], **GEN)
+        assert done[rid].token_ids == ref.sequences[0, len(p):].tolist() and done[rid].release_step == 1
+    assert done[third].token_ids == peft_tokens(oracle, ps[2], "med", 3)
+
+
 def test_waiting_requests_adapters_are_loaded_ahead():
     # One running request at a time and 2 slots for 3 adapters: while a resident adapter's request
     # runs, the waiting request's adapter is loaded into the idle slot, before its first step.

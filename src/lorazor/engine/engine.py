@@ -370,7 +370,8 @@ class LoRazorEngine:
         load is marked broken, and only the requests that use it end (finish reason "error", with
         the reason); every other request of the step runs."""
         registry = self.model.registry
-        names = list(dict.fromkeys(c.request.adapter for c in chunks if c.request.adapter is not None))
+        # Released rows run as backbone rows (step_inputs.py): their adapters need no slot.
+        names = list(dict.fromkeys(c.request.adapter for c in chunks if c.request.uses_adapter_at(c.start)))
         failed = registry.load_each(names)
         ended = []
         if failed:
@@ -446,8 +447,8 @@ class LoRazorEngine:
         the side stream while this step computes, so their first step does not wait for the copy.
         Slots of running requests and of this step are never evicted."""
         registry = self.model.registry
-        busy = {c.request.adapter for c in chunks} | {r.adapter for r in self.scheduler.running}
-        busy.discard(None)
+        busy = {c.request.adapter for c in chunks if c.request.uses_adapter_at(c.start)}
+        busy |= {r.adapter for r in self.scheduler.running if r.holds_adapter}
         room = self.model.bank.num_slots - len(busy)
         wanted = []
         for request in itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD):

@@ -221,6 +221,13 @@ class Request:
             return True
         return self.release_step < 0 or decode < self.release_step
 
+    @property
+    def holds_adapter(self) -> bool:
+        """Whether its next computed position still runs with its adapter, so the adapter needs a GPU
+        slot: False once the host knows it released (StepTrim releases for good: the slot may go to
+        another adapter; a preempted request's recompute is admitted, and loaded, again)."""
+        return self.adapter is not None and self.uses_adapter_at(self.num_computed)
+
     def report(self, new_tokens: list[int], new_logprobs: list | None = None) -> RequestOutput:
         decode_steps, lora_steps = decode_counts(len(self.output), self.release_step, self.adapter is not None)
         return RequestOutput(self.request_id, new_tokens, TokenPrefix(self.output), self.status is Status.FINISHED,

@@ -129,7 +129,8 @@ class Scheduler:
             if request not in preempted:
                 chunks.append(Chunk(request, request.num_computed, n))
                 budget -= n
-        adapters = {r.adapter for r in self.running if r.adapter is not None}
+        # Slots held by running requests; one that released its adapter holds none.
+        adapters = {r.adapter for r in self.running if r.holds_adapter}
         skipped = []  # waiting requests whose adapter needs a slot that running requests hold
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
