@@ -5,9 +5,16 @@ For each target linear module the bank holds PEFT's layouts stacked over slots:
     lora_b [L, N, r_max]   (lora_B.weight)
     scaling [L]            (alpha / r, or alpha / sqrt(r) with rsLoRA: PEFT's own value)
     rank [L] int32         (0 where the adapter does not target this module: no delta there)
-Modules are named as in the Hugging Face model (`model.layers.0.self_attn.q_proj`). A slot is
-written in place from a `SlotImage` (one adapter packed in the slots' layout), so captured CUDA
-graphs stay valid; on the GPU the copy runs on a side stream that the compute stream waits for.
+Modules are named as in the Hugging Face model (`model.layers.0.self_attn.q_proj`).
+
+Every module's weights are views into one `[L, slot_numel]` storage, so one slot is one contiguous
+row: an adapter packed in that row's layout on the host (a `SlotImage`) goes into its slot in one
+copy (plus one for the scalings and one for the ranks), not one per module. The row holds, per
+group of modules that share an input and run merged (`lorazor.lora.merged`: q/k/v, gate/up), the
+group's A as one `[G * r_max, K]` block and its B as one `[r_max, sum N]` block, so the merged
+tensors are views of the storage too (`lay_out`); a module outside a group is a group of one. Slots
+are written in place, so captured CUDA graphs stay valid; on the GPU the copy runs on a side
+stream that the compute stream waits for.
 """
 
 from __future__ import annotations
@@ -57,17 +64,13 @@ class ModuleLoRA:
         (rank-0 slots: all zero) and the kernels skip the rank load."""
         return self._mask_rank
 
-    def slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot `slot`'s A `[r_max, K]` and B storage `[r_max, N]` (B is stored N-contiguous)."""
-        return self.lora_a[slot], self.lora_b[slot].transpose(0, 1)
-
 
 @dataclass
 class SlotImage:
     """One adapter packed in the bank's slot layout, on the host (pinned when a GPU is used).
 
     Attributes:
-        weights: every module's A `[r_max, K]` then B `[r_max, N]`, flattened, zero past each rank.
+        weights: one storage row of the bank (`AdapterBank.lay_out`), zero past each rank.
         scaling: `[modules]` float32; rank: `[modules]` int32 (0: module not targeted).
     """
 
@@ -84,123 +87,132 @@ class AdapterBank:
     """`max_loras` slots over a model's target modules, and the adapter name -> slot map.
 
     Args:
-        modules: module name -> `ModuleLoRA` (every module's tensors have `num_slots` slots).
+        sizes: module name -> (in_features K, out_features N), in the model's order.
         num_slots: L, the number of slots.
+        r_max: the largest rank a slot holds.
+        dtype, device: of the weights.
     """
 
-    def __init__(self, modules: dict[str, ModuleLoRA], num_slots: int):
-        if not modules:
+    def __init__(self, sizes: dict[str, tuple[int, int]], num_slots: int, r_max: int, dtype: torch.dtype,
+                 device: torch.device):
+        if not sizes:
             raise AdapterError("no LoRA target modules: nothing for adapters to apply to")
-        self.modules = modules
-        self.num_slots = num_slots
+        self.num_slots, self.r_max, self.dtype, self.device = num_slots, r_max, dtype, torch.device(device)
+        self._sizes = dict(sizes)
+        none = torch.empty(0, 0, 0, device=self.device)  # every module's tensors come from lay_out
+        self.modules = {name: ModuleLoRA(none, none, none, none, [0] * num_slots) for name in sizes}
         self.names: list[str | None] = [None] * num_slots
         self.slot_of: dict[str, int] = {}
-        first = next(iter(modules.values()))
-        self.r_max = first.lora_a.shape[1]
-        self.dtype, self.device = first.lora_a.dtype, first.lora_a.device
-        self._sizes = [(m.lora_a.shape[1] * m.lora_a.shape[2], m.lora_b.shape[2] * m.lora_b.shape[1])
-                       for m in modules.values()]
-        self._views: dict[int, tuple] = {}
-        self._tensors: tuple = ()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._staging: SlotImage | None = None
         self._pending: dict[int, torch.cuda.Event] = {}  # slot -> end of its last write
+        self.lay_out([])
 
     @classmethod
     def empty(cls, layers: dict[str, nn.Linear], num_slots: int, r_max: int,
               dtype: torch.dtype | None = None) -> "AdapterBank":
         """Empty slots for these base linear layers (module name -> nn.Linear), on their device."""
-        modules = {}
-        for name, base in layers.items():
-            w_dtype, device = dtype or base.weight.dtype, base.weight.device
-            lora_a = torch.zeros(num_slots, r_max, base.in_features, dtype=w_dtype, device=device)
-            # Stored [L, r, N] (N contiguous) and used through a [L, N, r] view: the expand kernel then
-            # loads B along N in full vectors while masking only whole rank rows.
-            lora_b = torch.zeros(num_slots, r_max, base.out_features, dtype=w_dtype, device=device).transpose(1, 2)
-            scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
-            rank = torch.zeros(num_slots, dtype=torch.int32, device=device)
-            modules[name] = ModuleLoRA(lora_a, lora_b, scaling, rank, [0] * num_slots)
-        return cls(modules, num_slots)
+        first = next(iter(layers.values()), None)
+        if first is None:
+            raise AdapterError("no LoRA target modules: nothing for adapters to apply to")
+        return cls({name: (base.in_features, base.out_features) for name, base in layers.items()}, num_slots,
+                   r_max, dtype or first.weight.dtype, first.weight.device)
+
+    def lay_out(self, groups) -> dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(Re)allocate the storage with each group of module names (same K, run merged) adjacent:
+        the group's A `[L, G * r_max, K]`, B `[L, sum N, r_max]` and scaling `[G, L]` are views of it,
+        returned per group; every module's tensors become views inside them (the `ModuleLoRA`
+        objects the layers hold are updated in place). Only while every slot is empty."""
+        if any(self.names):
+            raise RuntimeError("the bank's layout changes only while its slots are empty")
+        grouped = {name: tuple(group) for group in groups for name in group}
+        blocks, placed = [], set()
+        for name in self._sizes:
+            if name not in placed:
+                block = grouped.get(name, (name,))
+                blocks.append(block)
+                placed.update(block)
+        order = [name for block in blocks for name in block]
+        self.modules = {name: self.modules[name] for name in order}
+        L, r = self.num_slots, self.r_max
+        total = sum(len(b) * r * self._sizes[b[0]][0] + r * sum(self._sizes[n][1] for n in b) for b in blocks)
+        self.storage = torch.zeros(L, total, dtype=self.dtype, device=self.device)
+        self.scaling = torch.zeros(len(order), L, dtype=torch.float32, device=self.device)
+        self.rank = torch.zeros(len(order), L, dtype=torch.int32, device=self.device)
+        self._layout = []  # per module, in order: (A offset, K, B offset, N, B row length)
+        views, offset, index = {}, 0, 0
+        for block in blocks:
+            K, widths = self._sizes[block[0]][0], [self._sizes[n][1] for n in block]
+            if any(self._sizes[n][0] != K for n in block):
+                raise ValueError(f"modules {block} differ in input size: they cannot share a merged block")
+            a_block = self.storage[:, offset:offset + len(block) * r * K].view(L, len(block) * r, K)
+            b_offset = offset + len(block) * r * K
+            b_store = self.storage[:, b_offset:b_offset + r * sum(widths)].view(L, r, sum(widths))
+            lo = 0
+            for g, (name, n) in enumerate(zip(block, widths)):
+                module = self.modules[name]
+                module.lora_a = a_block[:, g * r:(g + 1) * r]
+                module.lora_b = b_store[:, :, lo:lo + n].transpose(1, 2)
+                module.scaling, module.rank = self.scaling[index], self.rank[index]
+                self._layout.append((offset + g * r * K, K, b_offset + lo, n, sum(widths)))
+                lo, index = lo + n, index + 1
+            views[block] = (a_block, b_store.transpose(1, 2), self.scaling[index - len(block):index])
+            offset = b_offset + r * sum(widths)
+        return views
 
     @property
     def module_sizes(self) -> dict[str, tuple[int, int]]:
         """Module name -> (in_features, out_features)."""
-        return {n: (m.lora_a.shape[2], m.lora_b.shape[1]) for n, m in self.modules.items()}
+        return {name: self._sizes[name] for name in self.modules}
+
+    def name_of(self, module: ModuleLoRA) -> str:
+        """The module name of one of this bank's `ModuleLoRA`s."""
+        return next(name for name, m in self.modules.items() if m is module)
 
     # ---- images ---------------------------------------------------------------------------------
     def pack(self, weights: AdapterWeights, pin: bool | None = None) -> SlotImage:
         """`weights` in this bank's slot layout (host memory; pinned on a GPU machine by default)."""
         pin = self.device.type == "cuda" if pin is None else pin
-        flat = torch.zeros(sum(a + b for a, b in self._sizes), dtype=self.dtype, pin_memory=pin)
+        flat = torch.zeros(self.storage.shape[1], dtype=self.dtype, pin_memory=pin)
         scaling = torch.zeros(len(self.modules), dtype=torch.float32, pin_memory=pin)
         rank = torch.zeros(len(self.modules), dtype=torch.int32, pin_memory=pin)
-        views = self._split(flat)
-        for i, name in enumerate(self.modules):
+        for i, (name, (a_offset, k, b_offset, n, row)) in enumerate(zip(self.modules, self._layout)):
             if name in weights.modules:
                 a, b, scale = weights.modules[name]
                 r = a.shape[0]
-                views[2 * i][:r].copy_(a)
-                views[2 * i + 1][:r].copy_(b.t())
+                flat[a_offset:a_offset + r * k].view(r, k).copy_(a)
+                flat.as_strided((r, n), (row, 1), b_offset).copy_(b.t())
                 scaling[i], rank[i] = scale, r
         return SlotImage(flat, scaling, rank)
 
     def read(self, slot: int) -> SlotImage:
         """A host copy of what slot `slot` holds (to keep an adapter that has no folder when evicted)."""
         self.wait_ready([slot])
-        weights, scaling, rank = self._slot_views(slot)
-        return SlotImage(torch.cat([v.reshape(-1) for v in weights]).cpu(), torch.cat(scaling).cpu(),
-                         torch.cat(rank).cpu())
-
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """A flat image's per-module A `[r_max, K]` and B `[r_max, N]` views."""
-        out, offset = [], 0
-        for a_size, b_size in self._sizes:
-            out.append(flat[offset:offset + a_size].view(self.r_max, -1))
-            out.append(flat[offset + a_size:offset + a_size + b_size].view(self.r_max, -1))
-            offset += a_size + b_size
-        return out
-
-    def _slot_views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Slot `slot`'s destinations: every module's A and B storage, scaling and rank. Cached per
-        slot, and rebuilt when a module's tensors were replaced (merged projections make the
-        members' tensors views into the merged ones after the bank is built)."""
-        tensors = tuple(t for m in self.modules.values() for t in (m.lora_a, m.lora_b, m.scaling, m.rank))
-        if len(tensors) != len(self._tensors) or any(a is not b for a, b in zip(tensors, self._tensors)):
-            self._views.clear()
-            self._tensors = tensors
-        if slot not in self._views:
-            weights = [v for m in self.modules.values() for v in m.slot_views(slot)]
-            scaling = [m.scaling[slot:slot + 1] for m in self.modules.values()]
-            rank = [m.rank[slot:slot + 1] for m in self.modules.values()]
-            self._views[slot] = (weights, scaling, rank)
-        return self._views[slot]
+        # A copy even on the CPU (where `.cpu()` would return the slot's row itself, overwritten next).
+        return SlotImage(*(t.to("cpu", copy=True) for t in (self.storage[slot], self.scaling[:, slot],
+                                                            self.rank[:, slot])))
 
     # ---- slot writes ----------------------------------------------------------------------------
     def write(self, slot: int, name: str, image: SlotImage) -> None:
-        """Put adapter `name` (packed as `image`) into `slot`, in place. On the GPU: one host -> GPU
-        copy into a staging buffer, then one batched scatter into the slot, on a side stream that
-        starts after the work already queued (which may still read the old contents). The compute
-        stream does not wait for it here: `wait_ready` before the first step that reads the slot."""
+        """Put adapter `name` (packed as `image`) into `slot`, in place: one copy of the weights into
+        the slot's storage row, one each for the scalings and ranks. On the GPU they run on a side
+        stream that starts after the work already queued (which may still read the old contents);
+        the compute stream does not wait for them here: `wait_ready` before the first step that reads
+        the slot."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
         self._release_name(slot)
-        weights, scaling, rank = self._slot_views(slot)
+        copies = ((self.storage[slot], image.weights), (self.scaling[:, slot], image.scaling),
+                  (self.rank[:, slot], image.rank))
         if self._stream is None:
-            self._scatter(weights, scaling, rank, image)
+            for dst, src in copies:
+                dst.copy_(src)
         else:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                if self._staging is None:
-                    self._staging = SlotImage(torch.empty_like(image.weights, device=self.device),
-                                              torch.empty_like(image.scaling, device=self.device),
-                                              torch.empty_like(image.rank, device=self.device))
-                for dst, src in zip((self._staging.weights, self._staging.scaling, self._staging.rank),
-                                    (image.weights, image.scaling, image.rank)):
+                for dst, src in copies:
                     dst.copy_(src, non_blocking=True)
-                self._scatter(weights, scaling, rank, self._staging)
                 self._pending[slot] = self._stream.record_event()
-        host_rank = image.rank.tolist()
-        for m, r in zip(self.modules.values(), host_rank):
+        for m, r in zip(self.modules.values(), image.rank.tolist()):
             m.set_host_rank(slot, r)
         self.names[slot] = name
         self.slot_of[name] = slot
@@ -212,15 +224,10 @@ class AdapterBank:
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
 
-    def _scatter(self, weights, scaling, rank, image: SlotImage) -> None:
-        torch._foreach_copy_(weights, self._split(image.weights))
-        torch._foreach_copy_(scaling, list(image.scaling.view(-1, 1).unbind(0)))
-        torch._foreach_copy_(rank, list(image.rank.view(-1, 1).unbind(0)))
-
     def clear(self, slot: int) -> None:
         """Empty a slot: zero weights (unmasked kernels rely on zeros past each rank) and rank 0."""
         empty = getattr(self, "_empty_image", None)
-        if empty is None:
+        if empty is None or empty.weights.shape[0] != self.storage.shape[1]:
             empty = self._empty_image = self.pack(AdapterWeights(), pin=False)
         self.write(slot, "", empty)
         self._release_name(slot)

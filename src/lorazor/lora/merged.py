@@ -7,8 +7,9 @@ one segmented expand) and returns its slice; the other members return their slic
 are called on the same input tensor. That is 4 base GEMMs and 8 LoRA launches per decoder layer
 instead of 7 and 14.
 
-Nothing is copied: the members' weights, biases and adapter slots become views into the merged
-tensors, so `add_adapter` keeps writing where the merged op reads. A member called on another
+Nothing is copied: the members' weights and biases become views into the merged tensors, and the
+adapter bank lays each group's slots out as one block whose views both the members and the merged
+op read, so `add_adapter` keeps writing where the merged op reads. A member called on another
 input, or a bank whose ranks became mixed, takes its own per-module path (still correct).
 """
 
@@ -28,7 +29,7 @@ EDGE_MULTIPLE = 16
 class MergedGroup:
     """One group of `BatchedLoRALinear` members sharing an input. Build with `merge_projections`."""
 
-    def __init__(self, members: list, context):
+    def __init__(self, members: list, context, adapter_views):
         self.members = members
         self.context = context
         bases = [m.base_layer for m in members]
@@ -50,18 +51,10 @@ class MergedGroup:
                 base.bias.data = self.bias[lo:hi]
             if self.weight_scale is not None:
                 base.weight_scale.data = self.weight_scale[lo:hi]
-        # Adapters: A stacked [L, G*r, K], B [L, r, sum N] used as [L, sum N, r], scaling [G, L].
-        loras = [m.lora for m in members]
-        r = loras[0].lora_a.shape[1]
-        self.lora_a = torch.cat([lora.lora_a for lora in loras], dim=1)
-        b_store = torch.cat([lora.lora_b.transpose(1, 2) for lora in loras], dim=2)
-        self.lora_b = b_store.transpose(1, 2)
-        self.scaling = torch.stack([lora.scaling for lora in loras])
-        for g, (lora, (lo, hi)) in enumerate(zip(loras, self.spans)):
-            lora.lora_a = self.lora_a[:, g * r:(g + 1) * r]
-            lora.lora_b = b_store[:, :, lo:hi].transpose(1, 2)
-            lora.scaling = self.scaling[g]
-        self.rank = loras[0].rank
+        # Adapters: A stacked [L, G*r, K], B [L, sum N, r], scaling [G, L]: the bank's views of the
+        # group's blocks (`AdapterBank.lay_out`), inside which the members' own tensors lie.
+        self.lora_a, self.lora_b, self.scaling = adapter_views
+        self.rank = members[0].lora.rank
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
         self.ran_merged = False  # set once the merged computation has served the members
@@ -112,13 +105,15 @@ def _can_merge(members) -> str | None:
     return None
 
 
-def merge_projections(root: nn.Module, context) -> list[MergedGroup]:
-    """Merge every group of `GROUPS` found under `root` whose members can be merged; returns the groups."""
-    groups = []
+def merge_projections(root: nn.Module, context, bank) -> list[MergedGroup]:
+    """Merge every group of `GROUPS` found under `root` whose members can be merged (the bank lays
+    each group's adapter weights out as one block, while its slots are empty); returns the groups."""
+    found = []
     for parent in root.modules():
         for names in GROUPS:
             members = [getattr(parent, n, None) for n in names]
             if any(m is None for m in members) or _can_merge(members) is not None:
                 continue
-            groups.append(MergedGroup(members, context))
-    return groups
+            found.append((members, tuple(bank.name_of(m.lora) for m in members)))
+    views = bank.lay_out([names for _, names in found])
+    return [MergedGroup(members, context, views[names]) for members, names in found]

@@ -64,7 +64,7 @@ class LoRazorModel(nn.Module):
         self._replaced = patch_layers(model, bank, self.context)
         if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
             quantize_decoder(self.model.get_decoder(), fp8_weights)  # an fp8 checkpoint's own, where given
-        self.merged_groups = merge_projections(self.model, self.context) if config.merge_projections else []
+        self.merged_groups = merge_projections(self.model, self.context, bank) if config.merge_projections else []
         self._previous_attn = self.model.config._attn_implementation
         register_attention()
         self.model.set_attn_implementation(ATTENTION_NAME)
