@@ -45,17 +45,25 @@ class ModuleLoRA:
     # `mask_rank`, kept up to date by `set_host_rank`: every layer reads it every step, and a plain
     # bool is one guard for torch.compile (not one per slot's rank, nor a cache state to recompile on).
     _mask_rank: bool = field(default=False, init=False, repr=False)
+    # Slots whose rank is between 0 and r_max, counted as ranks change (a load sets every module's
+    # rank: a scan of every slot per module made it ~0.5 ms of host time per load).
+    _partial: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self):
-        self._mask_rank = self._partial_ranks()
+        self.recount()
 
-    def _partial_ranks(self) -> bool:
-        r_max = self.lora_a.shape[1]
-        return any(0 < r < r_max for r in self.host_rank)
+    def _is_partial(self, rank: int) -> bool:
+        return 0 < rank < self.lora_a.shape[1]
+
+    def recount(self) -> None:
+        """Count the partial-rank slots again (after `lora_a` changed shape)."""
+        self._partial = sum(map(self._is_partial, self.host_rank))
+        self._mask_rank = self._partial > 0
 
     def set_host_rank(self, slot: int, rank: int) -> None:
+        self._partial += self._is_partial(rank) - self._is_partial(self.host_rank[slot])
         self.host_rank[slot] = rank
-        self._mask_rank = self._partial_ranks()
+        self._mask_rank = self._partial > 0
 
     @property
     def mask_rank(self) -> bool:
@@ -153,6 +161,7 @@ class AdapterBank:
                 module.lora_a = a_block[:, g * r:(g + 1) * r]
                 module.lora_b = b_store[:, :, lo:lo + n].transpose(1, 2)
                 module.scaling, module.rank = self.scaling[index], self.rank[index]
+                module.recount()
                 self._layout.append((offset + g * r * K, K, b_offset + lo, n, sum(widths)))
                 lo, index = lo + n, index + 1
             views[block] = (a_block, b_store.transpose(1, 2), self.scaling[index - len(block):index])
