@@ -557,3 +557,55 @@ def test_outputs_share_the_tokens_but_each_keeps_its_own_snapshot(pair):
         with pytest.raises(IndexError):
             out.tokens[i + 1]
     assert seen[-1].token_ids is seen[-1].token_ids  # made once, then kept
+
+
+def test_a_cold_adapters_folder_is_read_while_the_other_requests_step(tmp_path, monkeypatch):
+    # A request whose adapter is on disk waits while its folder is read on a host thread; the
+    # running request keeps getting a token every step meanwhile (was: the step read the folder
+    # first); then it runs, with the adapter's own tokens, and the load counts as a disk load.
+    import threading
+
+    import lorazor.adapters.registry as registry_module
+
+    model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False))
+    oracle.save_pretrained(tmp_path, selected_adapters=["sql"])
+    model.register_adapter("sql_disk", tmp_path / "sql")
+    release = threading.Event()
+    real = registry_module.load_adapter_weights
+
+    def slow_read(*args, **kwargs):
+        assert release.wait(timeout=60), "the test never released the read"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(registry_module, "load_adapter_weights", slow_read)
+    eng = engine(model)
+    ps = prompts(2, seed=23)
+    warm = eng.add_request(ps[0], adapter="math", max_new_tokens=12, **GEN)
+    cold = eng.add_request(ps[1], adapter="sql_disk", max_new_tokens=4, **GEN)
+    done = {}
+    for _ in range(5):  # the folder's read is held: five steps run without it
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert len(eng.requests[warm].output) == 5 and eng.requests[cold].status.name == "WAITING"
+    assert "sql_disk" in model.registry.read_ahead.reading
+    disk_loads = model.registry.load_times.counts.get("disk", [0])
+    release.set()
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done[warm].token_ids == peft_tokens(oracle, ps[0], "math", 12)
+    assert done[cold].token_ids == peft_tokens(oracle, ps[1], "sql", 4)
+    assert sum(model.registry.load_times.counts["disk"]) == sum(disk_loads) + 1
+
+
+def test_a_cold_adapter_whose_folder_breaks_ends_only_its_requests(tmp_path):
+    import shutil
+
+    model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False))
+    oracle.save_pretrained(tmp_path, selected_adapters=["sql"])
+    model.register_adapter("sql_disk", tmp_path / "sql")
+    shutil.rmtree(tmp_path / "sql")  # gone after registration
+    eng = engine(model)
+    ps = prompts(2, seed=24)
+    outs = eng.generate([dict(prompt_ids=ps[0], adapter="math", max_new_tokens=6, **GEN),
+                         dict(prompt_ids=ps[1], adapter="sql_disk", max_new_tokens=6, **GEN)])
+    assert outs[0].token_ids == peft_tokens(oracle, ps[0], "math", 6)
+    assert outs[1].finish_reason == "error" and "sql_disk" in model.registry.broken

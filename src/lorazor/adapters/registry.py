@@ -23,6 +23,7 @@ import torch
 from .bank import AdapterBank, SlotImage
 from .loader import (AdapterSource, check_adapter_name, check_finite, check_source, load_adapter_weights,
                      read_adapter, weights_digest)
+from .read_ahead import ReadAhead
 from .types import AdapterError, AdapterWeights
 
 
@@ -114,6 +115,7 @@ class AdapterRegistry:
         # Adapters whose weights failed to load, with the reason: requests for them are refused
         # until the adapter is unregistered (and registered again, fixed).
         self.broken: dict[str, str] = {}
+        self.read_ahead = ReadAhead(lambda source: self.bank.pack(load_adapter_weights(source, self.bank.module_sizes)))
 
     # ---- registration ---------------------------------------------------------------------------
     def register(self, name: str, path, source: AdapterSource | None = None, allow_hub: bool = False) -> AdapterStatus:
@@ -168,6 +170,7 @@ class AdapterRegistry:
         del self.entries[name]
         self._host_lru.pop(name, None)
         self.broken.pop(name, None)
+        self.read_ahead.forget(name)
 
     def digest(self, name: str) -> bytes:
         """The hash of a registered adapter's config and weights."""
@@ -196,6 +199,22 @@ class AdapterRegistry:
             except (OSError, RuntimeError) as err:  # the folder changed or vanished since registration
                 failed[name] = self.broken[name] = f"{type(err).__name__}: {err}"
         return failed
+
+    def host_ready(self, name: str, read: bool = True) -> bool:
+        """Whether loading `name` into a slot needs no disk read now (it is in a slot, has a host copy
+        or a read-ahead image, has no folder, is broken or unknown). If it does, start reading its
+        folder on a host thread (`read_ahead.py`) when `read`, and return False."""
+        entry = self.entries.get(name)
+        if entry is None or entry.source is None or entry.image is not None or name in self.bank.slot_of:
+            return True
+        for failed, reason in self.read_ahead.collect().items():
+            if failed in self.entries:
+                self.broken[failed] = reason
+        if name in self.broken or name in self.read_ahead.ready:
+            return True
+        if read:
+            self.read_ahead.start(name, entry.source)
+        return False
 
     # ---- residency ------------------------------------------------------------------------------
     def slots_for(self, adapter_ids, device: torch.device | None = None) -> torch.Tensor:
@@ -241,7 +260,11 @@ class AdapterRegistry:
 
     def _load(self, name: str, slot: int) -> None:
         start = time.perf_counter()
-        source = "disk" if self.entries[name].image is None else "cpu"
+        entry = self.entries[name]
+        source = "disk" if entry.image is None else "cpu"
+        ahead = self.read_ahead.take(name, entry.source) if entry.image is None else None
+        if ahead is not None:  # read on the host thread: the disk load's time is that read's and this
+            entry.image, read_seconds = ahead
         image = self._image(name)  # first: a load that fails leaves the slot's adapter in place
         old = self.bank.names[slot]
         if old is not None and self.entries[old].source is None:
@@ -249,8 +272,7 @@ class AdapterRegistry:
         self.bank.write(slot, name, image)
         self.loads += 1
         # The host's part: the read and pack, and queueing the copy (which then overlaps the step).
-        self.load_times.record(source, time.perf_counter() - start)
-        entry = self.entries[name]
+        self.load_times.record(source, time.perf_counter() - start + (read_seconds if ahead is not None else 0.0))
         if entry.source is not None and name not in self._host_lru:
             entry.image = None  # max_cpu_loras=0: no host copy outlives the load
 

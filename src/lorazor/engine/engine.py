@@ -122,7 +122,8 @@ class LoRazorEngine:
         self.graphs = runner.paged_graphs(self.cache, seats, tokens)
         # Each release policy in use, bound to the adapters in the bank's slots.
         self.policies = BoundPolicies(model.bank, model.device)
-        self.scheduler = Scheduler(self.pool, seats, tokens, model.bank.num_slots, on_free=self.tables.release)
+        self.scheduler = Scheduler(self.pool, seats, tokens, model.bank.num_slots, on_free=self.tables.release,
+                                   adapter_ready=model.registry.host_ready)
         self.requests: dict[str, Request] = {}
         self._configs = ResolvedConfigs(runner.hf_model)  # HF's settings resolution, once per distinct settings
         self._loads_at_start = model.registry.loads
@@ -339,6 +340,8 @@ class LoRazorEngine:
             outputs += failed
             if not chunks:
                 if previous is None and self.requests and not failed:
+                    if self.model.registry.read_ahead.wait(timeout=0.05):
+                        return outputs  # every waiting request waits for its adapter's folder to be read
                     raise RuntimeError(f"{len(self.requests)} requests wait but none can be scheduled")
                 return outputs + self._postprocess(previous)
             try:
@@ -453,7 +456,8 @@ class LoRazorEngine:
         wanted = []
         for request in itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD):
             name = request.adapter
-            if name is not None and name not in busy and name not in wanted and len(wanted) < room:
+            if (name is not None and name not in busy and name not in wanted and len(wanted) < room
+                    and registry.host_ready(name)):  # a folder to read: read ahead on the host thread
                 wanted.append(name)
         if any(name not in registry.bank.slot_of for name in wanted):
             # A failing load marks its adapter broken; its requests end when they are scheduled.

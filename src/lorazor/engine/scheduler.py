@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ..adapters.read_ahead import READ_AHEAD
 from .blocks import BlockPool, block_hashes
 from .request import Request, Status
 
@@ -41,10 +42,13 @@ class Scheduler:
     """FCFS admission under a token budget and a sequence budget, chunked prefill, preemption."""
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_adapters: int,
-                 on_free=None):
+                 on_free=None, adapter_ready=None):
         """`on_free(request)`: called when a request leaves the running set (finished, aborted or
-        preempted) with its blocks freed, so per-running-request state (a block-table row) goes too."""
+        preempted) with its blocks freed, so per-running-request state (a block-table row) goes too.
+        `adapter_ready(name, read)`: whether an adapter loads without a disk read now (else, with
+        `read`, its read starts on a host thread: `AdapterRegistry.host_ready`); its requests wait."""
         self.pool = pool
+        self.adapter_ready = adapter_ready or (lambda name, read: True)
         self.on_free = on_free or (lambda request: None)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -131,9 +135,15 @@ class Scheduler:
                 budget -= n
         # Slots held by running requests; one that released its adapter holds none.
         adapters = {r.adapter for r in self.running if r.holds_adapter}
-        skipped = []  # waiting requests whose adapter needs a slot that running requests hold
+        skipped = []  # waiting requests whose adapter is on disk, or needs a slot that running requests hold
+        cold = 0  # of them, those on disk: the first READ_AHEAD start their reads
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
+            if request.adapter is not None and not self.adapter_ready(request.adapter, cold < READ_AHEAD):
+                # Its folder is being read on a host thread: the steps go on without it meanwhile.
+                cold += 1
+                skipped.append(request)
+                continue
             if request.adapter is not None and request.adapter not in adapters and len(adapters) >= self.max_adapters:
                 # It waits for a slot without blocking later requests whose adapters are in use;
                 # it keeps its place at the front, so it is admitted first once a slot frees.
