@@ -38,19 +38,20 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 DISTINCT_FILES = 8
 
 
-def write_folders(base, root: Path, count: int) -> list[Path]:
-    """`count` PEFT adapter folders over `DISTINCT_FILES` weight files (hard links beyond those)."""
+def write_folders(base, root: Path, count: int, targets=TARGETS, distinct: int = DISTINCT_FILES) -> list[Path]:
+    """`count` PEFT adapter folders over `distinct` weight files (hard links beyond those)."""
     from safetensors.torch import save_file
 
-    linears = {n: m for n, m in base.named_modules() if n.rsplit(".", 1)[-1] in TARGETS}
+    linears = {n: m for n, m in base.named_modules() if n.rsplit(".", 1)[-1] in targets}
     g = torch.Generator().manual_seed(0)
-    config = {"peft_type": "LORA", "r": RANK, "lora_alpha": 16, "target_modules": TARGETS, "task_type": "CAUSAL_LM"}
+    config = {"peft_type": "LORA", "r": RANK, "lora_alpha": 16, "target_modules": list(targets),
+              "task_type": "CAUSAL_LM"}
     folders = []
     for i in range(count):
         folder = root / f"a{i:04d}"
         folder.mkdir()
         (folder / "adapter_config.json").write_text(json.dumps(config))
-        if i < DISTINCT_FILES:
+        if i < distinct:
             tensors = {}
             for name, lin in linears.items():
                 a = torch.randn(RANK, lin.in_features, generator=g) / lin.in_features**0.5
@@ -59,7 +60,7 @@ def write_folders(base, root: Path, count: int) -> list[Path]:
                 tensors[f"base_model.model.{name}.lora_B.weight"] = b.to(torch.bfloat16)
             save_file(tensors, str(folder / "adapter_model.safetensors"))
         else:
-            os.link(folders[i % DISTINCT_FILES] / "adapter_model.safetensors", folder / "adapter_model.safetensors")
+            os.link(folders[i % distinct] / "adapter_model.safetensors", folder / "adapter_model.safetensors")
         folders.append(folder)
     return folders
 

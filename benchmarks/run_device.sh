@@ -44,6 +44,8 @@
 #                    (200 decode rows + 824 prompt tokens) against its floors
 #   defaults         probes/step_roofline.py --defaults: the step at the engine's defaults, compile=auto on cold caches
 #                    (warm-up, decode, prefill), its restart on the caches left, then eager (issue #54)
+#   cold-adapters    bench_cold_adapters.py: TTFT of requests whose adapter was on disk, in host memory or in a slot,
+#                    1,000 adapters, 32 slots, 128 host copies, Zipf(1.1), open loop, against every adapter resident
 #   warmup           probes/warmup_profile.py: warm_up() compiled with cold caches, compiled again with the caches
 #                    it left (a restart), eager with cold caches, eager again with its Triton cache (a restart)
 #   prefix-cache     bench_engine.py --workload shared-prefix (128 adapters with ~1,000-token system prompts, Zipf
@@ -204,6 +206,8 @@ PY
              timeout 130 $roof --compile off --phases floors,decode,prefill --tag _defaults_eager \
                > "$W/defaults_eager.log" 2>&1
              unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR ;;
+    cold-adapters) # issue #56: 1,000 adapters on disk, 32 slots, 128 host copies, Zipf(1.1), open loop; then all resident
+             timeout 500 python3 benchmarks/bench_cold_adapters.py --out "$W/cold_adapters" > "$W/cold_adapters.log" 2>&1 ;;
     warmup)  # compiled on cold caches, compiled again on the caches it left (a restart), then eager; tar after each
              export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_warmup TRITON_CACHE_DIR=/tmp/triton_warmup
              rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"

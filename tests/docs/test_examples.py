@@ -191,3 +191,21 @@ def test_decode_heavy_workload_has_the_shape_of_the_steptrim_trace():
         assert max(len(r.prompt) + r.max_new_tokens for r in workload) <= 1024  # bench_engine's max_model_len
     with pytest.raises(ValueError, match="unknown workload shape 'long'"):
         wl.build(16, 100, shape="long")
+
+
+def test_cold_adapter_bench_classes_every_request_of_a_tiny_trace(tmp_path):
+    """bench_cold_adapters.py --tiny: every request is served and classed by where its adapter was
+    (slot, host copy, disk), and the resident baseline serves the same trace from slots only."""
+    import json
+
+    root = EXAMPLES.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels")])}
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_cold_adapters.py"), "--tiny",
+                           "--adapters", "40", "--max-loras", "4", "--max-cpu-loras", "8", "--requests", "60",
+                           "--rate", "40", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "cold_adapters.json").read_text())
+    cold, resident = result["rows"]["cold"], result["rows"]["resident"]
+    assert cold["completed"] == resident["completed"] == 60
+    assert sum(c["requests"] for c in cold["by_class"].values()) == 60 and cold["by_class"]["disk"]["requests"] > 0
+    assert resident["by_class"]["gpu"]["requests"] == 60
