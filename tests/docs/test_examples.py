@@ -202,7 +202,8 @@ def test_cold_adapter_bench_classes_every_request_of_a_tiny_trace(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels")])}
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_cold_adapters.py"), "--tiny",
                            "--adapters", "40", "--max-loras", "4", "--max-cpu-loras", "8", "--requests", "60",
-                           "--rate", "40", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+                           "--rate", "40", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "cold_adapters.json").read_text())
     cold, resident = result["rows"]["cold"], result["rows"]["resident"]
