@@ -449,6 +449,8 @@ class LoRazorEngine:
         """Start loading the adapters of the next waiting requests into free or idle GPU slots, on
         the side stream while this step computes, so their first step does not wait for the copy.
         Slots of running requests and of this step are never evicted."""
+        if not any(r.adapter is not None for r in itertools.islice(self.scheduler.waiting, PREFETCH_LOOKAHEAD)):
+            return  # nothing to prefetch: skip the per-request work below (most decode steps)
         registry = self.model.registry
         busy = {c.request.adapter for c in chunks if c.request.uses_adapter_at(c.start)}
         busy |= {r.adapter for r in self.scheduler.running if r.holds_adapter}

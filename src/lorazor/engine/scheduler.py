@@ -133,8 +133,9 @@ class Scheduler:
             if request not in preempted:
                 chunks.append(Chunk(request, request.num_computed, n))
                 budget -= n
-        # Slots held by running requests; one that released its adapter holds none.
-        adapters = {r.adapter for r in self.running if r.holds_adapter}
+        # Slots held by running requests (one that released its adapter holds none): counted only
+        # when some request waits, not on every decode step.
+        adapters = {r.adapter for r in self.running if r.holds_adapter} if self.waiting else set()
         skipped = []  # waiting requests whose adapter is on disk, or needs a slot that running requests hold
         cold = 0  # of them, those on disk: the first READ_AHEAD start their reads
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
