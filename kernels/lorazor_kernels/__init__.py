@@ -9,7 +9,8 @@ from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound, slot_bound_class
 from .paged_attention import (paged_attention, paged_attention_call, paged_attention_op, paged_attention_reference,
-                              tile_shape, write_pool, write_pool_op)
+                              tile_shape, write_pool, write_pool_op, write_positions,
+                              write_positions_op)
 from .ops import add_batched_lora_, base_linear, batched_lora, linear_lora_op
 from .reference import NO_ADAPTER, lora_delta_reference
 from .token_fill import fill_pending, fill_pending_reference, warm_up_fill
@@ -48,4 +49,6 @@ __all__ = [
     "warm_up_fill",
     "write_pool",
     "write_pool_op",
+    "write_positions",
+    "write_positions_op",
 ]

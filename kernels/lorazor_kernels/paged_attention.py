@@ -207,3 +207,18 @@ write_pool_op = torch.library.custom_op("lorazor::write_pool", mutates_args=("po
 @write_pool_op.register_fake
 def _(pool, slots, rows):
     return None
+
+
+def write_positions(cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, source: torch.Tensor) -> None:
+    """`cache[rows[b], :, positions[b]] = source[b]` in place (`cache` `[B, H, S, D]`, one position per
+    row: the contiguous KV cache of `generate()`)."""
+    cache[rows, :, positions] = source.to(cache.dtype)
+
+
+# The same for `generate()`'s contiguous cache, for the same reason as `write_pool_op`.
+write_positions_op = torch.library.custom_op("lorazor::write_positions", mutates_args=("cache",))(write_positions)
+
+
+@write_positions_op.register_fake
+def _(cache, rows, positions, source):
+    return None

@@ -13,7 +13,7 @@ import json
 import re
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -110,8 +110,7 @@ class LoRazorConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.compile in ("on", "off"):
             object.__setattr__(self, "compile", self.compile == "on")
-        if self.compile not in (True, False, "auto") or isinstance(self.compile, int) and not isinstance(
-                self.compile, bool):
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise ValueError(f"compile must be True, False or one of {COMPILE_MODES}, got {self.compile!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
@@ -152,8 +151,6 @@ class LoRazorConfig:
         """This config with `compile` a bool: "auto" is on for a CUDA model with the Triton kernels."""
         if self.compile != "auto":
             return self
-        from dataclasses import replace
-
         return replace(self, compile=device.type == "cuda" and backend == "triton")
 
     def to_dict(self) -> dict:

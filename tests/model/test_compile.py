@@ -173,3 +173,26 @@ def test_compiled_kv_write_is_the_opaque_op_in_place_on_the_pool():
     assert "torch.ops.lorazor.write_pool.default(arg" in code, code
     body = code.split("def call(")[1].split("def get_args(")[0]
     assert "empty_strided_cpu((120, 2, 16)" not in body, body  # no pool-sized buffer
+
+
+
+def test_compiled_contiguous_cache_write_is_the_opaque_op_in_place():
+    # generate()'s contiguous cache ([B, H, S, D] per layer, one position per row): the same rule.
+    from torch._inductor.utils import run_and_get_code
+
+    from lorazor.runner.layer_stack import LayerStack
+
+    stack = LayerStack(2, (3, 2, 10, 16), torch.float32, "cpu")
+    expected = LayerStack(2, (3, 2, 10, 16), torch.float32, "cpu")
+
+    def step(target, layer, rows, cols, keys):
+        target.put_(layer, rows, cols, keys + 1)
+        return target.layer(layer).sum((0, 2)) * 2
+
+    rows, cols, keys = torch.tensor([0, 1, 2]), torch.tensor([4, 0, 9]), torch.randn(3, 2, 16)
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(torch.compile(lambda *a: step(stack, *a)), 1, rows, cols, keys)
+    assert torch.equal(out, step(expected, 1, rows, cols, keys)) and torch.equal(stack.flat, expected.flat)
+    body = "\n".join(codes).split("def call(")[1].split("def get_args(")[0]
+    assert "torch.ops.lorazor.write_positions.default(arg" in body, body
+    assert "empty_strided_cpu((6, 2, 10, 16)" not in body, body

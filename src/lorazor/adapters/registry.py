@@ -263,7 +263,7 @@ class AdapterRegistry:
         entry = self.entries[name]
         source = "disk" if entry.image is None else "cpu"
         ahead = self.read_ahead.take(name, entry.source) if entry.image is None else None
-        if ahead is not None:  # read on the host thread: the disk load's time is that read's and this
+        if ahead is not None:  # read on the host thread: this disk load took that read plus the copy below
             entry.image, read_seconds = ahead
         image = self._image(name)  # first: a load that fails leaves the slot's adapter in place
         old = self.bank.names[slot]

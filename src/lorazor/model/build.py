@@ -30,6 +30,7 @@ def quiet_peft():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield
 
+
 @contextlib.contextmanager
 def unexpected_scales_quiet(quiet: bool):
     """Loaded without its quantizer, an fp8 checkpoint's `weight_scale_inv` tensors are "unexpected"

@@ -5,7 +5,8 @@ With `compile=True` torch.compile traces one decoder layer and reuses it for eve
 int: indexing a Python list of per-layer tensors with it would make dynamo specialize on it (one
 compile per layer), and writing into a view of a stacked tensor makes inductor copy the whole
 layer back. So the compiled code writes into the flat tensor at `index + layer * rows` (in place,
-through the opaque `lorazor::write_pool` op: see there why inductor must not generate that scatter)
+through the opaque `lorazor::write_pool` / `write_positions` ops: see there why inductor must not
+generate that scatter)
 and reads the layer as a narrowed view. Eager code takes the layer's view from a list (no offset
 kernel).
 """
@@ -13,7 +14,7 @@ kernel).
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import write_pool, write_pool_op
+from lorazor_kernels import write_pool, write_pool_op, write_positions, write_positions_op
 
 
 class LayerStack:
@@ -48,6 +49,6 @@ class LayerStack:
     def put_(self, layer, rows: torch.Tensor, cols: torch.Tensor, source: torch.Tensor) -> None:
         """`self[layer][rows, :, cols] = source` (one position per row of a `[B, H, S, D]` layer)."""
         if torch.compiler.is_compiling():
-            self.flat[rows + layer * self.rows, :, cols] = source
+            write_positions_op(self.flat, rows + layer * self.rows, cols, source)
         else:
-            self.layers[layer][rows, :, cols] = source
+            write_positions(self.layers[layer], rows, cols, source)
