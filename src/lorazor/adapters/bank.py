@@ -98,7 +98,8 @@ class AdapterBank:
         sizes: module name -> (in_features K, out_features N), in the model's order.
         num_slots: L, the number of slots.
         r_max: the largest rank a slot holds.
-        dtype, device: of the weights.
+        dtype: of the weights.
+        device: where the slots live.
     """
 
     def __init__(self, sizes: dict[str, tuple[int, int]], num_slots: int, r_max: int, dtype: torch.dtype,
