@@ -401,3 +401,24 @@ def test_compile_flag_takes_auto_on_off_and_refuses_other_words(capsys):
     with pytest.raises(SystemExit):
         serve_args("--compile", "fast")
     assert "invalid choice: 'fast'" in capsys.readouterr().err
+
+
+def test_serve_quantization_fp8_builds_an_fp8_engine_equal_to_the_fp8_model():
+    # `lorazor serve --testbed --quantization fp8`: every projection in fp8, and a request through
+    # the served engine gets the tokens the same fp8 model gives offline (StepTrim release included).
+    from lorazor import LoRazorConfig, LoRazorModel
+    from lorazor.quant import Fp8Linear
+    from lorazor.serve.cli import build_engine
+    from lorazor.testbed import load
+
+    engine, tokenizer = build_engine(serve_args("--quantization", "fp8"))
+    assert engine.model.config.quantization == "fp8"
+    assert sum(isinstance(m, Fp8Linear) for m in engine.model.model.modules()) > 0
+    offline = LoRazorModel.from_peft(load()[0], LoRazorConfig(quantization="fp8"))
+    prompt = tokenizer("Q: 12 + 30 = ?\nA:")["input_ids"]
+    name = engine.model.adapter_names[0]
+    out = engine.generate([dict(prompt_ids=prompt, adapter=name, max_new_tokens=6, do_sample=False, release=2,
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=None)])[0]
+    ref = offline.generate(torch.tensor([prompt]), adapter_ids=[name], max_new_tokens=6, do_sample=False,
+                           release=[2], pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
+    assert out.token_ids == ref.sequences[0, len(prompt):].tolist()
