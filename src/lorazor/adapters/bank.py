@@ -174,10 +174,6 @@ class AdapterBank:
         """Module name -> (in_features, out_features)."""
         return {name: self._sizes[name] for name in self.modules}
 
-    def name_of(self, module: ModuleLoRA) -> str:
-        """The module name of one of this bank's `ModuleLoRA`s."""
-        return next(name for name, m in self.modules.items() if m is module)
-
     # ---- images ---------------------------------------------------------------------------------
     def pack(self, weights: AdapterWeights, pin: bool | None = None) -> SlotImage:
         """`weights` in this bank's slot layout (host memory; pinned on a GPU machine by default)."""

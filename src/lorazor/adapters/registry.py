@@ -261,7 +261,7 @@ class AdapterRegistry:
     def _load(self, name: str, slot: int) -> None:
         start = time.perf_counter()
         entry = self.entries[name]
-        source = "disk" if entry.image is None else "cpu"
+        source, read_seconds = ("disk" if entry.image is None else "cpu"), 0.0
         ahead = self.read_ahead.take(name, entry.source) if entry.image is None else None
         if ahead is not None:  # read on the host thread: this disk load took that read plus the copy below
             entry.image, read_seconds = ahead
@@ -272,7 +272,7 @@ class AdapterRegistry:
         self.bank.write(slot, name, image)
         self.loads += 1
         # The host's part: the read and pack, and queueing the copy (which then overlaps the step).
-        self.load_times.record(source, time.perf_counter() - start + (read_seconds if ahead is not None else 0.0))
+        self.load_times.record(source, time.perf_counter() - start + read_seconds)
         if entry.source is not None and name not in self._host_lru:
             entry.image = None  # max_cpu_loras=0: no host copy outlives the load
 

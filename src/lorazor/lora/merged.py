@@ -108,12 +108,13 @@ def _can_merge(members) -> str | None:
 def merge_projections(root: nn.Module, context, bank) -> list[MergedGroup]:
     """Merge every group of `GROUPS` found under `root` whose members can be merged (the bank lays
     each group's adapter weights out as one block, while its slots are empty); returns the groups."""
+    name_of = {id(lora): name for name, lora in bank.modules.items()}
     found = []
     for parent in root.modules():
         for names in GROUPS:
             members = [getattr(parent, n, None) for n in names]
             if any(m is None for m in members) or _can_merge(members) is not None:
                 continue
-            found.append((members, tuple(bank.name_of(m.lora) for m in members)))
+            found.append((members, tuple(name_of[id(m.lora)] for m in members)))
     views = bank.lay_out([names for _, names in found])
     return [MergedGroup(members, context, views[names]) for members, names in found]
