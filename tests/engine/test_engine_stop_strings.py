@@ -44,7 +44,7 @@ def test_stop_strings_are_checked_on_the_host_and_equal_generate(testbed, async_
         done.update({o.request_id: o for o in eng.step() if o.finished})
     reasons = []
     for rid, (adapter, prompt) in zip(ids, rows):
-        ref = model.generate(torch.tensor([prompt]), adapter_ids=[adapter], **kw)
+        ref = model.generate(torch.tensor([prompt], device=model.device), adapter_ids=[adapter], **kw)
         want = ref.sequences[0, len(prompt):].tolist()
         assert done[rid].token_ids == want, adapter
         reasons.append(done[rid].finish_reason)
