@@ -309,7 +309,7 @@ def test_fp8_and_adapter_load_numbers_equal_their_runs():
     ratio = {b: step[("fp8_compiled", b, "backbone")] / step[("compiled_cold", b, "backbone")] for b in (1, 256)}
     models = page("docs/models.md")
     assert f"{ratio[256]:.2f}x the bf16 step at batch 256" in models and f"{ratio[1]:.2f}x at batch 1" in models
-    load = json.loads((RESULTS / "adapters" / "adapter_load_h100_687a3e1.json").read_text())
+    load = json.loads((RESULTS / "adapters" / "adapter_load_h100_8259ecf.json").read_text())
     floor_ms = load["copy_floor_s"] / load["loads"] * 1e3
     for text in (page("docs/adapters.md"), page("benchmarks/results/adapters/README.md")):
         assert f"{load['per_load_ms']} ms" in text and f"{load['vs_floor']}x" in text and f"{floor_ms:.3f} ms" in text

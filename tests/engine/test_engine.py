@@ -566,19 +566,19 @@ def test_a_cold_adapters_folder_is_read_while_the_other_requests_step(tmp_path, 
     # first); then it runs, with the adapter's own tokens, and the load counts as a disk load.
     import threading
 
-    import lorazor.adapters.registry as registry_module
+    from lorazor.adapters.folder_reader import FolderReader
 
+    release = threading.Event()
+    real = FolderReader.read
+
+    def slow_read(reader, source):
+        assert release.wait(timeout=60), "the test never released the read"
+        return real(reader, source)
+
+    monkeypatch.setattr(FolderReader, "read", slow_read)  # before the model: its read-ahead binds the method
     model, oracle = build_pair("llama", LoRazorConfig(cuda_graphs=False))
     oracle.save_pretrained(tmp_path, selected_adapters=["sql"])
     model.register_adapter("sql_disk", tmp_path / "sql")
-    release = threading.Event()
-    real = registry_module.load_adapter_weights
-
-    def slow_read(*args, **kwargs):
-        assert release.wait(timeout=60), "the test never released the read"
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(registry_module, "load_adapter_weights", slow_read)
     eng = engine(model)
     ps = prompts(2, seed=23)
     warm = eng.add_request(ps[0], adapter="math", max_new_tokens=12, **GEN)

@@ -179,16 +179,30 @@ class AdapterBank:
         """`weights` in this bank's slot layout (host memory; pinned on a GPU machine by default)."""
         pin = self.device.type == "cuda" if pin is None else pin
         flat = torch.zeros(self.storage.shape[1], dtype=self.dtype, pin_memory=pin)
-        scaling = torch.zeros(len(self.modules), dtype=torch.float32, pin_memory=pin)
-        rank = torch.zeros(len(self.modules), dtype=torch.int32, pin_memory=pin)
-        for i, (name, (a_offset, k, b_offset, n, row)) in enumerate(zip(self.modules, self._layout)):
+        dst, src = self.copies(flat, weights)
+        if dst:
+            torch._foreach_copy_(dst, src)  # one call: a host thread's many calls each wait for the GIL
+        scales = [(i, s, a.shape[0]) for i, name in enumerate(self.modules) if name in weights.modules
+                  for a, _, s in [weights.modules[name]]]
+        scaling = torch.zeros(len(self.modules), dtype=torch.float32)
+        rank = torch.zeros(len(self.modules), dtype=torch.int32)
+        if scales:
+            index, values, ranks = zip(*scales)
+            scaling[list(index)] = torch.tensor(values, dtype=torch.float32)
+            rank[list(index)] = torch.tensor(ranks, dtype=torch.int32)
+        return SlotImage(flat, scaling.pin_memory() if pin else scaling, rank.pin_memory() if pin else rank)
+
+    def copies(self, flat: torch.Tensor, weights: AdapterWeights) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destinations, sources): views of the slot row `flat` and `weights`' A and B^T that
+        `torch._foreach_copy_(destinations, sources)` copies into the slot layout."""
+        dst, src = [], []
+        for name, (a_offset, k, b_offset, n, row) in zip(self.modules, self._layout):
             if name in weights.modules:
-                a, b, scale = weights.modules[name]
+                a, b, _ = weights.modules[name]
                 r = a.shape[0]
-                flat[a_offset:a_offset + r * k].view(r, k).copy_(a)
-                flat.as_strided((r, n), (row, 1), b_offset).copy_(b.t())
-                scaling[i], rank[i] = scale, r
-        return SlotImage(flat, scaling, rank)
+                dst += [flat[a_offset:a_offset + r * k].view(r, k), flat.as_strided((r, n), (row, 1), b_offset)]
+                src += [a, b.t()]
+        return dst, src
 
     def read(self, slot: int) -> SlotImage:
         """A host copy of what slot `slot` holds (to keep an adapter that has no folder when evicted)."""

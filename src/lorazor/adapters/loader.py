@@ -332,7 +332,12 @@ def load_adapter_weights(source: AdapterSource, module_sizes: dict[str, tuple[in
     Args:
         module_sizes: bank module name -> (in_features, out_features).
     """
-    tensors = _read_tensors(source)
+    return adapter_weights(source, _read_tensors(source), module_sizes)
+
+
+def adapter_weights(source: AdapterSource, tensors: dict[str, torch.Tensor],
+                    module_sizes: dict[str, tuple[int, int]]) -> AdapterWeights:
+    """`tensors` (the folder's, read) checked against the bank's modules and paired per module."""
     check_finite(source.name, tensors)  # the file may have changed since registration
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from .bank import AdapterBank, SlotImage
-from .loader import (AdapterSource, check_adapter_name, check_finite, check_source, load_adapter_weights,
-                     read_adapter, weights_digest)
+from .folder_reader import FolderReader
+from .loader import AdapterSource, check_adapter_name, check_finite, check_source, read_adapter, weights_digest
 from .read_ahead import ReadAhead
 from .types import AdapterError, AdapterWeights
 
@@ -115,7 +115,8 @@ class AdapterRegistry:
         # Adapters whose weights failed to load, with the reason: requests for them are refused
         # until the adapter is unregistered (and registered again, fixed).
         self.broken: dict[str, str] = {}
-        self.read_ahead = ReadAhead(lambda source: self.bank.pack(load_adapter_weights(source, self.bank.module_sizes)))
+        self.reader = FolderReader(bank)
+        self.read_ahead = ReadAhead(self.reader.read)
 
     # ---- registration ---------------------------------------------------------------------------
     def register(self, name: str, path, source: AdapterSource | None = None, allow_hub: bool = False) -> AdapterStatus:
@@ -279,7 +280,7 @@ class AdapterRegistry:
     def _image(self, name: str) -> SlotImage:
         entry = self.entries[name]
         if entry.image is None:
-            entry.image = self.bank.pack(load_adapter_weights(entry.source, self.bank.module_sizes))
+            entry.image = self.reader.read(entry.source)
         if entry.source is not None:
             self._host_lru[name] = None
             self._host_lru.move_to_end(name)
