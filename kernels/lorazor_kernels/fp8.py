@@ -5,11 +5,14 @@ Semantics:
     W8[n, k] = float8_e4m3fn(W[n, k] / scale[n])
     fp8_linear(x, W8, scale, b) ~= x @ (W8 * scale[:, None]).T + b
 
-On a GPU with fp8 matrix units (compute capability >= 8.9), activations are quantized per token on
-the fly (a scale per row of x, as vLLM's `--quantization fp8` does; one Triton kernel,
-`quantize_tokens`, that also pads the rows to `_scaled_mm`'s multiple) and the product runs in
-`torch._scaled_mm` with both scales applied in its epilogue. Elsewhere (the CPU) the weights are
-dequantized to x's dtype and the product is a plain linear: the same weights, activations unrounded.
+On a GPU, a product of at most `WEIGHT_ONLY_ROWS` rows (decode at small batch: bound by reading the
+weights) is one Triton kernel that widens the fp8 weights in registers and keeps x in its own dtype
+(`fp8_weight_only`). With more rows, on a GPU with fp8 matrix units (compute capability >= 8.9),
+activations are quantized per token on the fly (a scale per row of x, as vLLM's `--quantization
+fp8` does; one Triton kernel, `quantize_tokens`, that also pads the rows to `_scaled_mm`'s
+multiple) and the product runs in `torch._scaled_mm` with both scales applied in its epilogue.
+Elsewhere (the CPU) the weights are dequantized to x's dtype and the product is a plain linear: the
+same weights, activations unrounded.
 `fp8_linear_reference` is the dequantized definition; `scaled=True` forces the `_scaled_mm` path
 (torch runs it on the CPU too, so tests check it there).
 """
@@ -26,6 +29,9 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 ROW_MULTIPLE = 16
 # The smallest scale: an all-zero row quantizes to zeros, never divides by zero.
 MIN_SCALE = 1e-12
+# Up to this many rows (a decode step of a few requests) the GEMM reads the fp8 weights with x in its
+# own dtype (`fp8_weight_only`); more rows quantize x per token for the fp8 matrix units.
+WEIGHT_ONLY_ROWS = 16
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,11 +99,58 @@ def scaled_mm_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+@triton.jit
+def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program per BLOCK_N output channels and all (at most BLOCK_M) rows: the fp8 weights are read
+    # once and widened in registers (every float8_e4m3fn value is exact in bf16 and fp16), the
+    # products accumulate in fp32 and each channel's scale (and the bias) apply in the epilogue.
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear` for a few rows (at most `WEIGHT_ONLY_ROWS`) with x unquantized, in one kernel launch:
+    a decode step of a few rows is bound by reading the weights, and cuBLASLt's fp8 GEMM runs a
+    128x128 tile over them (on the H100 it read the fp8 weights no faster than bf16 ones)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > WEIGHT_ONLY_ROWS:
+        raise ValueError(f"fp8_weight_only takes at most {WEIGHT_ONLY_ROWS} rows, got {M}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_n = 16 if N <= 8192 else 32  # enough programs to keep every SM reading at N = 3,072
+    _weight_only_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=WEIGHT_ONLY_ROWS, BLOCK_N=block_n, BLOCK_K=256, num_warps=4,
+        num_stages=4)
+    return y
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                scaled: bool | None = None) -> torch.Tensor:
     """`x [M, K]` times fp8 `weight [N, K]` with per-channel `scale [N]`, plus `bias`; `[M, N]` in
-    x's dtype. `scaled`: the `_scaled_mm` path with per-token activation scales (None: where the
-    GPU has fp8 matrix units)."""
+    x's dtype. On a GPU, up to `WEIGHT_ONLY_ROWS` rows run `fp8_weight_only` (x unquantized); more
+    rows run `_scaled_mm` with per-token activation scales where the GPU has fp8 matrix units.
+    `scaled`: force the `_scaled_mm` path (True) or the dequantized reference (False)."""
+    if (scaled is None and x.shape[0] <= WEIGHT_ONLY_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and scaled_mm_available(x.device)):  # Triton widens float8_e4m3fn on the same GPUs
+        return fp8_weight_only(x, weight, scale, bias)
     if scaled is None:  # the GPU's fp8 rowwise-scaled GEMM writes bf16, over dims in multiples of 16
         scaled = (x.dtype == torch.bfloat16 and scaled_mm_available(x.device)
                   and not weight.shape[0] % ROW_MULTIPLE and not weight.shape[1] % ROW_MULTIPLE)

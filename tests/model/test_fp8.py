@@ -163,6 +163,31 @@ def test_gpu_token_quantization_kernel_equals_its_reference(M, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M, K, N, bias, dtype", [
+    (1, 64, 32, False, torch.bfloat16), (5, 96, 48, True, torch.bfloat16), (16, 3072, 5120, False, torch.bfloat16),
+    (7, 200, 33, True, torch.float16)])
+def test_gpu_weight_only_gemm_equals_its_definition_row_by_row(M, K, N, bias, dtype):
+    """A few rows (decode at small batch): the fp8 weights widened in registers, x unquantized, fp32
+    sums and the scale in the epilogue; closer to the exact product than the bf16 reference (which
+    rounds the dequantized weights), and each row's result independent of the other rows."""
+    from lorazor_kernels.fp8 import WEIGHT_ONLY_ROWS, fp8_weight_only
+
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g).to("cuda", dtype)
+    w, b = torch.randn(N, K, generator=g).cuda(), torch.randn(N, generator=g).to("cuda", dtype) if bias else None
+    weight, scale = quantize_rows(w)
+    got = fp8_weight_only(x, weight, scale, b)
+    exact = x.double() @ (weight.double() * scale.double()[:, None]).T + (b.double() if bias else 0)
+    error = lambda y: ((y.double() - exact).norm() / exact.norm()).item()  # noqa: E731
+    assert got.dtype == dtype and got.shape == (M, N)
+    assert error(got) < 4e-3 and error(got) <= error(fp8_linear_reference(x, weight, scale, b)) * 1.05
+    assert torch.equal(fp8_linear(x, weight, scale, b), got)  # the path fp8_linear takes for few rows
+    assert torch.equal(fp8_weight_only(x[M // 2:M // 2 + 1], weight, scale, b)[0], got[M // 2])
+    with pytest.raises(ValueError, match=f"at most {WEIGHT_ONLY_ROWS} rows, got {WEIGHT_ONLY_ROWS + 1}"):
+        fp8_weight_only(x.new_zeros(WEIGHT_ONLY_ROWS + 1, K), weight, scale)
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_fp8_model_agrees_with_its_dequantized_bf16_reference():
     # bf16 activations over fp8 weights through `_scaled_mm` (activations rounded to fp8 per token)
     # against PEFT on the dequantized weights in bf16, in graphs and in the engine.
