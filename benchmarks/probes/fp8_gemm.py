@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe"))
     ap.add_argument("--model", default="llama-3.2-3b", choices=sorted(SHAPES))
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,256")
+    ap.add_argument("--sweep", action="store_true", help="also every weight-only launch shape per GEMM, 1 and 16 rows")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from lorazor_kernels.fp8 import WEIGHT_ONLY_ROWS, fp8_linear, fp8_weight_only, quantize_rows
@@ -38,7 +39,7 @@ def main() -> None:
     weights = {n: torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * K**-0.5
                for n, (K, N) in gemms.items()}
     fp8 = {n: quantize_rows(w) for n, w in weights.items()}
-    bandwidth = copy_bandwidth() / 2  # bytes read per second
+    bandwidth = copy_bandwidth()  # bytes moved per second (a copy reads and writes: a read-only floor)
     floor_ms = sum(w.numel() for w in weights.values()) / bandwidth * 1e3  # one byte per fp8 weight
     rows = []
     for M in map(int, args.rows.split(",")):
@@ -54,9 +55,43 @@ def main() -> None:
         row["fp8_default_vs_floor"] = round(row["fp8_default_ms"] / floor_ms, 2)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    sweep = run_sweep(gemms, weights, fp8, g, bandwidth) if args.sweep else None
     result = dict(environment(), probe="fp8_gemm", model=args.model, gemms=gemms, read_gb_s=round(bandwidth / 1e9),
-                  rows=rows)
+                  rows=rows, sweep=sweep)
     (args.out / "fp8_gemm.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def run_sweep(gemms, weights, fp8, g, bandwidth) -> dict:
+    """Per GEMM and rows (1, 16): every (BLOCK_N, BLOCK_K, warps, stages) that runs and equals the
+    reference, timed alone in a graph (20 replays, median); the best and the default against the
+    GEMM's fp8 bytes floor."""
+    import itertools
+
+    from lorazor_kernels.fp8 import fp8_linear_reference, fp8_weight_only
+
+    shapes = list(itertools.product((16, 32, 64), (128, 256, 512, 1024), (4, 8), (3, 4, 6)))
+    out = {}
+    for (name, (K, N)), M in itertools.product(gemms.items(), (1, 16)):
+        x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+        ref = fp8_linear_reference(x, *fp8[name]).float()
+        floor_ms = N * K / bandwidth * 1e3
+        timings = {}
+        for launch in [None, *shapes]:
+            try:
+                y = fp8_weight_only(x, *fp8[name], launch=launch).float()
+                if ((y - ref).norm() / ref.norm()).item() > 1e-2:
+                    continue
+                timings[str(launch)] = round(time_graph(lambda: fp8_weight_only(x, *fp8[name], launch=launch),
+                                                        iters=20), 4)
+            except Exception as err:  # a shape that does not compile or fit (shared memory)
+                timings[str(launch)] = f"{type(err).__name__}"
+        ok = {k: v for k, v in timings.items() if isinstance(v, float)}
+        best = min(ok, key=ok.get)
+        out[f"{name}_{M}"] = dict(K=K, N=N, rows=M, floor_ms=round(floor_ms, 4), default_ms=ok.get("None"),
+                                  best=best, best_ms=ok[best], best_vs_floor=round(ok[best] / floor_ms, 2),
+                                  default_vs_floor=round(ok.get("None", float("nan")) / floor_ms, 2), all=timings)
+        print(json.dumps({k: v for k, v in out[f"{name}_{M}"].items() if k != "all"}), flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -123,22 +123,24 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, strid
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """`fp8_linear` for a few rows (at most `WEIGHT_ONLY_ROWS`) with x unquantized, in one kernel launch:
     a decode step of a few rows is bound by reading the weights, and cuBLASLt's fp8 GEMM runs a
-    128x128 tile over them (on the H100 it read the fp8 weights no faster than bf16 ones)."""
+    128x128 tile over them (on the H100 it read the fp8 weights no faster than bf16 ones).
+    `launch`: (BLOCK_N, BLOCK_K, num_warps, num_stages), for the probe's sweep; None: the default."""
     M, K = x.shape
     N = weight.shape[0]
     if M > WEIGHT_ONLY_ROWS:
         raise ValueError(f"fp8_weight_only takes at most {WEIGHT_ONLY_ROWS} rows, got {M}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_n = 16 if N <= 8192 else 32  # enough programs to keep every SM reading at N = 3,072
+    # Enough programs to keep every SM reading at N = 3,072.
+    block_n, block_k, warps, stages = launch or (16 if N <= 8192 else 32, 256, 4, 4)
     _weight_only_kernel[(triton.cdiv(N, block_n),)](
         x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=WEIGHT_ONLY_ROWS, BLOCK_N=block_n, BLOCK_K=256, num_warps=4,
-        num_stages=4)
+        HAS_BIAS=bias is not None, BLOCK_M=WEIGHT_ONLY_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages)
     return y
 
 
