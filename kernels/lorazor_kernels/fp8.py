@@ -136,7 +136,7 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     # Enough programs to keep every SM reading at N = 3,072.
-    block_n, block_k, warps, stages = launch or (16 if N <= 8192 else 32, 256, 4, 4)
+    block_n, block_k, warps, stages = launch or (32, 512, 4, 3)
     _weight_only_kernel[(triton.cdiv(N, block_n),)](
         x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=WEIGHT_ONLY_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
