@@ -74,7 +74,7 @@ def setup(args):
     base.config.eos_token_id = None
     model = LoRazorModel.from_pretrained(base, None, LoRazorConfig(
         grid=args.part, max_loras=adapters, max_lora_rank=8, lora_target_modules=TARGETS, max_batch_size=seqs,
-        max_cache_len=max_len, compile=args.compile))
+        max_cache_len=max_len, compile=args.compile, quantization=getattr(args, "quantization", None)))
     names = fill_random_adapters(model, 0, adapters)
     cfg = base.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -172,6 +172,7 @@ def main() -> None:
         "--tag", default="", help="suffix of this run's rows and meta files (runs of one part side by side)"
     )
     ap.add_argument("--tiny", action="store_true", help="a tiny random model on this machine (checks the logic)")
+    ap.add_argument("--quantization", choices=("fp8",), help="fp8 base weights (LoRazorConfig(quantization=...))")
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                     help="LoRazorConfig.compile (default auto, the product's: compiled on a GPU, eager on the CPU)")
     ap.add_argument("--workload", choices=sorted(wl.SHAPES) + ["shared-prefix"], default="mixed",
@@ -213,6 +214,7 @@ def main() -> None:
         kv_blocks=engine.pool.num_blocks,
         ttft_slo=args.ttft_slo,
         compile=model.config.compile,
+        quantization=model.config.quantization,
         # dynamo's compiled entries per region: more than a handful means recompiles (warm-up time)
         compiles=model.runner.compiled_layers.compiles() if model.config.compile else None,
         **shape,

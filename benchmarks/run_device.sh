@@ -44,6 +44,11 @@
 #                    (200 decode rows + 824 prompt tokens) against its floors
 #   defaults         probes/step_roofline.py --defaults: the step at the engine's defaults, compile=auto on cold caches
 #                    (warm-up, decode, prefill), its restart on the caches left, then eager (issue #54)
+#   fp8              issue #55's benchmark: probes/step_roofline.py --defaults, compiled, decode at batch 1, 64, 256
+#                    (backbone and 128 adapters), bf16 then fp8, Llama-3.2-3B then Mistral-7B shapes (one process each);
+#                    then bench_engine.py's mixed trace (LoRazor, backbone; compiled, defaults), bf16 then fp8 (req/s)
+#   engine-defaults  issue #54's bench: bench_engine.py's mixed trace at the defaults, LoRazor and backbone, the old eager
+#                    default then the compiled default (one process each; the decode-heavy trace: engine-decode-heavy)
 #   cold-adapters    bench_cold_adapters.py: TTFT of requests whose adapter was on disk, in host memory or in a slot,
 #                    1,000 adapters, 32 slots, 128 host copies, Zipf(1.1), open loop, against every adapter resident
 #   warmup           probes/warmup_profile.py: warm_up() compiled with cold caches, compiled again with the caches
@@ -206,6 +211,19 @@ PY
              timeout 130 $roof --compile off --phases floors,decode,prefill --tag _defaults_eager \
                > "$W/defaults_eager.log" 2>&1
              unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR ;;
+    fp8)     rows="1:backbone,1:lora,64:lora,256:backbone,256:lora"
+             for model in llama-3.2-3b mistral-7b; do
+               for q in bf16 fp8; do
+                 timeout ${FP8_STEP_S:-200} python3 benchmarks/probes/step_roofline.py --defaults --compile auto \
+                   --modes async --phases floors,decode --decode-rows $rows --model $model \
+                   $([ $q = fp8 ] && echo --quantization fp8) --out "$W" --tag "_${model}_$q" > "$W/fp8_${model}_$q.log" 2>&1
+                 tar czf "$TGZ" -C "$W" .
+               done
+             done
+             engine_runs "compiled 512 4096 exact ${FP8_ENGINE_S:-240} fp8_trace_bf16 --requests 2048;
+                          compiled 512 4096 exact ${FP8_ENGINE_S:-240} fp8_trace_fp8 --requests 2048 --quantization fp8" ;;
+    engine-defaults) engine_runs "eager 512 4096 exact ${DEFAULTS_ENGINE_S:-240} defaults_eager;
+                          compiled 512 4096 exact ${DEFAULTS_ENGINE_S:-240} defaults_compiled" ;;
     cold-adapters) # issue #56: 1,000 adapters on disk, 32 slots, 128 host copies, Zipf(1.1), open loop; then all resident
              timeout 500 python3 benchmarks/bench_cold_adapters.py --out "$W/cold_adapters" > "$W/cold_adapters.log" 2>&1 ;;
     warmup)  # compiled on cold caches, compiled again on the caches it left (a restart), then eager; tar after each

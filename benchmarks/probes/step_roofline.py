@@ -2,8 +2,9 @@
 
     python benchmarks/probes/step_roofline.py --out /tmp/probe [--compile] [--phases all]
 
-Llama-3.2-3B shape, bf16, 128 random rank-8 adapters on every projection, engine defaults
-(`max_num_seqs=256`, `max_num_batched_tokens=2048`), through the public API. Phases:
+Llama-3.2-3B shape (`--model mistral-7b`: Mistral-7B's), bf16 (`--quantization fp8`: fp8 base
+weights), 128 random rank-8 adapters on every projection, `max_num_seqs=256`,
+`max_num_batched_tokens=2048` (`--defaults`: the engine's own defaults), through the public API. Phases:
 
 - `floors`: read bandwidth (a graph-timed reduction over 4 GiB), copy bandwidth, bf16 matmul TFLOPS.
 - `warmup`: `engine.warm_up()` wall time and graph count.
@@ -119,7 +120,7 @@ class Probe:
     def __init__(self, args):
         from lorazor import LoRazorConfig, LoRazorEngine, LoRazorModel
 
-        self.base = build_base("llama-3.2-3b")
+        self.base = build_base(args.model)
         self.base.generation_config.eos_token_id = None
         self.base.config.eos_token_id = None
         self.model = LoRazorModel.from_pretrained(self.base, None, LoRazorConfig(
@@ -310,6 +311,7 @@ def main() -> None:
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="off",
                     help="LoRazorConfig.compile (default off: the probe's old eager rows; auto: the product's default)")
     ap.add_argument("--quantization", choices=("fp8",), default=None)
+    ap.add_argument("--model", choices=("llama-3.2-3b", "mistral-7b"), default="llama-3.2-3b", help="the shape")
     ap.add_argument("--defaults", action="store_true", help="the engine at EngineConfig's defaults (the KV pool "
                     "sized by gpu_memory_utilization, 512 seats, 4,096 tokens a step)")
     ap.add_argument("--phases", default="floors,warmup,decode,prefill,mixed,drift")
@@ -321,7 +323,8 @@ def main() -> None:
     phases = args.phases.split(",")
     probe = Probe(args)
     probe.record(phase="environment", **environment(), compile=probe.model.config.compile,
-                 quantization=args.quantization, defaults=args.defaults, kv_blocks=probe.engine.pool.num_blocks)
+                 quantization=args.quantization, model=args.model, defaults=args.defaults,
+                 kv_blocks=probe.engine.pool.num_blocks)
     try:
         probe.floors()
         if "warmup" in phases:
