@@ -10,9 +10,9 @@ Adapters trained by one recipe share their safetensors header (tensor names, dty
 offsets) and their config. The first read of a header is the full path (`load_adapter_weights`:
 every check), done on tensors that are views of a staging buffer the file's data was read into;
 it leaves a plan: that buffer, the views that copy it into a slot image, and the image's scalings
-and ranks. A later folder with the same header and config is one `readinto` of its data, one sum
-over all of it (a NaN or infinity survives a sum; if it fails, the full path names the tensor),
-one `torch._foreach_copy_` and the image's copies. Other files (`.bin`, mixed dtypes, gaps between
+and ranks. A later folder with the same header and config is one `readinto` of its data, one
+`aminmax` over all of it (`all_finite`; if it fails, the full path names the tensor), one
+`torch._foreach_copy_` and the image's copies. Other files (`.bin`, mixed dtypes, gaps between
 tensors) take the full path every time.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .bank import AdapterBank, SlotImage
-from .loader import SAFE_FILE, AdapterSource, adapter_weights, load_adapter_weights
+from .loader import SAFE_FILE, AdapterSource, adapter_weights, all_finite, load_adapter_weights
 
 # Plans kept per reading thread (each holds one adapter's file data and one slot image in host memory).
 PLANS_PER_THREAD = 2
@@ -75,7 +75,7 @@ class FolderReader:
             plan = plans[key]
             if plan is None or f.readinto(memoryview(plan.staging.numpy())) != plan.staging.numel():
                 return self._full(source)
-        if not bool(torch.isfinite(plan.data.sum(dtype=torch.float32))):
+        if not all_finite(plan.data):
             return self._full(source)  # raises, naming the tensor
         torch._foreach_copy_(plan.dst, plan.src)
         return _copy(plan.image, self.bank.device.type == "cuda")
