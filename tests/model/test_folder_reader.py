@@ -105,3 +105,20 @@ def test_bad_files_under_a_known_header_are_still_refused(tmp_path):
     path.write_bytes(path.read_bytes()[:-10])  # truncated after registration
     with pytest.raises(AdapterError, match="not a valid safetensors file"):
         reader.read(broken)
+
+
+def test_a_header_whose_shapes_do_not_match_its_offsets_is_refused_as_an_invalid_file(tmp_path):
+    import struct
+
+    source = write(tmp_path / "lying", seed=4)
+    path = source.path / "adapter_model.safetensors"
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    key = "base_model.model.l0.q.lora_A.weight"
+    header[key]["shape"] = [header[key]["shape"][0] * 2, header[key]["shape"][1]]  # twice the bytes it spans
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with pytest.raises(AdapterError, match="not a valid safetensors file"):
+        FolderReader(make_bank()).read(source)

@@ -19,6 +19,7 @@ tensors) take the full path every time.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import threading
@@ -110,12 +111,14 @@ def _layout(header: bytes, data_len: int) -> tuple[torch.dtype, dict] | None:
         return None
     if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES or not spans:
         return None
+    dtype = _DTYPES[dtypes.pop()]
     end = 0
-    for start, stop, _, _ in spans:
-        if start != end:
+    for start, stop, _, shape in spans:
+        if start != end or not all(isinstance(d, int) and d >= 0 for d in shape) \
+                or math.prod(shape) * dtype.itemsize != stop - start:
             return None
         end = stop
-    return (_DTYPES[dtypes.pop()], {k: (s, e, shape) for s, e, k, shape in spans}) if end == data_len else None
+    return (dtype, {k: (s, e, shape) for s, e, k, shape in spans}) if end == data_len else None
 
 
 def _copy(image: SlotImage, pin: bool) -> SlotImage:
