@@ -251,7 +251,9 @@ def _source_digest(source: AdapterSource, tensors: dict[str, torch.Tensor]) -> b
     the tensors); for a `.bin` file, of its config and tensors (`weights_digest`)."""
     safe = source.path / SAFE_FILE
     if safe.is_file():
-        return hashlib.sha256((source.path / CONFIG_FILE).read_bytes() + safe.read_bytes()).digest()
+        digest = hashlib.sha256((source.path / CONFIG_FILE).read_bytes())
+        with open(safe, "rb") as f:  # in chunks: no copy of the whole file joined to the config
+            return hashlib.file_digest(f, lambda: digest).digest()
     return weights_digest(source.config, tensors)
 
 
