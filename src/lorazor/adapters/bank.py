@@ -182,15 +182,15 @@ class AdapterBank:
         dst, src = self.copies(flat, weights)
         if dst:
             torch._foreach_copy_(dst, src)  # one call: a host thread's many calls each wait for the GIL
-        scales = [(i, s, a.shape[0]) for i, name in enumerate(self.modules) if name in weights.modules
-                  for a, _, s in [weights.modules[name]]]
-        scaling = torch.zeros(len(self.modules), dtype=torch.float32)
-        rank = torch.zeros(len(self.modules), dtype=torch.int32)
-        if scales:
-            index, values, ranks = zip(*scales)
-            scaling[list(index)] = torch.tensor(values, dtype=torch.float32)
-            rank[list(index)] = torch.tensor(ranks, dtype=torch.int32)
-        return SlotImage(flat, scaling.pin_memory() if pin else scaling, rank.pin_memory() if pin else rank)
+        # Scalings and ranks in two writes each, not one per module (each torch call waits for the GIL).
+        index = [i for i, name in enumerate(self.modules) if name in weights.modules]
+        targeted = [weights.modules[name] for name in self.modules if name in weights.modules]
+        scaling = torch.zeros(len(self.modules), dtype=torch.float32, pin_memory=pin)
+        rank = torch.zeros(len(self.modules), dtype=torch.int32, pin_memory=pin)
+        if index:
+            scaling[index] = torch.tensor([scale for _, _, scale in targeted], dtype=torch.float32)
+            rank[index] = torch.tensor([a.shape[0] for a, _, _ in targeted], dtype=torch.int32)
+        return SlotImage(flat, scaling, rank)
 
     def copies(self, flat: torch.Tensor, weights: AdapterWeights) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(destinations, sources): views of the slot row `flat` and `weights`' A and B^T that

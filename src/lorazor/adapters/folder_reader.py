@@ -50,6 +50,7 @@ class FolderReader:
 
     def __init__(self, bank: AdapterBank):
         self.bank = bank
+        self._pin = bank.device.type == "cuda"  # images in pinned memory, as `bank.pack` makes them
         self._local = threading.local()
 
     def read(self, source: AdapterSource) -> SlotImage:
@@ -71,7 +72,7 @@ class FolderReader:
                 while len(plans) > PLANS_PER_THREAD:
                     plans.popitem(last=False)
                 if plans[key] is not None:  # its first read was the full path's, on this very data
-                    return _copy(plans[key].image, self.bank.device.type == "cuda")
+                    return _copy(plans[key].image, self._pin)
             plans.move_to_end(key)
             plan = plans[key]
             if plan is None or f.readinto(memoryview(plan.staging.numpy())) != plan.staging.numel():
@@ -79,7 +80,7 @@ class FolderReader:
         if not all_finite(plan.data):
             return self._full(source)  # raises, naming the tensor
         torch._foreach_copy_(plan.dst, plan.src)
-        return _copy(plan.image, self.bank.device.type == "cuda")
+        return _copy(plan.image, self._pin)
 
     def _full(self, source: AdapterSource) -> SlotImage:
         return self.bank.pack(load_adapter_weights(source, self.bank.module_sizes))
