@@ -19,6 +19,8 @@ same weights, activations unrounded.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -100,22 +102,8 @@ def scaled_mm_available(device: torch.device) -> bool:
 
 
 @triton.jit
-def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
-                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One program per BLOCK_N output channels and all (at most BLOCK_M) rows: the fp8 weights are read
-    # once and widened in registers (every float8_e4m3fn value is exact in bf16 and fp16), the
-    # products accumulate in fp32 and each channel's scale (and the bias) apply in the epilogue.
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
-                    other=0.0)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
-                    mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+def _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS: tl.constexpr):
+    # Each channel's scale (and the bias) apply once, to the finished fp32 sums.
     acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -123,12 +111,77 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, strid
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+@triton.jit
+def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, SPLIT_K,
+                        stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (n, s): BLOCK_N output channels, all (at most BLOCK_M) rows, the s-th K_SPLIT columns of
+    # K. The fp8 weights are read once and widened in registers (every float8_e4m3fn value is exact in
+    # bf16 and fp16); the products accumulate in fp32.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * K_SPLIT
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
+        k = k0 + ks
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if not SPLIT:
+        _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS)
+    else:
+        # Split K (SPLIT_K > 1 programs per column block; a runtime value, so the sweep's splits share
+        # one compiled kernel): each program writes its partial sums, and the last of a column block's
+        # programs to finish (its arrival counter) adds them up and writes y, then zeroes the counter
+        # for the next launch. One launch, no memset, no second kernel.
+        tile = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        block = BLOCK_M * BLOCK_N
+        tl.store(part_ptr + (pid_k * tl.num_programs(0) + pid_n) * block + tile, acc)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):  # .cg: read the partials from L2, where the other programs wrote them
+                acc += tl.load(part_ptr + (s * tl.num_programs(0) + pid_n) * block + tile, cache_modifier=".cg")
+            tl.store(count_ptr + pid_n, 0)
+            _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS)
+
+
+# Split K until a GEMM launches about this many programs per streaming multiprocessor: the H100 sweep
+# (`probes/fp8_gemm.py --sweep`) read at 1.24x the bytes floor with gate/up's 512 programs and at 2-3x
+# with o's and down's 96 (3,072 channels in blocks of 32 on 132 multiprocessors).
+PROGRAMS_PER_SM = 4
+# The arrival counters of split-K launches, per device: zeroed once, and each launch leaves them zeroed
+# (kernels on one stream run one after another, so launches never share them at once).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_COLUMN_BLOCKS = 4096
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device) -> int:
+    """Splits of K for a launch of `column_blocks` column blocks: enough for PROGRAMS_PER_SM programs
+    per multiprocessor, at most one BLOCK_K per split."""
+    sms = _multiprocessors(device) if device.type == "cuda" else 1
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, column_blocks), triton.cdiv(K, block_k)))
+
+
 def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                    launch: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                    launch: tuple[int, ...] | None = None) -> torch.Tensor:
     """`fp8_linear` for a few rows (at most `WEIGHT_ONLY_ROWS`) with x unquantized, in one kernel launch:
     a decode step of a few rows is bound by reading the weights, and cuBLASLt's fp8 GEMM runs a
-    128x128 tile over them (on the H100 it read the fp8 weights no faster than bf16 ones).
-    `launch`: (BLOCK_N, BLOCK_K, num_warps, num_stages), for the probe's sweep; None: the default."""
+    128x128 tile over them (on the H100 it read the fp8 weights no faster than bf16 ones). Narrow
+    GEMMs split K across programs so the whole GPU reads (see `PROGRAMS_PER_SM`).
+    `launch`: (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]), for the probe's sweep; None: the
+    default; split_k 0 or absent: chosen by `_split_k`."""
     M, K = x.shape
     N = weight.shape[0]
     if M > WEIGHT_ONLY_ROWS:
@@ -136,11 +189,26 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     # The H100 sweep's best for 3 of the 4 Llama-3.2-3B GEMMs (`probes/fp8_gemm.py --sweep`).
-    block_n, block_k, warps, stages = launch or (32, 512, 4, 3)
-    _weight_only_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=WEIGHT_ONLY_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages)
+    block_n, block_k, warps, stages, *split = launch or (32, 512, 4, 3)
+    column_blocks = triton.cdiv(N, block_n)
+    split_k = split[0] if split and split[0] else _split_k(column_blocks, K, block_k, x.device)
+    k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole BLOCK_Ks per split
+    split_k = triton.cdiv(K, k_split)
+    if split_k > 1:
+        if column_blocks > _MAX_COLUMN_BLOCKS:
+            raise ValueError(f"fp8_weight_only splits K for at most {_MAX_COLUMN_BLOCKS} column blocks, "
+                             f"got {column_blocks}")
+        counters = _COUNTERS.get(x.device)
+        if counters is None:
+            counters = _COUNTERS[x.device] = torch.zeros(_MAX_COLUMN_BLOCKS, dtype=torch.int32, device=x.device)
+        partials = torch.empty(split_k * column_blocks * WEIGHT_ONLY_ROWS * block_n, dtype=torch.float32,
+                               device=x.device)
+    else:
+        counters = partials = scale  # unused
+    _weight_only_kernel[(column_blocks, split_k)](
+        x, weight, scale, bias if bias is not None else scale, y, partials, counters, M, N, K, k_split, split_k,
+        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        BLOCK_M=WEIGHT_ONLY_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return y
 
 

@@ -162,27 +162,76 @@ def test_gpu_token_quantization_kernel_equals_its_reference(M, K):
     assert torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8))  # the same fp8 bits
 
 
+# A CPU run of the weight-only kernel in Triton's interpreter (TRITON_INTERPRET is read when a kernel is
+# defined, hence a fresh process). The interpreter computes bf16 loads wrongly (also for kernels
+# without split K), so it runs in fp16; the GPU test below covers bf16.
+INTERPRETED_WEIGHT_ONLY = """
+import json, sys, torch
+from lorazor_kernels.fp8 import _COUNTERS, fp8_weight_only, quantize_rows
+out = []
+for M, K, N, split, bias in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(M * K + N)
+    x = torch.randn(M, K, generator=g).half()
+    weight, scale = quantize_rows(torch.randn(N, K, generator=g))
+    b = torch.randn(N, generator=g).half() if bias else None
+    launch = (32, 128, 4, 3, split)
+    y = fp8_weight_only(x, weight, scale, b, launch=launch)
+    exact = x.double() @ (weight.double() * scale.double()[:, None]).T + (b.double() if bias else 0)
+    out.append(dict(error=((y.double() - exact).norm() / exact.norm()).item(),
+                    same_again=torch.equal(fp8_weight_only(x, weight, scale, b, launch=launch), y),
+                    row_alone=torch.equal(fp8_weight_only(x[-1:], weight, scale, b, launch=launch)[0], y[-1]),
+                    counters=int(sum(c.abs().sum() for c in _COUNTERS.values()))))
+print(json.dumps(out))
+"""
+
+
+def test_weight_only_kernel_splits_k_and_equals_its_definition_in_the_interpreter(tmp_path):
+    """Split K (narrow GEMMs spread over the whole GPU): each split's partial sums, added by the last
+    program of a column block, equal the exact product; the result is the same on a second launch
+    (the arrival counters are left zeroed) and for a row alone. Odd K, N and rows, splits of 1-4 and
+    a tail split shorter than the others."""
+    import subprocess
+    import sys
+
+    cases = [(1, 200, 70, 3, False), (5, 1000, 33, 2, True), (16, 512, 64, 4, False), (3, 300, 40, 1, True),
+             (2, 700, 50, 0, False)]  # split 0: chosen from the program count
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_WEIGHT_ONLY, json.dumps(cases)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case, got in zip(cases, json.loads(done.stdout.splitlines()[-1]), strict=True):
+        assert got["error"] < 1e-3 and got["same_again"] and got["row_alone"] and got["counters"] == 0, (case, got)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("M, K, N, bias, dtype", [
-    (1, 64, 32, False, torch.bfloat16), (5, 96, 48, True, torch.bfloat16), (16, 3072, 5120, False, torch.bfloat16),
-    (7, 200, 33, True, torch.float16)])
-def test_gpu_weight_only_gemm_equals_its_definition_row_by_row(M, K, N, bias, dtype):
+@pytest.mark.parametrize("M, K, N, bias, dtype, split", [
+    (1, 64, 32, False, torch.bfloat16, None), (5, 96, 48, True, torch.bfloat16, None),
+    (16, 3072, 5120, False, torch.bfloat16, None), (7, 200, 33, True, torch.float16, None),
+    (1, 3072, 3072, False, torch.bfloat16, None), (3, 8192, 3072, True, torch.bfloat16, 7),
+    (9, 1000, 200, False, torch.float16, 2)])
+def test_gpu_weight_only_gemm_equals_its_definition_row_by_row(M, K, N, bias, dtype, split):
     """A few rows (decode at small batch): the fp8 weights widened in registers, x unquantized, fp32
     sums and the scale in the epilogue; closer to the exact product than the bf16 reference (which
-    rounds the dequantized weights), and each row's result independent of the other rows."""
-    from lorazor_kernels.fp8 import WEIGHT_ONLY_ROWS, fp8_weight_only
+    rounds the dequantized weights), and each row's result independent of the other rows. Narrow
+    GEMMs (o: 3,072 channels) split K by default; `split` forces a split count."""
+    from lorazor_kernels.fp8 import _COUNTERS, WEIGHT_ONLY_ROWS, fp8_weight_only
 
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, K, generator=g).to("cuda", dtype)
     w, b = torch.randn(N, K, generator=g).cuda(), torch.randn(N, generator=g).to("cuda", dtype) if bias else None
     weight, scale = quantize_rows(w)
-    got = fp8_weight_only(x, weight, scale, b)
+    launch = None if split is None else (32, 128, 4, 3, split)
+    got = fp8_weight_only(x, weight, scale, b, launch=launch)
     exact = x.double() @ (weight.double() * scale.double()[:, None]).T + (b.double() if bias else 0)
     error = lambda y: ((y.double() - exact).norm() / exact.norm()).item()  # noqa: E731
     assert got.dtype == dtype and got.shape == (M, N)
     assert error(got) < 4e-3 and error(got) <= error(fp8_linear_reference(x, weight, scale, b)) * 1.05
-    assert torch.equal(fp8_linear(x, weight, scale, b), got)  # the path fp8_linear takes for few rows
-    assert torch.equal(fp8_weight_only(x[M // 2:M // 2 + 1], weight, scale, b)[0], got[M // 2])
+    if split is None:
+        assert torch.equal(fp8_linear(x, weight, scale, b), got)  # the path fp8_linear takes for few rows
+    assert torch.equal(fp8_weight_only(x[M // 2:M // 2 + 1], weight, scale, b, launch=launch)[0], got[M // 2])
+    for _ in range(3):  # launches back to back: each finds its arrival counters zeroed by the last
+        assert torch.equal(fp8_weight_only(x, weight, scale, b, launch=launch), got)
+    assert all(not c.any() for c in _COUNTERS.values())
     with pytest.raises(ValueError, match=f"at most {WEIGHT_ONLY_ROWS} rows, got {WEIGHT_ONLY_ROWS + 1}"):
         fp8_weight_only(x.new_zeros(WEIGHT_ONLY_ROWS + 1, K), weight, scale)
 
