@@ -125,8 +125,8 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, coun
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
-    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
-        k = k0 + ks
+    for k0 in range(0, K_SPLIT, BLOCK_K):  # the last split's columns past K are masked
+        k = k_begin + k0 + ks
         x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                     other=0.0)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
@@ -152,10 +152,11 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, coun
             _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS)
 
 
-# Split K until a GEMM launches about this many programs per streaming multiprocessor: the H100 sweep
-# (`probes/fp8_gemm.py --sweep`) read at 1.24x the bytes floor with gate/up's 512 programs and at 2-3x
-# with o's and down's 96 (3,072 channels in blocks of 32 on 132 multiprocessors).
-PROGRAMS_PER_SM = 4
+# A GEMM with fewer column blocks than the GPU has multiprocessors splits K until it launches about
+# this many programs per multiprocessor. The H100 sweep (`probes/fp8_gemm.py --sweep`, 844ba1d): down
+# (8,192 x 3,072: 96 blocks of 32 channels on 132 multiprocessors) took 0.026 ms unsplit and 0.018 ms
+# in 4 splits; gate/up (512 blocks) was slower split in two (0.034 against 0.027 ms).
+PROGRAMS_PER_SM = 3
 # The arrival counters of split-K launches, per device: zeroed once, and each launch leaves them zeroed
 # (kernels on one stream run one after another, so launches never share them at once).
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -168,10 +169,12 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device) -> int:
-    """Splits of K for a launch of `column_blocks` column blocks: enough for PROGRAMS_PER_SM programs
-    per multiprocessor, at most one BLOCK_K per split."""
+    """Splits of K for a launch of `column_blocks` column blocks: none if they fill the multiprocessors,
+    else enough for PROGRAMS_PER_SM programs per multiprocessor, at most one BLOCK_K per split."""
     sms = _multiprocessors(device) if device.type == "cuda" else 1
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, column_blocks), triton.cdiv(K, block_k)))
+    if column_blocks >= sms:
+        return 1
+    return min(triton.cdiv(PROGRAMS_PER_SM * sms, column_blocks), triton.cdiv(K, block_k))
 
 
 def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,

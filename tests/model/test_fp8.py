@@ -194,7 +194,7 @@ def test_weight_only_kernel_splits_k_and_equals_its_definition_in_the_interprete
     import sys
 
     cases = [(1, 200, 70, 3, False), (5, 1000, 33, 2, True), (16, 512, 64, 4, False), (3, 300, 40, 1, True),
-             (2, 700, 50, 0, False)]  # split 0: chosen from the program count
+             (2, 700, 50, 0, False)]  # split 0: `_split_k` chooses (the CPU counts one multiprocessor: no split)
     env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", INTERPRETED_WEIGHT_ONLY, json.dumps(cases)], capture_output=True,
                           text=True, timeout=300, env=env)
