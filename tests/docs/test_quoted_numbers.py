@@ -304,13 +304,30 @@ def test_default_engine_numbers_equal_the_defaults_run():
 
 def test_fp8_and_adapter_load_numbers_equal_their_runs():
     runs = json.loads((RESULTS / "defaults_h100" / "runs.json").read_text())
-    tags = ("bf16_compiled_rows_b1_b64_b256", "fp8_compiled", "fp8_compiled_weight_only_tuned")
-    step = {(tag, r["batch"], r["kind"]): r["step_ms"] for tag in tags for r in runs[tag] if r["phase"] == "decode"}
-    bf16 = "bf16_compiled_rows_b1_b64_b256"
-    ratio = {256: step[("fp8_compiled", 256, "backbone")] / step[(bf16, 256, "backbone")],
-             1: step[("fp8_compiled_weight_only_tuned", 1, "backbone")] / step[(bf16, 1, "backbone")]}
+    step = {(tag, r["batch"], r["kind"]): r["step_ms"] for tag in runs for r in runs[tag] if r["phase"] == "decode"}
     models = page("docs/models.md")
-    assert f"{ratio[256]:.2f}x the bf16 step at batch 256" in models and f"{ratio[1]:.2f}x at batch 1" in models
+    for name, shape in (("llama", "Llama-3.2-3B"), ("mistral", "Mistral-7B")):
+        ratio = [step[(f"{name}_fp8_943e0b3", batch, kind)] / step[(f"{name}_bf16_943e0b3", batch, kind)]
+                 for batch, kind in ((1, "backbone"), (256, "backbone"), (256, "lora"))]
+        assert f"| {shape} | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |" in models
+    trace = {tag: {r["system"]: r["req_s"] for r in map(json.loads, (
+        RESULTS / "engine" / "mixed_defaults_h100" / f"rows_exact_{tag}.jsonl").read_text().splitlines())}
+        for tag in ("defaults_eager", "defaults_compiled", "fp8_trace_fp8")}
+    assert f"serves {trace['fp8_trace_fp8']['lorazor'] / trace['defaults_compiled']['lorazor']:.2f}x the requests" \
+        in models
+    eager, compiled, fp8 = (trace[t] for t in ("defaults_eager", "defaults_compiled", "fp8_trace_fp8"))
+    assert (f"served {compiled['lorazor']:.1f} req/s against\n{eager['lorazor']:.1f} req/s with the old eager default, "
+            f"{compiled['lorazor'] / eager['lorazor']:.2f}x, and {compiled['lorazor'] / compiled['backbone']:.2f}x its "
+            f"compiled backbone ({compiled['backbone']:.1f} req/s)") in page("docs/engine.md")
+    assert (f"eager {eager['lorazor']:.1f}, compiled {compiled['lorazor']:.1f}, compiled backbone\n  "
+            f"{compiled['backbone']:.1f} req/s ({compiled['lorazor'] / compiled['backbone']:.2f}x); in fp8, compiled "
+            f"{fp8['lorazor']:.1f} against a backbone of {fp8['backbone']:.1f} "
+            f"({fp8['lorazor'] / fp8['backbone']:.2f}x)") in page("docs/performance.md")
+    table = page("benchmarks/results/engine/mixed_defaults_h100/README.md")
+    for tag, label in (("defaults_eager", "eager (the old default)"), ("defaults_compiled", "compiled (the default)"),
+                       ("fp8_trace_fp8", "compiled, fp8 base weights")):
+        lora, backbone = trace[tag]["lorazor"], trace[tag]["backbone"]
+        assert f"| {label} | {lora:.1f} | {backbone:.1f} | {lora / backbone:.2f}x |" in table
     load = json.loads((RESULTS / "adapters" / "adapter_load_h100_8259ecf.json").read_text())
     floor_ms = load["copy_floor_s"] / load["loads"] * 1e3
     for text in (page("docs/adapters.md"), page("benchmarks/results/adapters/README.md")):
