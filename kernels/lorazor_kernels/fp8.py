@@ -8,10 +8,11 @@ Semantics:
 On a GPU, a product of at most `WEIGHT_ONLY_ROWS` rows (decode at small batch: bound by reading the
 weights) is one Triton kernel that widens the fp8 weights in registers and keeps x in its own dtype
 (`fp8_weight_only`; a GEMM too narrow to fill the GPU splits K over more programs, and the last
-program of each column block adds the partial sums). With more rows, on a GPU with fp8 matrix units (compute capability >= 8.9),
-activations are quantized per token on the fly (a scale per row of x, as vLLM's `--quantization
-fp8` does; one Triton kernel, `quantize_tokens`, that also pads the rows to `_scaled_mm`'s
-multiple) and the product runs in `torch._scaled_mm` with both scales applied in its epilogue.
+program of each column block adds the partial sums). With more rows, on a GPU with fp8 matrix units
+(compute capability >= 8.9), activations are quantized per token on the fly (a scale per row of x,
+as vLLM's `--quantization fp8` does; one Triton kernel, `quantize_tokens`, that also pads the rows
+to `_scaled_mm`'s multiple) and the product runs in `torch._scaled_mm` with both scales applied in
+its epilogue.
 Elsewhere (the CPU) the weights are dequantized to x's dtype and the product is a plain linear: the
 same weights, activations unrounded.
 `fp8_linear_reference` is the dequantized definition; `scaled=True` forces the `_scaled_mm` path
