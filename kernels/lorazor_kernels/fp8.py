@@ -193,7 +193,7 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         raise ValueError(f"fp8_weight_only takes at most {WEIGHT_ONLY_ROWS} rows, got {M}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    # The H100 sweep's best for 3 of the 4 Llama-3.2-3B GEMMs (`probes/fp8_gemm.py --sweep`).
+    # The H100 sweep's best for 3 of the 4 Llama-3.2-3B GEMMs unsplit (`probes/fp8_gemm.py --sweep`, 995d0e0).
     block_n, block_k, warps, stages, *split = launch or (32, 512, 4, 3)
     column_blocks = triton.cdiv(N, block_n)
     split_k = split[0] if split and split[0] else _split_k(column_blocks, K, block_k, x.device)
