@@ -21,11 +21,11 @@ same weights, activations unrounded.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from .lora_launch import _cuda_index, _sm_count
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -165,15 +165,10 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_COLUMN_BLOCKS = 4096
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device) -> int:
     """Splits of K for a launch of `column_blocks` column blocks: none if they fill the multiprocessors,
     else enough for PROGRAMS_PER_SM programs per multiprocessor, at most one BLOCK_K per split."""
-    sms = _multiprocessors(device) if device.type == "cuda" else 1
+    sms = _sm_count(_cuda_index(device)) if device.type == "cuda" else 1
     if column_blocks >= sms:
         return 1
     return min(triton.cdiv(PROGRAMS_PER_SM * sms, column_blocks), triton.cdiv(K, block_k))
