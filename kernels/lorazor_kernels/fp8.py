@@ -190,6 +190,9 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     # The H100 sweep's best for 3 of the 4 Llama-3.2-3B GEMMs unsplit (`probes/fp8_gemm.py --sweep`, 995d0e0).
     block_n, block_k, warps, stages, *split = launch or (32, 512, 4, 3)
+    if len(split) > 1 or (split and split[0] < 0):
+        raise ValueError(f"fp8_weight_only launch takes (BLOCK_N, BLOCK_K, warps, stages[, split_k >= 0]), "
+                         f"got {launch}")
     column_blocks = triton.cdiv(N, block_n)
     split_k = split[0] if split and split[0] else _split_k(column_blocks, K, block_k, x.device)
     k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole BLOCK_Ks per split

@@ -4,6 +4,7 @@ effect kept, the engine equal to static generate, and the `_scaled_mm` GEMM equa
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -183,6 +184,15 @@ for M, K, N, split, bias in json.loads(sys.argv[1]):
                     counters=int(sum(c.abs().sum() for c in _COUNTERS.values()))))
 print(json.dumps(out))
 """
+
+
+def test_weight_only_launch_refuses_a_bad_split_naming_it():
+    from lorazor_kernels.fp8 import fp8_weight_only
+
+    weight, scale = quantize_rows(torch.randn(40, 64))
+    for launch in ((32, 128, 4, 3, -2), (32, 128, 4, 3, 2, 1)):
+        with pytest.raises(ValueError, match=re.escape(str(launch))):
+            fp8_weight_only(torch.randn(2, 64), weight, scale, launch=launch)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the GPU test below runs the compiled kernel (and "
