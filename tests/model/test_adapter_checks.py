@@ -65,12 +65,12 @@ def test_a_file_damaged_after_registration_fails_at_load(model, folder):
             tensors[key].fill_(float("nan"))
         rewrite(folder, tensors)
         failed = model.registry.load_each(["later"])
-        assert "non-finite" in failed["later"]
+        assert "changed on disk since it was registered" in failed["later"]  # refused before any value is used
     finally:
         model.unregister_adapter("later")
 
 
-@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), 0, -4, True])
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), 0, -4, True, 1e30])
 def test_bad_lora_alpha_is_refused(model, folder, alpha):
     text = (folder / "adapter_config.json").read_text()
     cfg = json.loads(text)

@@ -64,7 +64,7 @@ def test_runtime_registration_never_fetches_from_the_hub(hub_cache, monkeypatch)
     calls = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: calls.append(a) or str(hub_cache))
     model = LoRazorModel.from_pretrained(ASSETS / "backbone")
-    with pytest.raises(AdapterError, match="not a PEFT adapter folder"):
+    with pytest.raises(AdapterError, match="does not exist or is not a folder"):
         register(model, "sql", "acme/sql-lora")
     assert not calls
 

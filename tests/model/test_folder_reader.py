@@ -2,6 +2,7 @@
 read of a header and every later one, across headers and configs), in a handful of torch calls once
 the header is known; bad files are still refused, naming what is wrong."""
 
+import dataclasses
 import json
 import types
 
@@ -98,8 +99,11 @@ def test_bad_files_under_a_known_header_are_still_refused(tmp_path):
     tensors = load_file(path)  # a NaN written after registration, under the same header
     tensors["base_model.model.l0.o.lora_B.weight"][1, 2] = float("nan")
     save_file(tensors, str(path))
+    with pytest.raises(AdapterError, match="changed on disk since it was registered"):
+        reader.read(poisoned)  # its digest differs from the registered one
+    # A source without a registered digest (none to compare) still meets the finiteness check.
     with pytest.raises(AdapterError, match=r"l0\.o\.lora_B\.weight.*non-finite"):
-        reader.read(poisoned)
+        reader.read(dataclasses.replace(poisoned, digest=b""))
     broken = write(tmp_path / "cut", seed=3)
     path = broken.path / "adapter_model.safetensors"
     path.write_bytes(path.read_bytes()[:-10])  # truncated after registration

@@ -18,6 +18,7 @@ tensors) take the full path every time.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from .bank import AdapterBank, SlotImage
-from .loader import SAFE_FILE, AdapterSource, adapter_weights, all_finite, load_adapter_weights
+from .files import check_unchanged, open_file
+from .loader import SAFE_FILE, AdapterSource, adapter_weights, all_finite, config_bytes, load_adapter_weights
 
 # Plans kept per reading thread (each holds one adapter's file data and one slot image in host memory).
 PLANS_PER_THREAD = 2
@@ -54,10 +56,13 @@ class FolderReader:
         self._local = threading.local()
 
     def read(self, source: AdapterSource) -> SlotImage:
+        """The folder's slot image. What is read is hashed and compared with the digest taken at
+        registration (`files.check_unchanged`): a folder rewritten since is refused."""
         path = source.path / SAFE_FILE
-        if not path.is_file():
+        if not os.path.lexists(path):
             return self._full(source)
-        with open(path, "rb") as f:
+        config = config_bytes(source.name, source.path, source.root)
+        with open_file(source.name, path, source.root) as f:
             head = f.read(8)
             size = os.fstat(f.fileno()).st_size
             header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else size
@@ -66,17 +71,28 @@ class FolderReader:
             header = f.read(header_len)
             key = (header, json.dumps(source.config, sort_keys=True, default=str))
             plans = self._plans()
-            if key not in plans:
-                layout = _layout(header, size - 8 - header_len)
-                plans[key] = None if layout is None else self._plan(source, f, *layout)
-                while len(plans) > PLANS_PER_THREAD:
-                    plans.popitem(last=False)
-                if plans[key] is not None:  # its first read was the full path's, on this very data
-                    return _copy(plans[key].image, self._pin)
-            plans.move_to_end(key)
-            plan = plans[key]
-            if plan is None or f.readinto(memoryview(plan.staging.numpy())) != plan.staging.numel():
+            plan = plans.get(key)
+            if plan is None:
+                layout = None if key in plans else _layout(header, size - 8 - header_len)
+                if layout is None:
+                    plans[key] = None  # remembered: such a file always takes the full path
+                    self._trim(plans)
+                    return self._full(source)
+                dtype, entries = layout
+                staging = torch.empty(sum(e - s for s, e, _ in entries.values()), dtype=torch.uint8)
+            else:
+                staging = plan.staging
+            if f.readinto(memoryview(staging.numpy())) != staging.numel():
                 return self._full(source)
+        digest = hashlib.sha256(config)
+        for part in (head, header, memoryview(staging.numpy())):
+            digest.update(part)
+        check_unchanged(source.name, source.path, source.digest, digest.digest())
+        if plan is None:  # the first read of this header: every check, on this very data
+            plan = plans[key] = self._plan(source, staging, dtype, entries)
+            self._trim(plans)
+            return _copy(plan.image, self._pin)
+        plans.move_to_end(key)
         if not all_finite(plan.data):
             return self._full(source)  # raises, naming the tensor
         torch._foreach_copy_(plan.dst, plan.src)
@@ -90,10 +106,12 @@ class FolderReader:
             self._local.plans = OrderedDict()
         return self._local.plans
 
-    def _plan(self, source: AdapterSource, f, dtype: torch.dtype, entries: dict) -> _Plan | None:
-        staging = torch.empty(sum(e - s for s, e, _ in entries.values()), dtype=torch.uint8)
-        if f.readinto(memoryview(staging.numpy())) != staging.numel():
-            return None
+    @staticmethod
+    def _trim(plans: OrderedDict) -> None:
+        while len(plans) > PLANS_PER_THREAD:
+            plans.popitem(last=False)
+
+    def _plan(self, source: AdapterSource, staging: torch.Tensor, dtype: torch.dtype, entries: dict) -> _Plan:
         tensors = {key: staging[s:e].view(dtype).view(shape) for key, (s, e, shape) in entries.items()}
         weights = adapter_weights(source, tensors, self.bank.module_sizes)  # every check; raises on a bad file
         image = self.bank.pack(weights)

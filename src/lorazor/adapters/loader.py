@@ -15,12 +15,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .files import FILE_OVERHEAD_BYTES, check_archive, check_inside_root, check_unchanged, digest_of, fd_path, \
+    open_file, weights_bound
 from .types import AdapterError, AdapterWeights
 
 PEFT_PREFIX = "base_model.model."
@@ -32,6 +35,9 @@ LEGACY_FILE = "adapter_model.bin"
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 # The largest `adapter_config.json` read (PEFT's are a few KiB); larger ones are refused unread.
 MAX_CONFIG_BYTES = 1 << 20
+# The largest LoRA scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) served: trained adapters use
+# about 0.5-64; far larger ones overflow the activations and end every request of theirs with NaN.
+MAX_SCALING = 1e4
 # Config fields whose PEFT feature LoRazor cannot batch per row: (field, is set, why).
 REFUSED_FEATURES = (
     ("use_dora", bool, "DoRA, which LoRazor does not support"),
@@ -94,6 +100,8 @@ class AdapterSource:
         max_rank: the largest rank over its modules.
         digest: a hash of its config and weights (`weights_digest`): the prefix cache keys the KV
             an adapter computes by it, so other weights under the same name never share blocks.
+        root: the server's `--lora-root` it was registered under (None: none); every later read
+            then opens its files without following links (`files.py`).
     """
 
     name: str
@@ -102,6 +110,7 @@ class AdapterSource:
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None
     max_rank: int
     digest: bytes = b""
+    root: Path | None = None
 
 
 def weights_digest(config: dict, tensors: dict[str, torch.Tensor]) -> bytes:
@@ -126,15 +135,24 @@ def check_shapes(name: str, module: str, a_shape, b_shape, rank: int, in_feature
             f"lora_B [{out_features}, r], the folder has {tuple(a_shape)} and {tuple(b_shape)}")
 
 
-def _read_config(name: str, folder: Path) -> dict:
+def config_bytes(name: str, folder: Path, root: Path | None = None) -> bytes:
     path = folder / CONFIG_FILE
-    if not path.is_file():
+    if not folder.is_dir():
+        raise AdapterError(f"adapter {name!r}: {folder} does not exist or is not a folder")
+    if not path.is_file() and not path.is_symlink():
         raise AdapterError(f"adapter {name!r}: {folder} has no {CONFIG_FILE} (not a PEFT adapter folder)")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdapterError(f"adapter {name!r}: {path} is {path.stat().st_size} bytes, more than the "
-                           f"{MAX_CONFIG_BYTES} an adapter config may have")
+    with open_file(name, path, root) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_CONFIG_BYTES:
+            raise AdapterError(f"adapter {name!r}: {path} is {size} bytes, more than the "
+                               f"{MAX_CONFIG_BYTES} an adapter config may have")
+        return f.read()
+
+
+def _read_config(name: str, folder: Path, raw: bytes) -> dict:
+    path = folder / CONFIG_FILE
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise AdapterError(f"adapter {name!r}: {path} is not valid JSON ({err})") from err
     except RecursionError as err:  # nested deeper than Python's parser goes
@@ -155,14 +173,22 @@ def _read_config(name: str, folder: Path) -> dict:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             where = key if key == "lora_alpha" else f"alpha_pattern[{key!r}]"
             raise AdapterError(f"adapter {name!r}: {path} has {where}={value!r}, expected a finite number > 0")
+        rank_of = rank if key == "lora_alpha" else patterns[0].get(key, rank)
+        scaling = value / (rank_of**0.5 if cfg.get("use_rslora") else rank_of)
+        if scaling > MAX_SCALING:
+            where = key if key == "lora_alpha" else f"alpha_pattern[{key!r}]"
+            raise AdapterError(f"adapter {name!r}: {path} has {where}={value!r}, a LoRA scaling of {scaling:.3g} "
+                               f"(alpha / r), more than the {MAX_SCALING:g} LoRazor serves: its outputs would overflow")
     return cfg
 
 
-def _header_shapes(name: str, path: Path) -> dict:
+def _header_shapes(name: str, path: Path, opened: str | None = None) -> dict:
+    """The tensors' shapes from a safetensors header (`opened`: a path to the very file already
+    open, see `files.fd_path`); a corrupt header or a non-float dtype is refused."""
     from safetensors import safe_open
 
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(opened or str(path), framework="pt") as f:
             slices = {key: f.get_slice(key) for key in f.keys()}
             shapes = {key: tuple(s.get_shape()) for key, s in slices.items()}
             dtypes = {key: s.get_dtype() for key, s in slices.items()}
@@ -223,61 +249,86 @@ def _check_inside_decoder(name: str, cfg: dict, keys) -> None:
                            "decoder's linear layers only (attention and MLP projections)")
 
 
-def read_adapter(name: str, path, allow_hub: bool = False) -> AdapterSource:
+def read_adapter(name: str, path, allow_hub: bool = False, root: Path | None = None,
+                 module_sizes: dict[str, tuple[int, int]] | None = None, max_rank: int | None = None) -> AdapterSource:
     """Validate an adapter folder: its config, then its tensors' names, shapes and values (the
     module docstring lists the checks). The tensors are not kept: they are read again at the first
-    load. `allow_hub`: a Hub repo id that is not a local folder is fetched (`resolve_adapter_folder`)."""
+    load. Thread-safe: nothing is registered here, so a server runs it off its engine's loop.
+
+    Args:
+        allow_hub: a Hub repo id that is not a local folder is fetched (`resolve_adapter_folder`).
+        root: the server's `--lora-root` the folder must stay under (links refused at every read).
+        module_sizes, max_rank: the bank's LoRA targets and rank bound: with them, names, shapes and
+            the file's size are checked against the model before any value is read (a file larger
+            than this model's adapters can be is refused unread, `files.weights_bound`).
+    """
     check_adapter_name(name)
     folder = resolve_adapter_folder(name, path, allow_hub)
-    cfg = _read_config(name, folder)
+    if root is not None:
+        folder = Path(os.path.realpath(folder))
+        check_inside_root(name, folder, root)
+    raw = config_bytes(name, folder, root)
+    cfg = _read_config(name, folder, raw)
     _check_inside_decoder(name, cfg, ())
-    if (folder / SAFE_FILE).is_file():
-        _header_shapes(name, folder / SAFE_FILE)  # a bad header or dtype refused before any data is read
-    elif not (folder / LEGACY_FILE).is_file():
+    if not os.path.lexists(folder / SAFE_FILE) and not os.path.lexists(folder / LEGACY_FILE):
         raise AdapterError(f"adapter {name!r}: no {SAFE_FILE} or {LEGACY_FILE} in {folder}")
-    # The values are read and checked now, so a bad file is refused at registration, never when a
-    # request first needs it.
-    source = AdapterSource(name, folder, cfg, None, cfg["r"])
-    tensors = _read_tensors(source)
+    source = AdapterSource(name, folder, cfg, None, cfg["r"], root=root)
+    bound = None if module_sizes is None else weights_bound(module_sizes, max_rank or cfg["r"])
+    tensors, digest = read_tensors(source, bound, raw)
     shapes = _pair_shapes(name, {key: tuple(t.shape) for key, t in tensors.items()})
-    check_finite(name, tensors)
     ranks = ([module_rank_alpha(cfg, module)[0] for module in shapes]
              or [cfg["r"], *(cfg.get("rank_pattern") or {}).values()])
-    return AdapterSource(name, folder, cfg, shapes, max(ranks), _source_digest(source, tensors))
+    source = AdapterSource(name, folder, cfg, shapes, max(ranks), digest, root)
+    if module_sizes is not None:  # names and shapes before values
+        check_source(source, module_sizes, max_rank)
+    # The values are read and checked now, so a bad file is refused at registration, never when a
+    # request first needs it.
+    check_finite(name, tensors)
+    return source
 
 
-def _source_digest(source: AdapterSource, tensors: dict[str, torch.Tensor]) -> bytes:
-    """sha256 of the folder's config and weights files' bytes (hashing the bytes is 4x cheaper than
-    the tensors); for a `.bin` file, of its config and tensors (`weights_digest`)."""
-    safe = source.path / SAFE_FILE
-    if safe.is_file():
-        digest = hashlib.sha256((source.path / CONFIG_FILE).read_bytes())
-        with open(safe, "rb") as f:  # in chunks: no copy of the whole file joined to the config
-            return hashlib.file_digest(f, lambda: digest).digest()
-    return weights_digest(source.config, tensors)
-
-
-def _read_tensors(source: AdapterSource) -> dict[str, torch.Tensor]:
-    """The folder's tensors (safetensors, or `.bin` through the weights-only unpickler)."""
+def read_tensors(source: AdapterSource, max_bytes: int | None = None,
+                 config: bytes | None = None) -> tuple[dict[str, torch.Tensor], bytes]:
+    """(the folder's tensors, the digest of what was read): safetensors memory-mapped, or `.bin`
+    through the weights-only unpickler once its archive is checked (`files.check_archive`). The
+    digest is sha256 of the config's and the safetensors file's bytes (4x cheaper than hashing the
+    tensors), or for a `.bin` file `weights_digest` of its config and tensors."""
+    name = source.name
+    if config is None:
+        config = config_bytes(name, source.path, source.root)
     safe, legacy = source.path / SAFE_FILE, source.path / LEGACY_FILE
-    try:
-        if safe.is_file():
-            from safetensors.torch import load_file
+    use_safe = os.path.lexists(safe)
+    path, kind = (safe, "safetensors") if use_safe else (legacy, "weights-only torch")
+    with open_file(name, path, source.root) as f:
+        try:
+            if use_safe:
+                size = os.fstat(f.fileno()).st_size
+                if max_bytes is not None and size > max_bytes + FILE_OVERHEAD_BYTES:
+                    raise AdapterError(f"adapter {name!r}: {path} is {size} bytes, more than an adapter of this "
+                                       f"model at max_lora_rank can need ({max_bytes + FILE_OVERHEAD_BYTES})")
+                from safetensors.torch import load_file
 
-            # Memory-mapped and aligned: tensors `safetensors.torch.load(bytes)` makes from a buffer
-            # sum 50x slower.
-            return load_file(str(safe))
-        tensors = torch.load(str(legacy), map_location="cpu", weights_only=True)
-    except Exception as err:  # safetensors / the weights-only unpickler raise their own error types
-        bad, kind = (safe, "safetensors") if safe.is_file() else (legacy, "weights-only torch")
-        raise AdapterError(f"adapter {source.name!r}: {bad} is not a valid {kind} file ({err})") from err
+                _header_shapes(name, path, fd_path(f, path))  # a bad header or dtype refused before any data
+                # Memory-mapped and aligned: tensors `safetensors.torch.load(bytes)` makes from a buffer
+                # sum 50x slower.
+                return load_file(fd_path(f, path)), digest_of(config, f)
+            check_archive(name, f, path, max_bytes)
+            tensors = torch.load(f, map_location="cpu", weights_only=True)
+        except AdapterError:
+            raise
+        except Exception as err:  # safetensors / the weights-only unpickler raise their own error types
+            raise AdapterError(f"adapter {name!r}: {path} is not a valid {kind} file ({err})") from err
     if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        raise AdapterError(f"adapter {source.name!r}: {legacy} does not hold a dict of tensors")
+        raise AdapterError(f"adapter {name!r}: {legacy} does not hold a dict of tensors")
     for key, tensor in tensors.items():
         if not isinstance(key, str) or not tensor.dtype.is_floating_point:
-            raise AdapterError(f"adapter {source.name!r}: tensor {key!r} in {legacy} has dtype {tensor.dtype}, "
+            raise AdapterError(f"adapter {name!r}: tensor {key!r} in {legacy} has dtype {tensor.dtype}, "
                                "not a floating type")
-    return tensors
+    try:
+        parsed = json.loads(config)
+    except ValueError:  # changed into something else: its bytes stand for it
+        parsed = {"raw": config.hex()}
+    return tensors, weights_digest(parsed, tensors)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -342,7 +393,9 @@ def load_adapter_weights(source: AdapterSource, module_sizes: dict[str, tuple[in
     Args:
         module_sizes: bank module name -> (in_features, out_features).
     """
-    return adapter_weights(source, _read_tensors(source), module_sizes)
+    tensors, digest = read_tensors(source)
+    check_unchanged(source.name, source.path, source.digest, digest)
+    return adapter_weights(source, tensors, module_sizes)
 
 
 def adapter_weights(source: AdapterSource, tensors: dict[str, torch.Tensor],

@@ -11,18 +11,19 @@ data, never graph keys: loads and evictions never invalidate a captured CUDA gra
 from __future__ import annotations
 
 import bisect
-import math
 import time
 import warnings
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
 from .bank import AdapterBank, SlotImage
 from .folder_reader import FolderReader
-from .loader import AdapterSource, check_adapter_name, check_finite, check_source, read_adapter, weights_digest
+from .loader import (MAX_SCALING, AdapterSource, check_adapter_name, check_finite, check_source, read_adapter,
+                     weights_digest)
 from .read_ahead import ReadAhead
 from .types import AdapterError, AdapterWeights
 
@@ -117,21 +118,61 @@ class AdapterRegistry:
         self.broken: dict[str, str] = {}
         self.reader = FolderReader(bank)
         self.read_ahead = ReadAhead(self.reader.read)
+        self.snapshot: MappingProxyType[str, bytes] = MappingProxyType({})  # see `_publish`
 
     # ---- registration ---------------------------------------------------------------------------
-    def register(self, name: str, path, source: AdapterSource | None = None, allow_hub: bool = False) -> AdapterStatus:
-        """Check an adapter folder against the bank and remember it; no weights are read.
-        `source`: the folder already read by `read_adapter`; `allow_hub`: a Hub repo id may be fetched."""
+    def read(self, name: str, path, allow_hub: bool = False, root: Path | None = None) -> AdapterSource:
+        """Read and check an adapter folder against this bank (`loader.read_adapter`: names, shapes
+        and size before values) without registering it: safe on any thread, so a server reads here,
+        off its engine's loop, and registers the result there (`register(..., source=...)`)."""
+        return read_adapter(name, path, allow_hub, root, self.bank.module_sizes, self.bank.r_max)
+
+    def register(self, name: str, path, source: AdapterSource | None = None, allow_hub: bool = False,
+                 replace: bool = False) -> AdapterStatus:
+        """Check an adapter folder against the bank and remember it; no weights are moved to a slot.
+        `source`: the folder already read by `read`; `allow_hub`: a Hub repo id may be fetched;
+        `replace`: in place of a registered adapter of that name, swapped only once the new folder
+        passed every check (refused while requests use the old one), so a bad folder leaves the old
+        adapter serving and no reader ever sees the name missing."""
         check_adapter_name(name)
-        if name in self.entries:
+        if name in self.entries and not replace:
             raise AdapterError(f"adapter {name!r} is already registered ({self.status(name).location})")
-        source = source or read_adapter(name, path, allow_hub)
+        source = source or self.read(name, path, allow_hub)
         warn_if_other_base(name, source.config.get("base_model_name_or_path"), self.base_model)
         check_source(source, self.bank.module_sizes, self.bank.r_max)
         targets = _kinds(source.shapes) if source.shapes is not None else tuple(
             sorted(source.config.get("target_modules") or ()))
+        if name in self.entries:
+            self._forget(name)
         self.entries[name] = _Entry(source, None, source.max_rank, targets, source.digest)
+        self._publish()
         return self.status(name)
+
+    def _publish(self) -> None:
+        """Replace `snapshot` (name -> digest) after a change: readers on other threads (a server's
+        event loop) see one consistent registry, never one changing under them."""
+        self.snapshot = MappingProxyType({name: entry.digest for name, entry in self.entries.items()})
+
+    def acquire(self, name: str, digest: bytes | None = None) -> None:
+        """Count one more unfinished request of `name` (on the engine's thread, when it is queued),
+        once `name` is registered, usable, and still has the `digest` the request was checked with:
+        a request checked before a re-registration never runs with weights it was not checked
+        against, nor files its KV under the other weights' identity."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise AdapterError(f"adapter {name!r} was unregistered after this request was checked; registered "
+                               f"adapters: {list(self.entries)}")
+        if digest is not None and entry.digest != digest:
+            raise AdapterError(f"adapter {name!r} was registered again with other weights after this request was "
+                               "checked: send the request again to run it on the new weights")
+        self.check_usable(name)
+        self.in_use[name] += 1
+
+    def release(self, name: str) -> None:
+        """One unfinished request of `name` fewer (it finished)."""
+        self.in_use[name] -= 1
+        if self.in_use[name] <= 0:
+            del self.in_use[name]
 
     # The served model's name or path (set by LoRazorModel), compared with each adapter's base model.
     base_model: str | None = None
@@ -143,9 +184,10 @@ class AdapterRegistry:
             raise AdapterError(f"adapter {name!r} is already registered")
         tensors = {f"{m}.lora_{k}": t for m, (a, b, _) in weights.modules.items() for k, t in (("A", a), ("B", b))}
         check_finite(name, tensors)
-        bad = [m for m, (_, _, scale) in weights.modules.items() if not math.isfinite(scale)]
+        bad = [m for m, (_, _, scale) in weights.modules.items() if not abs(scale) <= MAX_SCALING]
         if bad:
-            raise AdapterError(f"adapter {name!r}: {bad[0]} has a non-finite scaling (lora_alpha / r)")
+            raise AdapterError(f"adapter {name!r}: {bad[0]} has a scaling (lora_alpha / r) of "
+                               f"{weights.modules[bad[0]][2]!r}, not a finite number <= {MAX_SCALING:g}")
         ranks = [a.shape[0] for a, _, _ in weights.modules.values()]
         if max(ranks, default=0) > self.bank.r_max:
             raise AdapterError(f"adapter {name!r} has rank {max(ranks)} > max_lora_rank={self.bank.r_max}")
@@ -153,6 +195,7 @@ class AdapterRegistry:
                         for m, (_, _, scale) in weights.modules.items()})
         self.entries[name] = _Entry(None, self.bank.pack(weights), max(ranks, default=0), _kinds(weights.modules),
                                     weights_digest({}, tensors))
+        self._publish()
         self.make_resident([name])
         # Its host copy is kept only once it is evicted (`_evict`): the slot holds it now.
         self.entries[name].image = None
@@ -162,6 +205,10 @@ class AdapterRegistry:
         """Forget an adapter and free its slot."""
         if name not in self.entries:
             raise KeyError(f"unknown adapter {name!r}; registered adapters: {list(self.entries)}")
+        self._forget(name)
+        self._publish()
+
+    def _forget(self, name: str) -> None:
         if self.in_use[name] > 0:
             raise AdapterError(f"adapter {name!r} is used by {self.in_use[name]} unfinished requests: abort them "
                                "or let them finish first")

@@ -68,16 +68,34 @@ class BackgroundLoop:
     async def stream(self, request, arrival_time: float | None = None):
         """The outputs of `request` (built by `engine.prepare_request`) as its steps produce them,
         merged when the consumer falls behind. A consumer that stops early aborts the request."""
+        outputs = await self.open(request, arrival_time)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    async def open(self, request, arrival_time: float | None = None):
+        """Queue `request` on the engine's thread and return its outputs (an async iterator). What the
+        engine's thread refuses at queueing (its adapter re-registered or unregistered since the
+        request was checked) raises here, before any output."""
         engine = self.engine
         queue: asyncio.Queue = asyncio.Queue()
         request_id = request.request_id
         if request_id in self._streams:  # two streams that passed prepare_request with one id
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        queued = finished = False
         try:
             await self.call(lambda: engine.queue_request(request, arrival_time))
-            queued = True
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return self._follow(request_id, queue)
+
+    async def _follow(self, request_id: str, queue: asyncio.Queue):
+        engine = self.engine
+        finished = False
+        try:
             while not finished:
                 out = await queue.get()
                 while not queue.empty():
@@ -86,7 +104,7 @@ class BackgroundLoop:
                 yield out
         finally:
             self._streams.pop(request_id, None)
-            if queued and not finished and not self._stopping:  # the consumer left: free its blocks
+            if not finished and not self._stopping:  # the consumer left: free its blocks
                 self.submit(lambda: engine.requests.get(request_id) and engine.abort(request_id))
 
     def stop(self, abort: bool = True, timeout: float = 30.0) -> int:

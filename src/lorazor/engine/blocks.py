@@ -6,7 +6,8 @@ the same weights. A block's hash is therefore
     sha256(hash of the block before | identity | the block's token ids)
 where the identity is the backbone (`BACKBONE`) or one adapter by name plus a digest of its weights
 and config (`adapter_identity`): re-registering a name with other weights never reuses the old
-blocks. StepTrim's released tokens were computed by the backbone inside an adapter's sequence: a
+blocks. A request's `cache_salt` is mixed into its identity (`salted`): different salts never share
+a block. StepTrim's released tokens were computed by the backbone inside an adapter's sequence: a
 block holding any of them is never cached (its KV is what no later prompt would compute), so a
 request's chain of cacheable blocks ends where its release begins.
 
@@ -30,6 +31,26 @@ BACKBONE = b"backbone"
 def adapter_identity(name: str, digest: bytes) -> bytes:
     """The identity of KV computed with adapter `name` whose weights and config hash to `digest`."""
     return b"lora\0" + name.encode() + b"\0" + digest
+
+
+# The longest cache salt accepted (vLLM takes any string; a bound keeps a hash input small).
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(salt):
+    """`salt` if it is None or a non-empty string of at most `MAX_CACHE_SALT_CHARS` characters."""
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise ValueError(f"cache_salt must be None or a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                         f"characters, got {salt if not isinstance(salt, str) else repr(salt[:40])!r}")
+    return salt
+
+
+def salted(identity: bytes, salt: str | None) -> bytes:
+    """`identity` with a request's cache salt mixed in (None: unchanged, so unsalted requests keep
+    sharing blocks)."""
+    if salt is None:
+        return identity
+    return identity + b"\0salt\0" + hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def block_hashes(hashes: list[bytes], tokens: list[int], block_size: int, identity: bytes, upto: int) -> list[bytes]:

@@ -35,7 +35,7 @@ from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
 from ..runner.release import BoundPolicies
 from ..runner.sampling import batchable
 from .background import BackgroundLoop
-from .blocks import BACKBONE, BlockPool, adapter_identity
+from .blocks import BACKBONE, BlockPool, adapter_identity, check_cache_salt, salted
 from .launched import launch_picks
 from .outputs import postprocess
 from .request import Request, RequestOutput, Status
@@ -175,6 +175,10 @@ class LoRazorEngine:
             generator: a seeded `torch.Generator` for this request's sampling.
             arrival_time: when the request arrived (`time.monotonic()`), if before this call; TTFT
                 counts from it.
+            cache_salt (keyword): a string mixed into the hash of every KV block this request
+                computes (vLLM's name): requests with different salts never share prefix-cache
+                blocks, those with the same salt do. A gateway sets one per tenant to close the
+                side channel of `num_cached_tokens` (docs/serving.md, "Security").
         """
         request = self.prepare_request(prompt_ids, adapter, generation_config, release, request_id, generator,
                                        **kwargs)
@@ -185,11 +189,11 @@ class LoRazorEngine:
         taken since); returns its id."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.adapter is not None:  # the adapter as it is now, on this thread: the one that will run
+            self.model.registry.acquire(request.adapter, request.adapter_digest)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.requests[request.request_id] = request
-        if request.adapter is not None:
-            self.model.registry.in_use[request.adapter] += 1
         self.scheduler.add(request)
         return request.request_id
 
@@ -203,10 +207,14 @@ class LoRazorEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt = self._check_prompt(prompt_ids)
-        if adapter is not None and adapter not in self.model.registry.entries:
-            raise KeyError(f"unknown adapter {adapter!r}; registered adapters: {self.model.adapter_names}")
+        # The registry as its last change left it (this may run off the engine's thread); `queue_request`
+        # checks again, on the engine's thread, that the adapter still has this digest.
+        registered = self.model.registry.snapshot
+        if adapter is not None and adapter not in registered:
+            raise KeyError(f"unknown adapter {adapter!r}; registered adapters: {list(registered)}")
         if adapter is not None:
             self.model.registry.check_usable(adapter)
+        cache_salt = check_cache_salt(kwargs.pop("cache_salt", None))
         tokenizer = kwargs.pop("tokenizer", None)
         logits_processor = kwargs.pop("logits_processor", None)
         logprobs = kwargs.pop("logprobs", None)
@@ -235,8 +243,9 @@ class LoRazorEngine:
             raise ValueError(f"max_new_tokens must be >= 1 for an engine request, got {plan.max_new_tokens}")
         self.check_length(len(prompt), plan.max_new_tokens)
         request = Request(request_id, prompt, adapter, plan, policy, release, generator)
-        request.cache_identity = BACKBONE if adapter is None else adapter_identity(
-            adapter, self.model.registry.digest(adapter))
+        request.adapter_digest = None if adapter is None else registered[adapter]
+        request.cache_identity = salted(BACKBONE if adapter is None else adapter_identity(
+            adapter, request.adapter_digest), cache_salt)
         request.logprobs = logprobs
         request.logprob_processors = LogitsProcessorList(logits_processor or [])
         # A request that reports log-probabilities is sampled on its own (`outputs.sample_on_host`).
@@ -472,7 +481,7 @@ class LoRazorEngine:
         request.finish_time = time.monotonic()
         del self.requests[request.request_id]
         if request.adapter is not None:
-            self.model.registry.in_use[request.adapter] -= 1
+            self.model.registry.release(request.adapter)
 
     # ---- offline and streaming ------------------------------------------------------------------
     def generate(self, requests: list[dict], progress: bool = False) -> list[RequestOutput]:

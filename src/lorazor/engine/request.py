@@ -164,6 +164,7 @@ class Request:
     # its full cacheable blocks, how many of its blocks are in the cache, and how many prompt tokens
     # its first admission found there (None until admitted).
     cache_identity: bytes = b""
+    adapter_digest: bytes | None = None  # its adapter's digest when it was checked (`registry.acquire`)
     block_hashes: list = field(default_factory=list)
     blocks_cached: int = 0
     num_cached_tokens: int | None = None

@@ -131,21 +131,25 @@ class LoRazorModel(nn.Module):
 
     @property
     def adapter_names(self) -> list[str]:
-        """Every registered adapter, in registration order."""
-        return list(self.registry.entries)
+        """Every registered adapter, in registration order (the registry's snapshot: safe to read
+        from another thread while the engine's thread changes the registry)."""
+        return list(self.registry.snapshot)
 
     @property
     def adapters(self) -> dict[str, AdapterStatus]:
         """Registered adapter name -> `AdapterStatus` (on disk / in host memory / in a GPU slot, rank, targets)."""
         return self.registry.statuses()
 
-    def register_adapter(self, name: str, path, allow_hub: bool = True) -> AdapterStatus:
+    def register_adapter(self, name: str, path, allow_hub: bool = True, replace: bool = False,
+                         source=None) -> AdapterStatus:
         """Register a PEFT adapter folder under `name`: its config and weights' header are checked
         against the bank now, its weights are loaded into a GPU slot when a batch first uses it.
         A Hugging Face Hub repo id (`owner/name`, not a local path) is fetched into the Hub cache
-        unless `allow_hub=False` (`HF_HUB_OFFLINE=1` uses the cache only)."""
+        unless `allow_hub=False` (`HF_HUB_OFFLINE=1` uses the cache only). `replace`: in place of
+        an adapter of that name, once the new folder passed every check (refused while requests use
+        the old one). `source`: the folder as `registry.read` already read it (on another thread)."""
         with self.guard.hold(f"register adapter {name!r}"):
-            return self.registry.register(name, path, allow_hub=allow_hub)
+            return self.registry.register(name, path, source=source, allow_hub=allow_hub, replace=replace)
 
     def unregister_adapter(self, name: str) -> None:
         """Forget an adapter and free its slot; later batches naming it raise KeyError."""

@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 
+from ..adapters.loader import read_adapter
 from ..engine.background import merge
 from ..engine.request import RequestOutput, TokenPrefix
 from .engines import REQUEST_ERRORS, engine_info, engine_stats, register
@@ -197,8 +198,10 @@ class EngineProcess:
         try:
             with self._send_lock:
                 self._send_end.send(message)
-        except OSError as err:  # the process is gone; the reader thread is about to say so
-            raise EngineDeadError(f"the engine process exited (code {self.process.exitcode})") from err
+        except OSError as err:  # the process is gone: dead from now on (/health too), before the reader says so
+            dead = EngineDeadError(f"the engine process exited (code {self.process.exitcode})")
+            self._mark_dead(dead)
+            raise dead from err
 
     def _read(self) -> None:
         """The reader thread: every message to the event loop, in order, one callback each."""
@@ -313,8 +316,13 @@ class EngineProcess:
         if self._dead is None:
             self._send(("abort", request_id))
 
-    async def register_adapter(self, name: str, path: str, replace: bool = False) -> None:
-        await self._call("register_adapter", name, path, replace)
+    async def register_adapter(self, name: str, path: str, replace: bool = False, root=None) -> None:
+        """Read and check the folder on a worker thread of this process (a large or hostile file never
+        stalls the engine's steps), then register what was read between two of its steps."""
+        limits = self.info["adapter_limits"]
+        source = await asyncio.to_thread(read_adapter, name, path, False, root, limits["module_sizes"],
+                                         limits["max_rank"])
+        await self._call("register_adapter", name, path, replace, source)
 
     async def unregister_adapter(self, name: str) -> None:
         await self._call("unregister_adapter", name)

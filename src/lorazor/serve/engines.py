@@ -39,18 +39,20 @@ def engine_info(engine) -> dict:
     """The engine's fixed settings the app needs (length limit for `/tokenize`, ...) or reports."""
     import torch
 
+    bank = engine.model.bank
     return dict(max_model_len=engine.max_model_len, max_loras=engine.model.bank.num_slots,
+                adapter_limits=dict(module_sizes=dict(bank.module_sizes), max_rank=bank.r_max),
                 prefix_caching=engine.pool.enable_caching,
                 vocab_size=engine.runner.vocab_size, async_scheduling=engine.async_scheduling,
                 torch_threads=torch.get_num_threads())
 
 
-def register(model, name: str, path: str, replace: bool = False) -> None:
+def register(model, name: str, path: str, replace: bool = False, source=None) -> None:
     """Register an adapter folder at run time; with `replace`, in place of a registered adapter of
-    that name (refused while requests use it). A client's path is never fetched from the Hub."""
-    if replace and name in model.adapter_names:
-        model.unregister_adapter(name)
-    model.register_adapter(name, path, allow_hub=False)
+    that name (swapped once the new folder passed its checks; refused while requests use the old
+    one). `source`: the folder as `registry.read` read it off the engine's thread. A client's path
+    is never fetched from the Hub."""
+    model.register_adapter(name, path, allow_hub=False, replace=replace, source=source)
 
 
 class LocalEngine:
@@ -74,10 +76,16 @@ class LocalEngine:
         """The request's outputs (an async iterator); a bad request raises here, before it is queued."""
         engine = self.engine
         prepared = engine.prepare_request(request_id=request_id, **engine_arguments(kwargs, engine, self.tokenizer))
-        return engine.background.stream(prepared, arrival_time)
+        return await engine.background.open(prepared, arrival_time)
 
-    async def register_adapter(self, name: str, path: str, replace: bool = False) -> None:
-        await self.engine.background.call(lambda: register(self.engine.model, name, path, replace))
+    async def register_adapter(self, name: str, path: str, replace: bool = False, root=None) -> None:
+        """Read and check the folder on a worker thread (never on the engine's: a large or hostile
+        file must not stall the steps), then register what was read between two steps."""
+        import asyncio
+
+        model = self.engine.model
+        source = await asyncio.to_thread(model.registry.read, name, path, False, root)
+        await self.engine.background.call(lambda: register(model, name, path, replace, source))
 
     async def unregister_adapter(self, name: str) -> None:
         await self.engine.background.call(lambda: self.engine.model.unregister_adapter(name))

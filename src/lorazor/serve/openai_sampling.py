@@ -48,6 +48,8 @@ def generation_kwargs(request: SamplingFields, tokenizer, max_tokens: int | None
     max_new = max_tokens or DEFAULT_MAX_TOKENS
     kwargs = dict(max_new_tokens=max_new, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                   release=request.release, logprobs=logprobs)
+    if request.cache_salt is not None:
+        kwargs["cache_salt"] = request.cache_salt
     if temperature < SAMPLING_EPS:
         kwargs["do_sample"] = False
     else:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
+from ..engine.blocks import MAX_CACHE_SALT_CHARS
 from ..model.hf_generation import REPETITION_PENALTY_RANGE
 from ..policies.base import MAX_RELEASE
 
@@ -71,6 +72,8 @@ class SamplingFields(Strict):
     ignore_eos: StrictBool = False
     # LoRazor's extension: StepTrim release per request ("never", or after k decode steps)
     release: StrictInt | Literal["never"] | None = None
+    # vLLM's: mixed into the prefix cache's block hashes; requests with different salts share no KV.
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @model_validator(mode="after")
     def _check(self):
@@ -163,6 +166,9 @@ class ChatRequest(SamplingFields):
             raise FieldError(
                 "response_format", f"response_format {self.response_format.get('type')!r} is not supported: only 'text'"
             )
+        if self.response_format is not None and set(self.response_format) != {"type"}:
+            extra = sorted(set(self.response_format) - {"type"})
+            raise FieldError("response_format", f"response_format of type 'text' takes no other field, got {extra}")
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self

@@ -27,6 +27,24 @@ from .text import FINISH_REASONS, IncrementalText, visible_text
 log = logging.getLogger("lorazor.serve")
 
 
+# The request field an engine refusal is about, by the name its message starts with or holds
+# (the engine speaks HF's names; the client sent OpenAI's).
+ENGINE_PARAMS = (("adapter", "model"), ("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"),
+                 ("stop_strings", "stop"), ("logit_bias", "logit_bias"), ("repetition_penalty", "repetition_penalty"),
+                 ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+                 ("cache_salt", "cache_salt"), ("logprobs", "logprobs"), ("release", "release"),
+                 ("prompt", "prompt"), ("max_model_len", "max_tokens"))
+
+
+def param_of(message: str) -> str | None:
+    """The OpenAI request field an engine error message is about, or None."""
+    head = message.split(":", 1)[0]
+    for needle, param in ENGINE_PARAMS:
+        if needle in head:
+            return param
+    return next((param for needle, param in ENGINE_PARAMS if needle in message), None)
+
+
 @dataclass
 class Choice:
     """One engine request of a response."""
@@ -66,8 +84,7 @@ class Response:
             for stream in streams:
                 await stream.aclose()
             message = str(err).strip('"')
-            param = "model" if "adapter" in message and "out of service" in message else None
-            raise ApiError(400, message, param=param) from err
+            raise ApiError(400, message, param=param_of(message)) from err
         except BaseException:
             for stream in streams:
                 await stream.aclose()

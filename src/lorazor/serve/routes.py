@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -58,6 +60,10 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="lorazor-tokenizer"))
     # Adapters the resolver is registering: name -> the task doing it (concurrent first requests share it).
     resolving: dict = field(default_factory=dict)
+    # Adapters the resolver registered, least recently requested first (evicted when idle to make room).
+    resolved: OrderedDict = field(default_factory=OrderedDict)
+    # Names the resolver refused lately: name -> (monotonic time until which it stays refused, the error).
+    refused: dict = field(default_factory=dict)
 
     async def off_loop(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, functools.partial(fn, *args, **kwargs))
@@ -76,6 +82,8 @@ async def adapter_for(state: ServerState, name: str, resolve_unknown: bool = Tru
         return None
     if name not in state.engine.adapter_names and resolve_unknown and state.settings.lora_resolver == "filesystem":
         await resolve(state, name)
+    if name in state.resolved:
+        state.resolved.move_to_end(name)
     if name not in state.engine.adapter_names:
         raise ApiError(404, f"model {name!r} not found: serve {state.model_name!r} or one of the adapters "
                             f"{state.engine.adapter_names}", kind="not_found_error", param="model")
@@ -85,29 +93,57 @@ async def adapter_for(state: ServerState, name: str, resolve_unknown: bool = Tru
 async def resolve(state: ServerState, name: str) -> None:
     """Register adapter `name` from the folder `--lora-root/name`, once however many requests ask
     at the same time; a name that is no such folder is left unregistered (the caller's 404). The
-    checks of a runtime load apply (the cap, the reserved name, links under the root), and so do
-    the registration's own: a refused folder is a 400."""
+    checks of a runtime load apply (the reserved name, links under the root), and so do the
+    registration's own: a refused folder is a 400, remembered for `RESOLVER_REFUSAL_SECONDS` so a
+    client repeating it costs no new read. At the `--max-registered-loras` cap, the adapter the
+    resolver registered that was least recently requested and has no unfinished request is
+    unregistered to make room, so the cap never locks a tenant out."""
     from ..adapters.loader import ADAPTER_NAME
 
     folder = state.settings.lora_root / name
     if not ADAPTER_NAME.fullmatch(name) or not folder.is_dir():
         return
+    until, error = state.refused.get(name, (0.0, None))
+    if time.monotonic() < until:
+        raise error
     task = state.resolving.get(name)
     if task is None:
         async def register():
             try:
+                await _make_room(state, name)
                 path = check_runtime_load(state.settings, name, name, state.engine.adapter_names,
                                           {state.model_name}, replace=False)
-                await state.engine.register_adapter(name, path)
+                await state.engine.register_adapter(name, path, root=state.settings.lora_root)
+                state.resolved[name] = None
                 log.info("adapter %r resolved from %s", name, path)
             except (AdapterError, ValueError, OSError) as err:
-                raise ApiError(400, f"adapter {name!r} could not be loaded from --lora-root: {err}",
-                               param="model") from err
+                error = ApiError(400, f"adapter {name!r} could not be loaded from --lora-root: {err}", param="model")
+                state.refused[name] = (time.monotonic() + RESOLVER_REFUSAL_SECONDS, error)
+                raise error from err
             finally:
                 state.resolving.pop(name, None)
 
         task = state.resolving[name] = asyncio.ensure_future(register())
     await asyncio.shield(task)  # a client that leaves does not cancel the registration
+
+
+# How long a name the resolver refused is answered from memory (its folder may be fixed meanwhile).
+RESOLVER_REFUSAL_SECONDS = 30.0
+
+
+async def _make_room(state: ServerState, name: str) -> None:
+    """At the registration cap, unregister the least recently requested idle adapter the resolver
+    registered (one that unfinished requests use is refused by the engine and skipped)."""
+    if len(state.engine.adapter_names) < state.settings.max_registered_loras:
+        return
+    for victim in [n for n in state.resolved if n != name]:
+        try:
+            await state.engine.unregister_adapter(victim)
+        except (AdapterError, KeyError):  # in use (or gone): try the next
+            continue
+        state.resolved.pop(victim, None)
+        log.info("adapter %r unregistered (least recently requested) to resolve %r", victim, name)
+        return
 
 
 def checked_text(state: ServerState, text: str, param: str) -> str:
@@ -230,7 +266,8 @@ async def load_adapter(body: LoadAdapterRequest, request: Request):
     path = check_runtime_load(state.settings, body.lora_name, body.lora_path, state.engine.adapter_names,
                               {state.model_name}, body.load_inplace)
     try:  # between two steps of the engine
-        await state.engine.register_adapter(body.lora_name, path, body.load_inplace)
+        await state.engine.register_adapter(body.lora_name, path, body.load_inplace, root=state.settings.lora_root)
+        state.refused.pop(body.lora_name, None)
     except (AdapterError, ValueError, OSError) as err:
         raise ApiError(400, str(err), param="lora_path") from err
     log.info("adapter %r registered from %s", body.lora_name, path)
@@ -245,6 +282,7 @@ async def unload_adapter(body: UnloadAdapterRequest, request: Request):
                        kind="permission_error")
     try:
         await state.engine.unregister_adapter(body.lora_name)
+        state.resolved.pop(body.lora_name, None)
     except KeyError as err:
         raise ApiError(404, str(err).strip('"'), kind="not_found_error", param="lora_name") from err
     except AdapterError as err:
