@@ -73,6 +73,19 @@ def guard_sampling(config: GenerationConfig, vocab_size: int | None) -> None:
     low, high = REPETITION_PENALTY_RANGE
     if penalty is not None and penalty != 1.0 and not low <= penalty <= high:
         raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {penalty!r}")
+    # Probabilities in [0, 1] (HF's warpers take 0: top_p 0 keeps the one most likely token).
+    for name in ("top_p", "min_p", "typical_p"):
+        value = getattr(config, name, None)
+        if value is not None and not 0 <= value <= 1:
+            raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    eos = config.eos_token_id
+    for token in ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (vocab_size and token >= vocab_size):
+            raise ValueError(f"eos_token_id holds {token!r}, not a token id in [0, {vocab_size or 'vocab'})")
+    stops = config.stop_strings
+    stops = [stops] if isinstance(stops, str) else stops
+    if stops is not None and any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError(f"stop_strings must be non-empty strings, got {stops!r}")
     top_k = config.top_k
     if vocab_size and isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > vocab_size:
         config.top_k = vocab_size

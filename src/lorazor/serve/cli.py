@@ -84,6 +84,29 @@ def adapter_paths(args: argparse.Namespace) -> dict[str, str]:
     return adapters
 
 
+def check_adapter_folders(adapters: dict[str, str]) -> None:
+    """Refuse, before any model loads, an adapter whose name is invalid or whose path is no local
+    folder with a PEFT config (a Hub id `owner/name` that is no local path is left to the loader)."""
+    from lorazor.adapters.loader import CONFIG_FILE, check_adapter_name
+    from lorazor.adapters.types import AdapterError
+
+    for name, path in adapters.items():
+        try:
+            check_adapter_name(name)
+        except AdapterError as err:
+            refuse(str(err))
+        folder = Path(path).expanduser()
+        hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+        if not folder.exists():
+            if not hub_id:
+                refuse(f"adapter {name!r}: {path} does not exist (no such local folder)")
+            continue
+        if not folder.is_dir():
+            refuse(f"adapter {name!r}: {path} is not a folder")
+        if not (folder / CONFIG_FILE).is_file():
+            refuse(f"adapter {name!r}: {path} has no {CONFIG_FILE} (not a PEFT adapter folder)")
+
+
 def serving_device(args: argparse.Namespace):
     """The torch device `--device` names; `auto` is the first GPU when there is one (the testbed: the CPU)."""
     import torch
@@ -212,7 +235,7 @@ def build(args: argparse.Namespace, on_engine_dead=None):
         raise SystemExit("--testbed and --model exclude each other")
     if not args.testbed and not args.model:
         raise SystemExit("lorazor serve needs --model PATH_OR_ID or --testbed")
-    adapter_paths(args)  # a malformed --adapter or --device stops here, before any model loads
+    check_adapter_folders(adapter_paths(args))  # a malformed --adapter or --device stops here, before any model loads
     serving_device(args)
     check_configs(args)
     if args.model:
@@ -222,7 +245,12 @@ def build(args: argparse.Namespace, on_engine_dead=None):
         raise SystemExit(f"--release-policy {str(args.release_policy)!r} is not a folder")
     name = args.served_model_name or ("testbed" if args.testbed else args.model)
     if args.in_process:
-        engine, tokenizer = build_engine(args)
+        from lorazor.adapters.types import AdapterError
+
+        try:
+            engine, tokenizer = build_engine(args)
+        except (AdapterError, NotImplementedError) as err:  # one line, as without --in-process
+            refuse(str(err))
     else:
         engine, tokenizer = EngineProcess(functools.partial(build_engine, args)), load_tokenizer(args)
     template = args.chat_template.read_text() if args.chat_template else None

@@ -40,7 +40,8 @@ class FieldError(ValueError):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and infinities (which JSON parsers take) fail as "should be a finite number", before any bound.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Strict):
