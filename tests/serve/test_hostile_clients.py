@@ -327,3 +327,25 @@ def test_sigterm_drains_for_the_shutdown_timeout_then_exits_zero_leaving_no_proc
     time.sleep(0.5)
     left = [(c.pid, c.status()) for c in children if psutil.pid_exists(c.pid)]
     assert not left, left  # nothing running, and no zombie
+
+
+def test_a_decompression_bomb_is_refused_in_under_a_second_while_good_streams_run(server):
+    """A 0.5 MB `.bin` that would expand to 512 MB inside `torch.load`: refused from its zip directory,
+    read off the engine's loop; the 8 good streams beside it get the text they get alone."""
+    import sys
+
+    sys.path.insert(0, str(os.path.join(os.path.dirname(__file__), "..", "engine")))
+    from test_adapter_changes import bomb
+
+    bomb(server["root"] / "bomb", megabytes=512)
+    want = [offline(server, prompt_of(server, a or "math", k), a) for a, k in GOOD] * 2
+    results = []
+    threads = good_streams(server, results) + good_streams(server, results)
+    start = time.perf_counter()
+    r = post(server, "/v1/load_lora_adapter", json={"lora_name": "bomb", "lora_path": "bomb"})
+    took = time.perf_counter() - start
+    for t in threads:
+        t.join(120)
+    assert r.status_code == 400 and "compressed members" in r.json()["error"]["message"], r.text
+    assert took < 1.0, took
+    assert sorted(text for _, text in results) == sorted(want)
