@@ -86,3 +86,46 @@ def test_calibration_says_loudly_when_its_choice_breaks_the_adapter(tmp_path, ca
                         argparse.Namespace(type="cpu"))
     assert "**Warning**" in text and "loses 80.0 points" in text
     assert json.loads((tmp_path / "calibration.json").read_text())["adapters"]["sql"]["chosen"]
+
+
+# What the command line must answer without importing the heavy stack: (arguments, exit code, text).
+INSTANT = [
+    (["--version"], 0, "lorazor 0.2.0"),
+    (["--help"], 0, "usage: lorazor"),
+    (["serve", "--modle", "x"], 2, "did you mean --model?"),
+    (["serve", "--testbed", "--adapter", "sql=/no/such/folder"], 2, "does not exist (no such local folder)"),
+    (["serve", "--testbed", "--adapter", "../up=/tmp"], 2, "invalid adapter name"),
+    (["serve", "--testbed", "--tensor-parallel-size", "2"], 2, "one engine per GPU"),
+    (["serve"], 2, "needs a model"),
+    (["demo", "--grid", "tiles"], 2, "usage: lorazor demo"),
+]
+
+
+@pytest.mark.parametrize("argv,code,text", INSTANT, ids=[" ".join(a) for a, _, _ in INSTANT])
+def test_the_command_line_answers_without_importing_torch(argv, code, text):
+    """`--version`, `--help` and every argument error answer from argparse alone (measured: ~0.12 s,
+    against 15-60 s on a busy machine when the whole stack was imported first). What is asserted is
+    that torch was never imported (deterministic); the time bound is loose, for a busy CI machine."""
+    probe = ("import sys, time, runpy; start = time.perf_counter()\n"
+             f"sys.argv = ['lorazor', *{argv!r}]\n"
+             "try:\n    from lorazor.cli import main; code = main()\n"
+             "except SystemExit as e:\n    code = e.code\n"
+             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code, f'{time.perf_counter() - start:.2f}',"
+             " file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    verdict = done.stderr.strip().splitlines()[-1].split()
+    assert verdict[0] == "NO-TORCH", done.stderr[-2000:]
+    assert int(verdict[1] or 0) == code and text in done.stdout + done.stderr, done.stdout + done.stderr
+    assert float(verdict[2]) < 5.0
+
+
+def test_vllm_serve_habits_are_understood():
+    from lorazor.cli import build_parser
+    from lorazor.serve.cli import vllm_compatible
+
+    parser = build_parser()
+    sub = parser.subcommands.choices["serve"]
+    args = parser.parse_args(["serve", "meta-llama/Llama-3.2-3B", "--enable-lora", "--dtype", "auto",
+                              "--tensor-parallel-size", "1"])
+    vllm_compatible(args, sub)
+    assert args.model == "meta-llama/Llama-3.2-3B" and args.dtype is None

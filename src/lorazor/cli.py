@@ -13,8 +13,6 @@ import copy
 import sys
 import time
 
-import torch
-
 
 NEXT_STEPS = """
 What ran: one batch mixing four adapters and the backbone, decoded by LoRazor and by PEFT (the
@@ -37,6 +35,8 @@ def demo(args: argparse.Namespace) -> int:
 
 def demo_testbed(args: argparse.Namespace) -> int:
     """Two test prompts per task plus two backbone rows in one batch: LoRazor vs PEFT, then StepTrim."""
+    import torch
+
     from lorazor import LoRazorConfig, LoRazorModel, ProfiledRelease
     from lorazor.testbed import load
 
@@ -85,6 +85,8 @@ def demo_testbed(args: argparse.Namespace) -> int:
 
 def demo_random(args: argparse.Namespace) -> int:
     """Tiny random model, three adapters, one left-padded mixed batch: LoRazor vs PEFT, then StepTrim."""
+    import torch
+
     from lorazor import LoRazorConfig, LoRazorModel, ProfiledRelease
     from lorazor.tiny import DEFAULT_ADAPTERS, tiny_peft_model
 
@@ -155,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="lorazor", description="Many LoRA adapters, one backbone, one batch.")
     parser.add_argument("--version", action="version", version=f"lorazor {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.subcommands = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="one mixed-adapter batch on a tiny model, checked against PEFT")
     p.add_argument("--arch", default="llama", choices=list(ARCHITECTURES), help="the random model's family")
     p.add_argument("--grid", default="exact", choices=["full", "active_rows", "two_class", "exact"],
@@ -179,8 +181,28 @@ def main(argv: list[str] | None = None) -> int:
         from lorazor.testbed.calibrate import TESTBED  # the testbed plugs into calibration as a source
 
         return calibration_main(argv[0], argv[1:], [TESTBED])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    sub = parser.subcommands.choices[args.command]
+    if extras:
+        sub.error(unrecognized(extras, sub))
+    if args.command == "serve":
+        from lorazor.serve.cli import check_args, vllm_compatible
+
+        vllm_compatible(args, sub)
+        check_args(args)
     return args.func(args)
+
+
+def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """The error for arguments `parser` does not take, with the closest flag it does take."""
+    import difflib
+
+    flags = [option for action in parser._actions for option in action.option_strings]
+    first = next((e for e in extras if e.startswith("-")), extras[0]).split("=", 1)[0]
+    close = difflib.get_close_matches(first, flags, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unrecognized arguments: {' '.join(extras)}{hint}"
 
 
 if __name__ == "__main__":

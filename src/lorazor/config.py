@@ -15,13 +15,16 @@ import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from lorazor_kernels import GRID_MODES
 
 BACKENDS = ("auto", "triton", "reference")
 RELEASE_MODES = ("none", "profiled", "learned", "custom")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# torch dtypes by name (resolved on use: building the command line parser imports no torch).
+DTYPES = ("float32", "float16", "bfloat16")
 # `LoRazorConfig.compile`'s values; "on"/"off" (the command line's) are read as True/False.
 COMPILE_MODES = ("auto", "on", "off")
 # Base-weight quantizations (`lorazor.quant`).
@@ -100,6 +103,8 @@ class LoRazorConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        from lorazor_kernels.meta import GRID_MODES
+
         if self.grid not in GRID_MODES:
             raise ValueError(f"grid must be one of {GRID_MODES}, got {self.grid!r}")
         if self.release not in RELEASE_MODES:
@@ -145,7 +150,9 @@ class LoRazorConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
-        return DTYPES[self.dtype] if self.dtype else None
+        import torch
+
+        return getattr(torch, self.dtype) if self.dtype else None
 
     def resolve_compile(self, device: torch.device, backend: str) -> "LoRazorConfig":
         """This config with `compile` a bool: "auto" is on for a CUDA model with the Triton kernels."""

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
 # Phi-3 fuses q/k/v and gate/up into one linear each: adapters target the fused modules.
 PHI3_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
@@ -70,14 +68,16 @@ def tiny_peft_model(
     adapters: tuple[AdapterSpec, ...] = DEFAULT_ADAPTERS,
     seed: int = 0,
     tie_embeddings: bool = False,
-    dtype: torch.dtype = torch.float32,
+    dtype=None,
     num_layers: int = 2,
 ):
-    """A random tiny causal LM (`num_layers` decoder layers) wrapped in a PeftModel holding `adapters`
-    (non-zero LoRA B)."""
+    """A random tiny causal LM (`num_layers` decoder layers, `dtype`: default float32) wrapped in a
+    PeftModel holding `adapters` (non-zero LoRA B)."""
+    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    dtype = torch.float32 if dtype is None else dtype
     torch.manual_seed(seed)
     # Gemma 2's softcapping is in HF's eager attention only (SDPA has none): the PEFT reference uses it.
     extra = dict(attn_implementation="eager") if arch == "gemma2" else {}

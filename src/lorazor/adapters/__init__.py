@@ -1,14 +1,26 @@
 """Adapters: folders read and checked (`loader`), GPU slots (`bank`), and which adapter is where
-(`registry`); `types` holds what they share."""
+(`registry`); `types` holds what they share, `names` the folder's file names and the name rule.
 
-from .bank import NO_ADAPTER, AdapterBank, ModuleLoRA, SlotImage
-from .loader import AdapterSource, check_adapter_name, check_lora_config, read_adapter
-from .types import AdapterError, AdapterWeights
-from .peft_layers import check_lora_layer, find_lora_layers, peft_adapter_weights
-from .registry import AdapterRegistry, AdapterStatus
+The public names are imported on first use (PEP 562), so `names` can be read without torch (the
+command line checks adapter folders before anything heavy loads)."""
 
-__all__ = [
-    "NO_ADAPTER", "AdapterBank", "AdapterError", "AdapterRegistry", "AdapterSource", "AdapterStatus", "AdapterWeights",
-    "ModuleLoRA", "SlotImage", "check_adapter_name", "check_lora_config", "check_lora_layer", "find_lora_layers",
-    "peft_adapter_weights", "read_adapter",
-]
+import importlib
+
+# Public name -> the submodule that defines it.
+_PUBLIC = {
+    "NO_ADAPTER": ".bank", "AdapterBank": ".bank", "ModuleLoRA": ".bank", "SlotImage": ".bank",
+    "AdapterSource": ".loader", "check_adapter_name": ".loader", "check_lora_config": ".loader",
+    "read_adapter": ".loader", "AdapterError": ".types", "AdapterWeights": ".types",
+    "check_lora_layer": ".peft_layers", "find_lora_layers": ".peft_layers", "peft_adapter_weights": ".peft_layers",
+    "AdapterRegistry": ".registry", "AdapterStatus": ".registry",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,6 @@ import hashlib
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,15 +23,10 @@ import torch
 
 from .files import FILE_OVERHEAD_BYTES, check_archive, check_inside_root, check_unchanged, digest_of, fd_path, \
     open_file, weights_bound
+from .names import ADAPTER_NAME, CONFIG_FILE, LEGACY_FILE, SAFE_FILE, adapter_name_problem  # noqa: F401 (re-exported)
 from .types import AdapterError, AdapterWeights
 
 PEFT_PREFIX = "base_model.model."
-CONFIG_FILE = "adapter_config.json"
-SAFE_FILE = "adapter_model.safetensors"
-LEGACY_FILE = "adapter_model.bin"
-# Adapter names become folder names (release policies are saved per adapter) and model names in a
-# server: letters, digits, '_', '-' and '.', not starting with '.', no path separators.
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 # The largest `adapter_config.json` read (PEFT's are a few KiB); larger ones are refused unread.
 MAX_CONFIG_BYTES = 1 << 20
 # The largest LoRA scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) served: trained adapters use
@@ -53,10 +47,9 @@ REFUSED_FEATURES = (
 
 def check_adapter_name(name) -> str:
     """Return `name` if it is a valid adapter name, else raise AdapterError naming it."""
-    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
-        raise AdapterError(
-            f"invalid adapter name {name!r}: use 1-128 letters, digits, '_', '-' or '.', not starting with '.' "
-            "(no path separators: names are used as folder names)")
+    problem = adapter_name_problem(name)
+    if problem:
+        raise AdapterError(problem)
     return name
 
 

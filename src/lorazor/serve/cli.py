@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dataclass, generated from its fields (`LoRazorConfig`'s serving fields, `EngineConfig`,
     `ServerSettings`), then Ray's."""
     p.add_argument("--testbed", action="store_true", help="serve the shipped testbed (CPU; no other arguments needed)")
+    p.add_argument("model_positional", nargs="?", metavar="MODEL",
+                   help="the base model id or path, as `vllm serve MODEL` takes it (the same as --model)")
     p.add_argument("--model", help="base model id or path")
     p.add_argument("--adapter", action="extend", nargs="+", default=[], metavar="NAME=PATH",
                    help="a PEFT adapter folder to register (repeatable)")
@@ -44,12 +46,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the engine on a thread of the server's process (default: a process of its own)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_config_arguments(p.add_argument_group("model (LoRazorConfig)"), LoRazorConfig, MODEL_FIELDS,
-                         help_override={"dtype": "float32, float16 or bfloat16 (default: the model's own)",
+                         help_override={"dtype": "float32, float16, bfloat16, or auto (default: the model's own)",
                                         "quantization": "fp8: the base weights of every decoder projection in fp8 "
                                                         "with per-channel scales (default: none)"})
     add_config_arguments(p.add_argument_group("engine (EngineConfig)"), EngineConfig)
     add_config_arguments(p.add_argument_group("server, security and limits (ServerSettings)"), ServerSettings,
                          defaults={"api_key": os.environ.get("LORAZOR_API_KEY")})
+    v = p.add_argument_group("vLLM's flags, for scripts written for `vllm serve`")
+    v.add_argument("--enable-lora", action="store_true", help="accepted and ignored: LoRA is always on here")
+    v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="1 only: one engine per GPU (serve on several GPUs with --replicas N)")
     r = p.add_argument_group("replicas on Ray Serve (the ray extra)")
     r.add_argument("--replicas", type=int, default=0,
                    help="run this many engine replicas on Ray Serve behind one endpoint (default: 0, no Ray)")
@@ -61,6 +67,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="route requests to any replica, ignoring which adapters it holds")
     r.add_argument("--ray-metrics-port", type=int, default=8080,
                    help="port of Ray's Prometheus export of every replica's metrics (default: 8080)")
+
+
+def vllm_compatible(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """vLLM's habits where they cost nothing: `serve MODEL`, `--dtype auto`, `--enable-lora` (a
+    note), `--tensor-parallel-size 1`; anything else of theirs is refused naming what is supported."""
+    if args.model_positional is not None:
+        if args.model is not None and args.model != args.model_positional:
+            parser.error(f"two models given: {args.model_positional!r} and --model {args.model!r}")
+        args.model = args.model_positional
+    if args.dtype == "auto":
+        args.dtype = None  # the model's own dtype, as vLLM's auto
+    if args.tensor_parallel_size != 1:
+        parser.error(f"--tensor-parallel-size {args.tensor_parallel_size}: LoRazor runs one engine per GPU "
+                     "(--tensor-parallel-size 1); serve on several GPUs with --replicas N")
+    if args.enable_lora:
+        print("lorazor serve: note: --enable-lora is accepted for vLLM's scripts; LoRA is always on here",
+              file=sys.stderr)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The checks that need no model and no heavy import, run before anything loads: what to serve,
+    the adapters' names and folders, the policy folder (each answered in well under a second)."""
+    if args.testbed and args.model:
+        refuse("--testbed and --model exclude each other")
+    if not args.testbed and not args.model:
+        refuse("lorazor serve needs a model: --model PATH_OR_ID (or `lorazor serve MODEL`), or --testbed")
+    check_adapter_folders(adapter_paths(args))
+    if args.release_policy is not None and not args.release_policy.is_dir():
+        refuse(f"--release-policy {str(args.release_policy)!r} is not a folder")
 
 
 def adapter_paths(args: argparse.Namespace) -> dict[str, str]:
@@ -87,14 +122,12 @@ def adapter_paths(args: argparse.Namespace) -> dict[str, str]:
 def check_adapter_folders(adapters: dict[str, str]) -> None:
     """Refuse, before any model loads, an adapter whose name is invalid or whose path is no local
     folder with a PEFT config (a Hub id `owner/name` that is no local path is left to the loader)."""
-    from lorazor.adapters.loader import CONFIG_FILE, check_adapter_name
-    from lorazor.adapters.types import AdapterError
+    from lorazor.adapters.names import CONFIG_FILE, adapter_name_problem
 
     for name, path in adapters.items():
-        try:
-            check_adapter_name(name)
-        except AdapterError as err:
-            refuse(str(err))
+        problem = adapter_name_problem(name)
+        if problem:
+            refuse(problem)
         folder = Path(path).expanduser()
         hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
         if not folder.exists():
@@ -231,18 +264,12 @@ def build(args: argparse.Namespace, on_engine_dead=None):
     from .app import build_app
     from .engine_process import EngineProcess
 
-    if args.testbed and args.model:
-        raise SystemExit("--testbed and --model exclude each other")
-    if not args.testbed and not args.model:
-        raise SystemExit("lorazor serve needs --model PATH_OR_ID or --testbed")
-    check_adapter_folders(adapter_paths(args))  # a malformed --adapter or --device stops here, before any model loads
+    check_args(args)  # a malformed --adapter, a missing folder or --device stops here, before any model loads
     serving_device(args)
     check_configs(args)
     if args.model:
         check_model(args.model)
     settings = settings_of(args)
-    if args.release_policy is not None and not args.release_policy.is_dir():
-        raise SystemExit(f"--release-policy {str(args.release_policy)!r} is not a folder")
     name = args.served_model_name or ("testbed" if args.testbed else args.model)
     if args.in_process:
         from lorazor.adapters.types import AdapterError
