@@ -129,3 +129,32 @@ def test_vllm_serve_habits_are_understood():
                               "--tensor-parallel-size", "1"])
     vllm_compatible(args, sub)
     assert args.model == "meta-llama/Llama-3.2-3B" and args.dtype is None
+
+
+def test_a_small_model_computes_on_one_cpu_thread_and_gives_the_threads_back():
+    """With a second core busy, two threads made the testbed demo 4x slower than one (OpenMP barriers
+    in many tiny matmuls): a small model's operations run on one thread, and the caller's setting is
+    restored after each."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from lorazor import LoRazorModel
+    from lorazor.tiny import tiny_peft_model
+
+    seen = []
+
+    class Threads(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            seen.append(torch.get_num_threads())
+            return scores
+
+    model = LoRazorModel.from_peft(tiny_peft_model())
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model.generate(torch.randint(3, 90, (2, 4)), adapter_ids=["math", None], max_new_tokens=2, pad_token_id=0,
+                       logits_processor=LogitsProcessorList([Threads()]))
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

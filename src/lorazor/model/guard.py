@@ -28,11 +28,15 @@ class ModelClosedError(RuntimeError):
 class ModelGuard:
     """Serializes a model's operations across threads and refuses re-entrant ones."""
 
-    def __init__(self):
+    def __init__(self, threads: int | None = None):
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._running: str | None = None
         self.closed = False
+        # torch intra-op threads while an operation runs (None: unchanged). A small model on the CPU
+        # runs many tiny matmuls, each an OpenMP region whose barrier waits for every thread: with a
+        # second busy core, two threads made the testbed demo 4x slower than one.
+        self.threads = threads
 
     @contextmanager
     def hold(self, action: str):
@@ -47,7 +51,16 @@ class ModelGuard:
                 raise ModelClosedError(f"cannot {action}: this LoRazorModel was unpatched; build a new one with "
                                        "LoRazorModel.from_peft(...) or from_pretrained(...)")
             self._owner, self._running = me, action
+            previous = None
+            if self.threads is not None:
+                import torch
+
+                previous = torch.get_num_threads()
+                if previous != self.threads:
+                    torch.set_num_threads(self.threads)
             try:
                 yield
             finally:
+                if previous is not None and previous != self.threads:
+                    torch.set_num_threads(previous)
                 self._owner = self._running = None

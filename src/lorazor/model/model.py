@@ -34,6 +34,11 @@ from .hf_generation import GenerationPlan, plan_generation, resolve_config
 from .inputs import check_batch, encode_prompts, expand_rows
 
 
+# Models up to this hidden size run their CPU steps on one torch thread (their matmuls are too small
+# to gain from more, and lose many times over when another process keeps a core busy).
+SMALL_CPU_HIDDEN = 1024
+
+
 class LoRazorModel(nn.Module):
     """A causal LM whose LoRA layers serve a different adapter per row. Build with `from_peft`.
 
@@ -52,7 +57,9 @@ class LoRazorModel(nn.Module):
         self.bank = bank
         self.registry = AdapterRegistry(bank, config.max_cpu_loras)
         self.registry.base_model = getattr(model, "name_or_path", None) or None
-        self.guard = ModelGuard()
+        # One torch thread while a small model computes on the CPU (`ModelGuard.threads`).
+        small = getattr(model.config, "hidden_size", 0) <= SMALL_CPU_HIDDEN
+        self.guard = ModelGuard(threads=1 if self.device.type == "cpu" and small else None)
         backend = config.backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "reference"
