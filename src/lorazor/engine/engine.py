@@ -20,6 +20,7 @@ graph (`runner/paged_graphs.py`); on the CPU everything runs the pure-torch refe
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -32,6 +33,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 from ..config import EngineConfig
 from ..model.hf_generation import ResolvedConfigs, plan_generation
 from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
+from ..runner.grammar import MaskBuffers, apply_masks, grammar_cache
 from ..runner.release import BoundPolicies
 from ..runner.sampling import batchable
 from .background import BackgroundLoop
@@ -133,6 +135,8 @@ class LoRazorEngine:
         self.async_scheduling = model.device.type == "cuda" if config.async_scheduling is None \
             else config.async_scheduling
         self._in_flight = None  # the launched step not read back yet (async scheduling)
+        self._early: list[RequestOutput] = []  # outputs of a step read back inside `_launch`
+        self._masks = MaskBuffers()  # host bitmasks of constrained rows (`runner/grammar.py`)
 
     def warm_up(self, batch_sizes=None) -> int:
         """Capture the step CUDA graphs now (every batch bucket up to `max_num_seqs`, or those of
@@ -175,6 +179,11 @@ class LoRazorEngine:
             generator: a seeded `torch.Generator` for this request's sampling.
             arrival_time: when the request arrived (`time.monotonic()`), if before this call; TTFT
                 counts from it.
+            structured_output (keyword): a constraint on the output (`runner/grammar.py`): a dict with
+                exactly one of `json` (a JSON schema), `json_object` (True), `regex`, `choice` (a
+                list of strings) or `grammar` (xgrammar's EBNF), or a `StructuredOutput`; needs
+                `tokenizer=`. Every token is drawn from what the grammar allows next; the request
+                finishes "stop" once the grammar is complete, "length" at `max_new_tokens`.
             cache_salt (keyword): a string mixed into the hash of every KV block this request
                 computes (vLLM's name): requests with different salts never share prefix-cache
                 blocks, those with the same salt do. A gateway sets one per tenant to close the
@@ -215,6 +224,7 @@ class LoRazorEngine:
         if adapter is not None:
             self.model.registry.check_usable(adapter)
         cache_salt = check_cache_salt(kwargs.pop("cache_salt", None))
+        structured_output = kwargs.pop("structured_output", None)
         tokenizer = kwargs.pop("tokenizer", None)
         logits_processor = kwargs.pop("logits_processor", None)
         logprobs = kwargs.pop("logprobs", None)
@@ -243,6 +253,8 @@ class LoRazorEngine:
             raise ValueError(f"max_new_tokens must be >= 1 for an engine request, got {plan.max_new_tokens}")
         self.check_length(len(prompt), plan.max_new_tokens)
         request = Request(request_id, prompt, adapter, plan, policy, release, generator)
+        if structured_output is not None:  # compiled once per spec (cached), checked before anything is queued
+            request.constraint = grammar_cache(tokenizer, self.runner.vocab_size).constraint(structured_output)
         request.adapter_digest = None if adapter is None else registered[adapter]
         request.cache_identity = salted(BACKBONE if adapter is None else adapter_identity(
             adapter, request.adapter_digest), cache_salt)
@@ -356,7 +368,8 @@ class LoRazorEngine:
             try:
                 launched = self._launch(chunks, previous)
             except Exception as err:
-                return outputs + self._launch_isolating(chunks, previous, err)
+                return outputs + self._take_early() + self._launch_isolating(chunks, previous, err)
+            outputs += self._take_early()  # `previous`, if it had to be read before this step's picks
             if self.async_scheduling and launched.overlappable:
                 self._in_flight = launched
                 return outputs + self._postprocess(previous)
@@ -398,8 +411,13 @@ class LoRazorEngine:
         return chunks, [request.report([]) for request in ended]
 
     def _postprocess(self, *steps) -> list[RequestOutput]:
-        """The outputs of launched steps, in order (None: skipped)."""
-        return [out for step in steps if step is not None for out in postprocess(step, self._finish)]
+        """The outputs of launched steps, in order (None, or a step already read back: skipped)."""
+        return [out for step in steps if step is not None and step.values_host is None
+                for out in postprocess(step, self._finish)]
+
+    def _take_early(self) -> list[RequestOutput]:
+        outputs, self._early = self._early, []
+        return outputs
 
     def _launch(self, chunks, previous):
         """Queue the step's forward and its device picks (no host sync); `previous`: the step in
@@ -415,7 +433,18 @@ class LoRazorEngine:
         logits, hidden = self.runner.run_paged_step(self.cache, inputs, self.tables.upload(), self.graphs, pending)
         rows = [i for i, c in enumerate(chunks) if c.request.status is Status.RUNNING
                 and c.start + c.num_tokens >= c.request.num_tokens]
-        launched = launch_picks(chunks, rows, logits, hidden, self.model.bank.slot_of, self.policies)
+        constrained = [i for i in rows if chunks[i].request.constraint is not None]
+        mask = None
+        if constrained:
+            if previous is not None:
+                # A grammar's mask for this token needs the request's last token: read the step before
+                # back now, while the GPU runs this step's forward (the other rows keep the overlap).
+                self._early += self._postprocess(previous)
+            live = [i for i in constrained if chunks[i].request.status is Status.RUNNING
+                    and not chunks[i].request.constraint.done]
+            mask = functools.partial(apply_masks, constraints=[chunks[i].request.constraint for i in live], rows=live,
+                                     buffers=self._masks)
+        launched = launch_picks(chunks, rows, logits, hidden, self.model.bank.slot_of, self.policies, mask)
         for chunk in chunks:
             chunk.request.num_computed += chunk.num_tokens
             self.scheduler.cache_blocks(chunk.request)

@@ -86,11 +86,17 @@ class LaunchedStep:
 
 
 def launch_picks(chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor, slot_of,
-                 policies) -> LaunchedStep:
+                 policies, mask=None) -> LaunchedStep:
     """Queue the step's device picks (see the module docstring) and their copy to the host.
+    `mask(logits)`: applies the constrained rows' grammar bitmasks in place, after the finite check
+    (a masked logit is -inf on purpose) and before any pick.
 
     A release policy that raises ends only its own requests (after this token: `Request.error`)."""
     requests = [chunks[i].request for i in rows]
+    device = logits.device
+    finite = finite_rows(logits).index_select(0, to_device(rows, device)).long() if rows else None
+    if mask is not None:
+        mask(logits)
     plain = [j for j, r in enumerate(requests) if r.plain_greedy]
     sampled = [j for j, r in enumerate(requests) if r.sampling is not None]
     # Grouped by policy (None: fixed lengths only); the forward decided is d = tokens generated so
@@ -101,7 +107,6 @@ def launch_picks(chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Te
             policy = None if r.release is not None else r.policy
             d = len(r.output) + r.pending
             groups.setdefault(policy, []).append((r, (rows[j], slot_of[r.adapter], d, r.release)))
-    device = logits.device
     pick = lambda tensor, js: tensor.index_select(0, to_device([rows[j] for j in js], device))  # noqa: E731
     parts = []
     if plain:
@@ -123,8 +128,8 @@ def launch_picks(chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Te
         for request, member in members:
             decision_at[request] = (offset, member[2])
             offset += 1
-    if rows:
-        parts.append(finite_rows(logits).index_select(0, to_device(rows, device)).long())
+    if finite is not None:
+        parts.append(finite)
     values = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
     launched = LaunchedStep(rows, requests, values, token_at, decision_at, logits, hidden)
     if values.is_cuda:

@@ -57,6 +57,9 @@ def postprocess(step, finish) -> list[RequestOutput]:
                 outputs.append(request.report([]))
                 continue
         request.append(token)
+        constraint = request.constraint
+        if constraint is not None and token not in request.plan.eos and not constraint.accept(token):
+            request.error = f"the grammar refused token {token} (structured output); it was stopped"
         if request.first_token_time is None:
             request.first_token_time = now
         appended.append((request, token))
@@ -114,6 +117,9 @@ def stop_reasons(appended: list) -> list[str | None]:
         plan = request.plan
         if request.error:
             reasons.append("error")
+            continue
+        if request.constraint is not None and request.constraint.done:  # the grammar is complete
+            reasons.append(plan.builtin_reason(token, len(request.output)) or "stop")
             continue
         criterion = plan.stop_string_criterion
         if criterion is None:

@@ -165,6 +165,7 @@ class Request:
     # its first admission found there (None until admitted).
     cache_identity: bytes = b""
     adapter_digest: bytes | None = None  # its adapter's digest when it was checked (`registry.acquire`)
+    constraint: object = None  # its grammar matcher (`runner.grammar.Constraint`), if structured output
     block_hashes: list = field(default_factory=list)
     blocks_cached: int = 0
     num_cached_tokens: int | None = None

@@ -39,6 +39,22 @@ from .inputs import check_batch, encode_prompts, expand_rows
 SMALL_CPU_HIDDEN = 1024
 
 
+def structured_processor(specs, input_ids, tokenizer, vocab_size: int, copies: int):
+    """The logits processor constraining `generate()`'s rows: one spec for every row, or one per
+    input row (repeated for each of its `num_return_sequences` copies)."""
+    from ..runner.grammar import StructuredLogitsProcessor, grammar_cache
+
+    rows = input_ids.shape[0] // copies
+    if isinstance(specs, (list, tuple)):
+        if len(specs) != rows:
+            raise ValueError(f"structured_output has {len(specs)} specs for {rows} rows")
+    else:
+        specs = [specs] * rows
+    cache = grammar_cache(tokenizer, vocab_size)
+    constraints = [None if spec is None else cache.constraint(spec) for spec in specs for _ in range(copies)]
+    return StructuredLogitsProcessor(constraints, input_ids.shape[1])
+
+
 class LoRazorModel(nn.Module):
     """A causal LM whose LoRA layers serve a different adapter per row. Build with `from_peft`.
 
@@ -285,6 +301,7 @@ class LoRazorModel(nn.Module):
         streamer: BaseStreamer | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         prefix_allowed_tokens_fn: Callable | None = None,
+        structured_output=None,
         **kwargs,
     ) -> LoRazorOutput:
         """Generate for a mixed-adapter batch, one forward per step for the whole batch.
@@ -312,6 +329,10 @@ class LoRazorModel(nn.Module):
             streamer: an HF streamer (`put` with each step's tokens, `end` at the end).
             tokenizer: needed for `stop_strings`.
             prefix_allowed_tokens_fn: as in HF.
+            structured_output: a constraint on the output (a dict with one of `json`, `json_object`,
+                `regex`, `choice`, `grammar`, or a `StructuredOutput`; `lorazor.runner.grammar`), for
+                every row, or a list with one per row (None: unconstrained); needs `tokenizer`.
+                Rows stop at EOS once their grammar is complete.
 
         Returns:
             `LoRazorOutput` (a `ModelOutput`): `sequences [B * num_return_sequences, T + n]`, per-row
@@ -324,6 +345,9 @@ class LoRazorModel(nn.Module):
                 input_ids, attention_mask, adapter_ids, release = expand_rows(
                     config.num_return_sequences, self.config.max_batch_size, input_ids, attention_mask, adapter_ids,
                     release)
+            if structured_output is not None:
+                logits_processor = [*(logits_processor or []), structured_processor(
+                    structured_output, input_ids, tokenizer, self.runner.vocab_size, config.num_return_sequences or 1)]
             plan = plan_generation(self.model, config, flags, input_ids, attention_mask, logits_processor,
                                    stopping_criteria, tokenizer, prefix_allowed_tokens_fn)
             return self._generate(input_ids, attention_mask, adapter_ids, plan, release_policy, release, generator,

@@ -103,6 +103,6 @@ def engine_arguments(kwargs: dict, engine, tokenizer) -> dict:
         if bad:
             raise ValueError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")
         kwargs["logits_processor"] = [OpenAIPenalties(len(kwargs["prompt_ids"]), presence, frequency, bias)]
-    if kwargs.get("stop_strings"):
+    if kwargs.get("stop_strings") or kwargs.get("structured_output") is not None:
         kwargs["tokenizer"] = tokenizer
     return kwargs

@@ -65,10 +65,12 @@ class Response:
     """
 
     def __init__(self, engine, tokenizer, metrics, model: str, chat: bool, stops: list[str], logprobs: int | None,
-                 include_usage: bool):
+                 include_usage: bool, tools=None):
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
         self.model, self.chat, self.stops, self.logprobs = model, chat, stops, logprobs
         self.include_usage = include_usage
+        # A chat request with tools (`tools.ToolPlan`): its text becomes tool calls once finished.
+        self.tools = tools if tools is not None and tools.mode is not None else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -140,12 +142,23 @@ class Response:
                 "top_logprobs": [{decode(i): v for i, v in top} or None for _, (_, top) in entries],
                 "text_offset": offsets}
 
-    def _choice(self, index: int, text: str, finish, logprobs, delta: bool) -> dict:
+    def _choice(self, index: int, text: str, finish, logprobs, delta: bool, calls: list | None = None) -> dict:
         if not self.chat:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if delta else "message"
-        return {"index": index, key: {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        if calls:  # streamed calls carry their index in the list (the client reassembles by it)
+            message["tool_calls"] = [dict(c, index=k) for k, c in enumerate(calls)] if delta else calls
+        return {"index": index, key: message, "logprobs": logprobs, "finish_reason": finish}
+
+    def _tool_calls(self, text: str, out) -> tuple[str | None, list, str]:
+        """(content, tool calls, finish reason) of a finished chat choice under `self.tools`: an
+        output cut by max_tokens stays text (its calls may be incomplete)."""
+        finish = FINISH_REASONS[out.finish_reason]
+        if self.tools is None or finish != "stop":
+            return text, [], finish
+        content, calls = self.tools.calls(text)
+        return content, calls, "tool_calls" if calls else finish
 
     @staticmethod
     def _usage(choices: list[Choice], outs: list) -> dict:
@@ -182,10 +195,13 @@ class Response:
         for _, out, _ in parts:
             if (err := self._failure(out)) is not None:
                 raise err
+        shaped = []
+        for c, (text, out, entries) in zip(choices, parts):
+            content, calls, finish = self._tool_calls(c.echo + text, out)
+            shaped.append(self._choice(c.index, content, finish, self._token_logprobs(entries, len(c.echo)), False,
+                                       calls))
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [self._choice(c.index, c.echo + text, FINISH_REASONS[out.finish_reason],
-                                         self._token_logprobs(entries, len(c.echo)), False)
-                            for c, (text, out, entries) in zip(choices, parts)],
+                "choices": shaped,
                 "usage": self._usage(choices, [o for _, o, _ in parts]),
                 "lorazor": self._extension([o for _, o, _ in parts])}
         return body
@@ -212,6 +228,7 @@ class Response:
     async def _events(self, choices: list[Choice], streams):
         finished = {}
         offsets = {c.index: len(c.echo) for c in choices}
+        held = {c.index: "" for c in choices}  # with tools: the text, sent once it is known to be no call
         try:
             for choice in choices:
                 if choice.echo:
@@ -227,7 +244,13 @@ class Response:
                     extra["lorazor"] = self._extension([out])
                 logprobs = self._token_logprobs(pending, offsets[choice.index])
                 offsets[choice.index] += len(delta)
-                yield self._chunk([self._choice(choice.index, delta, finish, logprobs, True)], **extra)
+                calls = None
+                if self.tools is not None:  # whether the text is a call is known at the end
+                    held[choice.index] += delta
+                    if not out.finished:
+                        continue
+                    delta, calls, finish = self._tool_calls(held[choice.index], out)
+                yield self._chunk([self._choice(choice.index, delta, finish, logprobs, True, calls)], **extra)
             if self.include_usage:
                 yield self._chunk([], usage=self._usage(choices, [finished[c.index] for c in choices]))
         except Exception as err:  # after the 200 went out: an error event, as OpenAI's streams send one

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -32,12 +33,14 @@ from .protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    FieldError,
     LoadAdapterRequest,
     TokenizeRequest,
     UnloadAdapterRequest,
 )
 from .responses import Choice, Response as OpenAIResponse
 from .openai_sampling import choice_seed, generation_kwargs
+from .tools import ToolPlan, plan_tools, template_messages
 
 router = APIRouter()
 log = logging.getLogger("lorazor.serve")
@@ -162,36 +165,65 @@ async def encode(state: ServerState, text: str, add_special_tokens: bool = True)
     return (await state.off_loop(state.tokenizer, text, add_special_tokens=add_special_tokens))["input_ids"]
 
 
-async def chat_prompt(state: ServerState, messages, add_generation_prompt: bool = True) -> str:
+async def chat_prompt(state: ServerState, messages, add_generation_prompt: bool = True, tools=None) -> str:
+    """The prompt text of chat `messages` by the chat template, with `tools` (OpenAI's tool dicts)
+    rendered by it where it renders tools."""
     template = state.chat_template or getattr(state.tokenizer, "chat_template", None)
     if not template:
         raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions, or start the "
                             "server with --chat-template", param="messages")
-    plain = [{"role": m.role, "content": checked_text(state, m.text, "messages")} for m in messages]
+    for m in messages:
+        checked_text(state, m.text, "messages")
+    plain = template_messages(messages)
     limit = state.settings.max_prompt_bytes
-    if sum(len(m["content"].encode()) for m in plain) > limit:
+    if sum(len(m["content"].encode()) for m in plain) + len(json.dumps(tools or []).encode()) > limit:
         raise ApiError(400, f"messages hold more than --max-prompt-bytes={limit} bytes", param="messages")
     try:
         return await state.off_loop(state.tokenizer.apply_chat_template, plain, chat_template=template,
-                                    add_generation_prompt=add_generation_prompt, tokenize=False)
+                                    add_generation_prompt=add_generation_prompt, tokenize=False,
+                                    **({"tools": tools} if tools else {}))
     except Exception as err:  # a template's own error (raise_exception, undefined names, ...)
         raise ApiError(400, f"the chat template failed on these messages: {type(err).__name__}: {err}",
                        param="messages") from err
 
 
-async def choices_for(state: ServerState, request, prompts: list[tuple[list[int], str]], max_tokens, logprobs) -> list:
-    """One engine request per prompt and choice (`n`), with the choice's seed."""
+async def choices_for(state: ServerState, request, prompts: list[tuple[list[int], str]], max_tokens, logprobs,
+                      tool_spec: dict | None = None) -> list:
+    """One engine request per prompt and choice (`n`), with the choice's seed. A structured output
+    (the request's, or `tool_spec`, its tool choice's grammar) is compiled here first, on a worker
+    thread: a spec the grammar engine refuses is a 400 naming its field, before anything is queued."""
+    spec, field_name = request.structured_spec()
+    if tool_spec is not None:
+        spec, field_name = tool_spec, "tools"
     adapter = await adapter_for(state, request.model)
+    if spec is not None:
+        await compile_spec(state, spec, field_name)
     base = generation_kwargs(request, state.tokenizer, max_tokens, logprobs)
+    if spec is not None:
+        base["structured_output"] = spec
     return [Choice(p * request.n + i, ids, dict(base, prompt_ids=ids, adapter=adapter,
                                                 seed=choice_seed(request.seed, p * request.n + i)), echo)
             for p, (ids, echo) in enumerate(prompts) for i in range(request.n)]
 
 
-async def respond(state: ServerState, request, choices: list[Choice], chat: bool, logprobs: int | None):
+async def compile_spec(state: ServerState, spec: dict, field_name: str) -> None:
+    """Compile `spec` against the served tokenizer (cached) or answer 400 naming `field_name`."""
+    from ..runner.grammar import StructuredOutputError, grammar_cache
+
+    def compile_it():
+        grammar_cache(state.tokenizer, state.engine.info["vocab_size"]).compile(spec)
+
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, compile_it)
+    except StructuredOutputError as err:
+        raise ApiError(400, f"{field_name}: {err}", param=field_name) from err
+
+
+async def respond(state: ServerState, request, choices: list[Choice], chat: bool, logprobs: int | None,
+                  tools: ToolPlan | None = None):
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     response = OpenAIResponse(state.engine, state.tokenizer, state.metrics, request.model, chat, request.stops,
-                              logprobs, include_usage)
+                              logprobs, include_usage, tools)
     return await (response.streamed(choices) if request.stream else response.full(choices))
 
 
@@ -239,10 +271,17 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
     state = state_of(request)
-    ids = await encode(state, await chat_prompt(state, body.messages), add_special_tokens=False)
+    settings = state.settings
+    try:
+        plan, tool_spec = plan_tools(body, settings.enable_auto_tool_choice, settings.tool_call_parser)
+    except FieldError as err:
+        raise ApiError(400, str(err), param=err.param) from err
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    ids = await encode(state, await chat_prompt(state, body.messages, tools=tools), add_special_tokens=False)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    choices = await choices_for(state, body, [(ids, "")], body.max_completion_tokens or body.max_tokens, logprobs)
-    return await respond(state, body, choices, chat=True, logprobs=logprobs)
+    choices = await choices_for(state, body, [(ids, "")], body.max_completion_tokens or body.max_tokens, logprobs,
+                                tool_spec)
+    return await respond(state, body, choices, chat=True, logprobs=logprobs, tools=plan)
 
 
 @router.get("/v1/models")

@@ -7,6 +7,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+# Tool-call formats `--tool-call-parser` takes (`serve/tools.py`; a literal here: the command line
+# reads this module without importing the server).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 # How a request's unregistered adapter name may be resolved (vLLM's filesystem resolver).
 RESOLVERS = ("filesystem",)
 
@@ -37,6 +40,10 @@ class ServerSettings:
             connection is closed).
         shutdown_timeout: on SIGTERM or Ctrl-C, seconds running requests may finish before they are
             aborted.
+        enable_auto_tool_choice: parse tool calls from the model's own output when a chat request
+            has tools and tool_choice "auto" (vLLM's flag; needs tool_call_parser).
+        tool_call_parser: the model family's tool-call format for "auto": hermes (Hermes, Qwen),
+            llama3_json (Llama 3.x) or mistral.
     """
 
     host: str = "127.0.0.1"
@@ -53,6 +60,8 @@ class ServerSettings:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     shutdown_timeout: float = 30.0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
@@ -74,6 +83,11 @@ class ServerSettings:
             if not self.enable_runtime_lora or self.lora_root is None:
                 raise ValueError(f"lora_resolver {self.lora_resolver!r} needs enable_runtime_lora and lora_root "
                                  "(--enable-runtime-lora --lora-root DIR)")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser "
+                             f"{'|'.join(TOOL_CALL_PARSERS)})")
         if self.lora_root is not None:
             root = Path(self.lora_root)
             if not root.is_dir():

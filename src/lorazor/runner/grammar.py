@@ -1,0 +1,261 @@
+"""Constrained decoding for one row: a structured-output spec, its grammar compiled by xgrammar, and
+the row's matcher, whose token bitmask is applied to that row's logits before any sampling rule.
+
+A spec is a dict (or `StructuredOutput`) with exactly one of:
+- `json`: a JSON schema (a dict, or its JSON text);
+- `json_object`: True, any JSON object (OpenAI's `response_format: {"type": "json_object"}`);
+- `regex`: a regular expression the whole output matches;
+- `choice`: a non-empty list of strings, the output being exactly one of them;
+- `grammar`: an EBNF grammar in xgrammar's dialect (GBNF-like, `root ::= ...`).
+
+Grammars are compiled once per (tokenizer, spec) and kept (`GrammarCache`, least recently used
+first out); a spec the grammar engine cannot compile raises `StructuredOutputError` naming why. The
+grammar engine is xgrammar (vLLM's and SGLang's default): nothing here re-implements a matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+SPEC_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Compiled grammars kept per tokenizer (a large schema's compiled grammar holds a few MB at most).
+GRAMMARS_KEPT = 256
+# The longest spec text accepted (a schema, regex or grammar), in characters.
+MAX_SPEC_CHARS = 1 << 20
+
+
+class StructuredOutputError(ValueError):
+    """A structured-output spec that is malformed or that the grammar engine cannot compile; the
+    message names the field and the reason."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on one request's output: set exactly one field (the module docstring)."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
+
+
+def spec_key(spec) -> tuple[str, str]:
+    """(kind, canonical text) of a spec: the compile cache's key; raises StructuredOutputError for a
+    malformed one (naming the field)."""
+    if isinstance(spec, StructuredOutput):
+        spec = spec.as_dict()
+    if not isinstance(spec, dict):
+        raise StructuredOutputError(f"structured_output must be a dict or StructuredOutput with one of {SPEC_KINDS}, "
+                                    f"got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(SPEC_KINDS))
+    if unknown:
+        raise StructuredOutputError(f"structured_output has unknown fields {unknown}: use exactly one of {SPEC_KINDS}")
+    given = [k for k in SPEC_KINDS if spec.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise StructuredOutputError(f"structured_output needs exactly one of {SPEC_KINDS}, got {given or 'none'}")
+    kind = given[0]
+    value = spec[kind]
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as err:
+                raise StructuredOutputError(f"structured_output.json is not valid JSON: {err}") from None
+        if not isinstance(value, (dict, bool)):
+            raise StructuredOutputError(f"structured_output.json must be a JSON schema (an object), got "
+                                        f"{type(value).__name__}")
+        text = json.dumps(value, sort_keys=True)
+    elif kind == "json_object":
+        if value is not True:
+            raise StructuredOutputError(f"structured_output.json_object must be true, got {value!r}")
+        text = ""
+    elif kind == "choice":
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
+            raise StructuredOutputError("structured_output.choice must be a non-empty list of non-empty strings, "
+                                        f"got {value!r}")
+        text = json.dumps(list(value))
+    else:
+        if not isinstance(value, str) or not value:
+            raise StructuredOutputError(f"structured_output.{kind} must be a non-empty string, got {value!r}")
+        text = value
+    if len(text) > MAX_SPEC_CHARS:
+        raise StructuredOutputError(f"structured_output.{kind} is {len(text)} characters, more than {MAX_SPEC_CHARS}")
+    return kind, text
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly `choices` (JSON string escapes are EBNF literal escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCache:
+    """Compiled grammars for one tokenizer, by spec, least recently used out first; thread-safe
+    (a server compiles on a worker thread while the engine's thread matches)."""
+
+    def __init__(self, tokenizer, vocab_size: int, kept: int = GRAMMARS_KEPT):
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
+        self.kept = kept
+        self._compiled: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0  # grammars compiled (not found in the cache), for tests and metrics
+
+    def compile(self, spec):
+        """The compiled grammar of `spec`; raises StructuredOutputError when it cannot be compiled."""
+        key = spec_key(spec)
+        with self._lock:
+            found = self._compiled.get(key)
+            if found is not None:
+                self._compiled.move_to_end(key)
+                return found
+        compiled = self._compile(*key)
+        with self._lock:
+            self._compiled[key] = compiled
+            self.compiles += 1
+            while len(self._compiled) > self.kept:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, text: str):
+        try:
+            if kind == "json":
+                return self.compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            if kind == "json_object":
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            if kind == "choice":
+                return self.compiler.compile_grammar(choice_grammar(json.loads(text)))
+            return self.compiler.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as err:  # xgrammar's parse and compile errors
+            lines = str(err).strip().splitlines()
+            # Without xgrammar's "[time] file.cc:line: " prefix, which says nothing to a client.
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[-1]) if lines else type(err).__name__
+            raise StructuredOutputError(f"structured_output.{kind} cannot be compiled: {reason}") from None
+
+    def constraint(self, spec) -> "Constraint":
+        return Constraint(self.compile(spec), self.vocab_size)
+
+
+# GrammarCache per tokenizer object (a server has one tokenizer; tests a few): weakly keyed by id,
+# with the tokenizer kept to rule out a reused id.
+_CACHES: dict = {}
+_CACHES_LOCK = threading.Lock()
+
+
+def grammar_cache(tokenizer, vocab_size: int) -> GrammarCache:
+    """The shared `GrammarCache` of `tokenizer` for a model of `vocab_size` logits."""
+    if tokenizer is None:
+        raise StructuredOutputError("structured_output needs the tokenizer (pass tokenizer=...): the grammar is "
+                                    "compiled against its vocabulary")
+    key = (id(tokenizer), vocab_size)
+    with _CACHES_LOCK:
+        entry = _CACHES.get(key)
+        if entry is None or entry[0] is not tokenizer:
+            entry = _CACHES[key] = (tokenizer, GrammarCache(tokenizer, vocab_size))
+        return entry[1]
+
+
+class Constraint:
+    """One row's matcher: which tokens may come next, advanced with each accepted token."""
+
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+        self.failed = False
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete (its stop token accepted) or a token was refused: no more masks."""
+        return self.failed or self.matcher.is_terminated()
+
+    def accept(self, token: int) -> bool:
+        """Advance with an accepted token; False (and no further masks) if the grammar refuses it."""
+        if self.done:
+            return False
+        ok = self.matcher.accept_token(int(token))
+        self.failed = not ok
+        return ok
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def new_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
+    """An int32 bitmask of `rows` rows over `vocab_size` tokens (xgrammar's layout), on the host."""
+    import xgrammar as xgr
+
+    mask = xgr.allocate_token_bitmask(rows, vocab_size)
+    return mask.pin_memory() if pin else mask
+
+
+class MaskBuffers:
+    """Host bitmasks reused step after step: two, alternated, so a step's asynchronous copy to the
+    GPU is never overwritten by the next step's fill (pinned on a GPU)."""
+
+    def __init__(self):
+        self._buffers: list = [None, None]
+        self._turn = 0
+
+    def take(self, rows: int, vocab_size: int, pin: bool) -> torch.Tensor:
+        self._turn ^= 1
+        buffer = self._buffers[self._turn]
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] * 32 < vocab_size:
+            buffer = self._buffers[self._turn] = new_bitmask(max(rows, 8), vocab_size, pin)
+        return buffer[:rows]
+
+
+def apply_masks(logits: torch.Tensor, constraints: list, rows: list[int], buffers: MaskBuffers | None = None) -> None:
+    """Fill the bitmask of each `constraints[k]` (for row `rows[k]` of `logits`) on the host and
+    apply them in place: a forbidden token's logit becomes -inf, so greedy, sampling, penalties and
+    log-probabilities all see the masked logits. Rows not in `rows` are untouched."""
+    import xgrammar as xgr
+
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    upto = max(rows) + 1
+    mask = (buffers or MaskBuffers()).take(upto, vocab, logits.is_cuda)
+    for row, constraint in zip(rows, constraints):
+        constraint.fill(mask, row)
+    if logits.is_cuda:
+        mask = mask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits[:upto], mask, vocab_size=vocab, indices=rows)
+
+
+
+class StructuredLogitsProcessor:
+    """An HF logits processor holding one `Constraint` (or None) per row, for `generate()`'s static
+    loop: each call first advances every row's matcher with the token the previous call chose,
+    then masks what its grammar forbids next. A row whose grammar is complete, or that ended
+    otherwise (padding after EOS), is left alone."""
+
+    def __init__(self, constraints: list, prompt_len: int):
+        self.constraints = constraints
+        self.prompt_len = prompt_len
+        self.buffers = MaskBuffers()
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if input_ids.shape[1] > self.prompt_len:
+            last = input_ids[:, -1].tolist()
+            for constraint, token in zip(self.constraints, last):
+                if constraint is not None and not constraint.done:
+                    constraint.accept(token)
+        live = [i for i, c in enumerate(self.constraints) if c is not None and not c.done]
+        apply_masks(scores, [self.constraints[i] for i in live], live, self.buffers)
+        return scores
