@@ -79,7 +79,8 @@ def guard_sampling(config: GenerationConfig, vocab_size: int | None) -> None:
         if value is not None and not 0 <= value <= 1:
             raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     eos = config.eos_token_id
-    for token in ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)):
+    for token in ([] if eos is None else torch.as_tensor(eos).flatten().tolist()
+                  if isinstance(eos, torch.Tensor) else [eos] if isinstance(eos, int) else list(eos)):
         if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (vocab_size and token >= vocab_size):
             raise ValueError(f"eos_token_id holds {token!r}, not a token id in [0, {vocab_size or 'vocab'})")
     stops = config.stop_strings

@@ -2,7 +2,9 @@
 the row's matcher, whose token bitmask is applied to that row's logits before any sampling rule.
 
 A spec is a dict (or `StructuredOutput`) with exactly one of:
-- `json`: a JSON schema (a dict, or its JSON text);
+- `json`: a JSON schema (a dict, or its JSON text); beside it `strict: True` is OpenAI's strict mode
+  (properties and items a schema does not declare are refused). A schema using a keyword the
+  grammar engine would not enforce is refused (`json_schema.py`), never decoded loosely;
 - `json_object`: True, any JSON object (OpenAI's `response_format: {"type": "json_object"}`);
 - `regex`: a regular expression the whole output matches;
 - `choice`: a non-empty list of strings, the output being exactly one of them;
@@ -22,6 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from .json_schema import declare_required, schema_problem
 
 SPEC_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # Compiled grammars kept per tokenizer (a large schema's compiled grammar holds a few MB at most).
@@ -57,9 +61,12 @@ def spec_key(spec) -> tuple[str, str]:
     if not isinstance(spec, dict):
         raise StructuredOutputError(f"structured_output must be a dict or StructuredOutput with one of {SPEC_KINDS}, "
                                     f"got {type(spec).__name__}")
-    unknown = sorted(set(spec) - set(SPEC_KINDS))
+    unknown = sorted(set(spec) - set(SPEC_KINDS) - {"strict"})
     if unknown:
         raise StructuredOutputError(f"structured_output has unknown fields {unknown}: use exactly one of {SPEC_KINDS}")
+    strict = spec.get("strict", False)
+    if not isinstance(strict, bool) or (strict and "json" not in spec):
+        raise StructuredOutputError(f"structured_output.strict must be a bool beside json, got {strict!r}")
     given = [k for k in SPEC_KINDS if spec.get(k) not in (None, False)]
     if len(given) != 1:
         raise StructuredOutputError(f"structured_output needs exactly one of {SPEC_KINDS}, got {given or 'none'}")
@@ -74,7 +81,11 @@ def spec_key(spec) -> tuple[str, str]:
         if not isinstance(value, (dict, bool)):
             raise StructuredOutputError(f"structured_output.json must be a JSON schema (an object), got "
                                         f"{type(value).__name__}")
+        problem = schema_problem(value)
+        if problem:
+            raise StructuredOutputError(f"structured_output.json cannot be enforced: {problem}")
         text = json.dumps(value, sort_keys=True)
+        kind = "json_strict" if strict else "json"
     elif kind == "json_object":
         if value is not True:
             raise StructuredOutputError(f"structured_output.json_object must be true, got {value!r}")
@@ -131,10 +142,12 @@ class GrammarCache:
 
     def _compile(self, kind: str, text: str):
         try:
-            if kind == "json":
-                return self.compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            if kind in ("json", "json_strict"):  # strict (OpenAI's): undeclared properties and items refused
+                schema = declare_required(json.loads(text))
+                return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
+                                                         strict_mode=kind == "json_strict")
             if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             if kind == "choice":
@@ -144,7 +157,8 @@ class GrammarCache:
             lines = str(err).strip().splitlines()
             # Without xgrammar's "[time] file.cc:line: " prefix, which says nothing to a client.
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[-1]) if lines else type(err).__name__
-            raise StructuredOutputError(f"structured_output.{kind} cannot be compiled: {reason}") from None
+            raise StructuredOutputError(f"structured_output.{kind.removesuffix('_strict')} cannot be compiled: "
+                                        f"{reason}") from None
 
     def constraint(self, spec) -> "Constraint":
         return Constraint(self.compile(spec), self.vocab_size)

@@ -205,7 +205,10 @@ class SamplingFields(Strict):
         if fmt is not None and fmt.type == "json_object":
             return {"json_object": True}, "response_format"
         if fmt is not None and fmt.type == "json_schema":
-            return {"json": fmt.json_schema.schema_}, "response_format"
+            spec = {"json": fmt.json_schema.schema_}
+            if fmt.json_schema.strict:
+                spec["strict"] = True
+            return spec, "response_format"
         if self.structured_outputs is not None:
             return self.structured_outputs.spec(), "structured_outputs"
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),

@@ -1,0 +1,126 @@
+"""Which JSON schemas the grammar engine enforces exactly, checked before one is compiled.
+
+xgrammar compiles most of JSON Schema into a grammar, but some keywords it accepts and then does
+not enforce (measured with its matcher on instances that break them: `tests/engine/
+test_structured_outputs.py`): `not`, `if`/`then`/`else`, `uniqueItems`, `dependentRequired` and
+`dependencies`, `contains`, `unevaluated*`, remote `$ref`s, `allOf` beside other keywords or with
+several branches, `oneOf` whose branches can overlap (it decodes them as `anyOf`), a `$ref` beside
+other validation keywords, and `required` names that `properties` does not declare. A schema that
+uses any of them could yield an output that does not validate, so it is refused, naming the
+keyword and where it is; the one exception is `required` names missing from `properties`, which
+are declared there (with the schema `additionalProperties` gives them) so the grammar requires
+them, without changing what validates.
+"""
+
+from __future__ import annotations
+
+import copy
+
+# Keywords the grammar does not enforce (why: the module docstring).
+UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependencies", "dependentSchemas", "contains",
+              "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef",
+              "$recursiveRef", "additionalItems")
+# Keywords that never constrain an instance (they may sit beside a `$ref` or an `allOf`).
+ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+               "$schema", "$id", "$anchor", "$defs", "definitions", "markdownDescription", "format",
+               "enumDescriptions", "markdownEnumDescriptions", "deprecationMessage", "errorMessage",
+               "x-intellij-html-description",
+               "defaultSnippets", "doNotSuggest", "patternErrorMessage", "$vocabulary"}
+# Where sub-schemas sit: maps of them, lists of them, single ones.
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")
+# JSON types no value has two of (integer is also a number).
+DISJOINT_TYPES = ("object", "array", "string", "boolean", "null")
+
+
+def schema_problem(schema, path: str = "#") -> str | None:
+    """Why the grammar engine would not enforce `schema` exactly (the first reason found, with its
+    place as a JSON pointer), or None."""
+    if isinstance(schema, bool) or not isinstance(schema, dict):
+        return None
+    for key in UNENFORCED:
+        if key in schema:
+            return f"'{key}' at {path} is not enforced by the grammar engine"
+    if schema.get("uniqueItems") is True:
+        return f"'uniqueItems' at {path} is not enforced by the grammar engine"
+    ref = schema.get("$ref")
+    if ref is not None:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return f"'$ref' {ref!r} at {path} points outside the schema (only local '#/...' references are resolved)"
+        beside = sorted(set(schema) - ANNOTATIONS - {"$ref"})
+        if beside:
+            return f"'$ref' at {path} sits beside {beside}, which the grammar engine would not combine with it"
+    if "allOf" in schema:
+        beside = sorted(set(schema) - ANNOTATIONS - {"allOf"})
+        if len(schema["allOf"]) != 1 or beside:
+            return (f"'allOf' at {path} has {len(schema['allOf'])} branches" + (f" beside {beside}" if beside else "")
+                    + ": only a single branch alone is enforced")
+    required = schema.get("required")
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    missing = [n for n in required if n not in properties] if isinstance(required, list) else []
+    if missing and ("patternProperties" in schema or schema.get("additionalProperties") is False):
+        return (f"'required' at {path} names {missing[0]!r}, which 'properties' does not declare (beside "
+                "patternProperties or additionalProperties false, the grammar engine cannot require it)")
+    if "oneOf" in schema and not _disjoint(schema["oneOf"]):
+        return (f"'oneOf' at {path} has branches that may overlap, which the grammar engine decodes as 'anyOf' "
+                "(use anyOf, or branches of distinct types)")
+    for key in SCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
+            found = schema_problem(sub, f"{path}/{key}/{name}")
+            if found:
+                return found
+    for key in SCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) or ()) if isinstance(schema.get(key), list) else ():
+            found = schema_problem(sub, f"{path}/{key}/{i}")
+            if found:
+                return found
+    for key in SCHEMA_VALUES:
+        found = schema_problem(schema.get(key), f"{path}/{key}")
+        if found:
+            return found
+    return None
+
+
+def _disjoint(branches) -> bool:
+    """Whether no value can match two of `branches`: each declares one type of `DISJOINT_TYPES`
+    (or integer/number, not both), all different."""
+    types = []
+    for branch in branches if isinstance(branches, list) else ():
+        kind = branch.get("type") if isinstance(branch, dict) else None
+        if not isinstance(kind, str):
+            return False
+        types.append("number" if kind == "integer" else kind)
+    return len(set(types)) == len(types)
+
+
+def declare_required(schema):
+    """A copy of `schema` in which every object's `required` names are declared in its
+    `properties` (with the schema `additionalProperties` gives undeclared names, else `{}`), so the
+    grammar requires them; what validates is unchanged."""
+    schema = copy.deepcopy(schema)
+    _declare(schema)
+    return schema
+
+
+def _declare(schema) -> None:
+    if not isinstance(schema, dict):
+        return
+    required = schema.get("required")
+    if isinstance(required, list):
+        properties = schema.setdefault("properties", {})
+        extra = schema.get("additionalProperties", True)
+        if isinstance(properties, dict):
+            for name in required:
+                if isinstance(name, str) and name not in properties and extra is not False:
+                    properties[name] = extra if isinstance(extra, dict) else {}
+    for key in SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                _declare(sub)
+    for key in SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                _declare(sub)
+    for key in SCHEMA_VALUES:
+        _declare(schema.get(key))
