@@ -70,9 +70,11 @@ def tiny_peft_model(
     tie_embeddings: bool = False,
     dtype=None,
     num_layers: int = 2,
+    vocab_size: int = 96,
 ):
-    """A random tiny causal LM (`num_layers` decoder layers, `dtype`: default float32) wrapped in a
-    PeftModel holding `adapters` (non-zero LoRA B)."""
+    """A random tiny causal LM (`num_layers` decoder layers, `dtype`: default float32, `vocab_size`
+    tokens: a real tokenizer's length to pair it with one) wrapped in a PeftModel holding `adapters`
+    (non-zero LoRA B)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -81,7 +83,7 @@ def tiny_peft_model(
     torch.manual_seed(seed)
     # Gemma 2's softcapping is in HF's eager attention only (SDPA has none): the PEFT reference uses it.
     extra = dict(attn_implementation="eager") if arch == "gemma2" else {}
-    config = tiny_config(arch, tie_embeddings=tie_embeddings, num_layers=num_layers)
+    config = tiny_config(arch, vocab_size=vocab_size, tie_embeddings=tie_embeddings, num_layers=num_layers)
     base = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
     base.eval()
     peft_model = None

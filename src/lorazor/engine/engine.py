@@ -446,6 +446,8 @@ class LoRazorEngine:
                                      buffers=self._masks)
         launched = launch_picks(chunks, rows, logits, hidden, self.model.bank.slot_of, self.policies, mask)
         for chunk in chunks:
+            if chunk.request.status is Status.FINISHED:  # ended by the step read back early: its blocks are freed
+                continue
             chunk.request.num_computed += chunk.num_tokens
             self.scheduler.cache_blocks(chunk.request)
         for request in launched.requests:

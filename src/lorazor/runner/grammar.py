@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .json_schema import declare_required, schema_problem
+from .json_schema import normalize, schema_problem
 
 SPEC_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # Compiled grammars kept per tokenizer (a large schema's compiled grammar holds a few MB at most).
@@ -81,7 +81,7 @@ def spec_key(spec) -> tuple[str, str]:
         if not isinstance(value, (dict, bool)):
             raise StructuredOutputError(f"structured_output.json must be a JSON schema (an object), got "
                                         f"{type(value).__name__}")
-        problem = schema_problem(value)
+        problem = schema_problem(normalize(value))
         if problem:
             raise StructuredOutputError(f"structured_output.json cannot be enforced: {problem}")
         text = json.dumps(value, sort_keys=True)
@@ -143,7 +143,7 @@ class GrammarCache:
     def _compile(self, kind: str, text: str):
         try:
             if kind in ("json", "json_strict"):  # strict (OpenAI's): undeclared properties and items refused
-                schema = declare_required(json.loads(text))
+                schema = normalize(json.loads(text))
                 return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
                                                          strict_mode=kind == "json_strict")
             if kind == "json_object":
@@ -161,7 +161,22 @@ class GrammarCache:
                                         f"{reason}") from None
 
     def constraint(self, spec) -> "Constraint":
-        return Constraint(self.compile(spec), self.vocab_size)
+        json_kind = spec_key(spec)[0] in ("json", "json_object", "json_strict")
+        return Constraint(self.compile(spec), self.vocab_size, self.no_control_chars() if json_kind else None)
+
+    def no_control_chars(self) -> torch.Tensor:
+        """A one-row bitmask allowing every token but those whose bytes hold a control character
+        (U+0000-U+001F), stop tokens kept. xgrammar's JSON strings admit every byte but `"`, `\\`,
+        CR and LF, while JSON (RFC 8259) forbids raw control characters in strings: JSON outputs
+        are masked with this too, so they always parse."""
+        if getattr(self, "_no_control", None) is None:
+            mask = new_bitmask(1, self.vocab_size)
+            stops = set(self.info.stop_token_ids)
+            for token, raw in enumerate(self.info.decoded_vocab[:self.vocab_size]):
+                if token not in stops and any(byte < 0x20 for byte in raw):
+                    mask[0, token // 32] &= ~(1 << (token % 32))
+            self._no_control = mask
+        return self._no_control
 
 
 # GrammarCache per tokenizer object (a server has one tokenizer; tests a few): weakly keyed by id,
@@ -186,11 +201,12 @@ def grammar_cache(tokenizer, vocab_size: int) -> GrammarCache:
 class Constraint:
     """One row's matcher: which tokens may come next, advanced with each accepted token."""
 
-    def __init__(self, compiled, vocab_size: int):
+    def __init__(self, compiled, vocab_size: int, allowed: torch.Tensor | None = None):
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self.allowed = allowed  # a one-row bitmask ANDed with the grammar's (None: none)
         self.failed = False
 
     @property
@@ -208,6 +224,8 @@ class Constraint:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.allowed is not None:
+            bitmask[row] &= self.allowed[0]
 
 
 def new_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:

@@ -4,12 +4,12 @@ xgrammar compiles most of JSON Schema into a grammar, but some keywords it accep
 not enforce (measured with its matcher on instances that break them: `tests/engine/
 test_structured_outputs.py`): `not`, `if`/`then`/`else`, `uniqueItems`, `dependentRequired` and
 `dependencies`, `contains`, `unevaluated*`, remote `$ref`s, `allOf` beside other keywords or with
-several branches, `oneOf` whose branches can overlap (it decodes them as `anyOf`), a `$ref` beside
-other validation keywords, and `required` names that `properties` does not declare. A schema that
-uses any of them could yield an output that does not validate, so it is refused, naming the
-keyword and where it is; the one exception is `required` names missing from `properties`, which
-are declared there (with the schema `additionalProperties` gives them) so the grammar requires
-them, without changing what validates.
+several branches, `anyOf`/`oneOf` beside other validation keywords, `oneOf` whose branches can
+overlap (it decodes them as `anyOf`), a `$ref` beside other validation keywords, and `required`
+names that `properties` does not declare. `normalize` first rewrites what can be rewritten with
+the same instances valid (siblings moved into branches, `allOf` branches merged, `required` names
+declared); a schema that still uses any of them could yield an output that does not validate, so
+it is refused, naming the keyword and where it is.
 """
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ def schema_problem(schema, path: str = "#") -> str | None:
     if missing and ("patternProperties" in schema or schema.get("additionalProperties") is False):
         return (f"'required' at {path} names {missing[0]!r}, which 'properties' does not declare (beside "
                 "patternProperties or additionalProperties false, the grammar engine cannot require it)")
+    for key in ("anyOf", "oneOf"):
+        beside = sorted(set(schema) - ANNOTATIONS - {key})
+        if key in schema and beside:
+            return (f"'{key}' at {path} sits beside {beside}, which the grammar engine would not combine with its "
+                    "branches (put them inside each branch)")
     if "oneOf" in schema and not _disjoint(schema["oneOf"]):
         return (f"'oneOf' at {path} has branches that may overlap, which the grammar engine decodes as 'anyOf' "
                 "(use anyOf, or branches of distinct types)")
@@ -94,16 +99,81 @@ def _disjoint(branches) -> bool:
     return len(set(types)) == len(types)
 
 
-def declare_required(schema):
-    """A copy of `schema` in which every object's `required` names are declared in its
-    `properties` (with the schema `additionalProperties` gives undeclared names, else `{}`), so the
-    grammar requires them; what validates is unchanged."""
-    schema = copy.deepcopy(schema)
-    _declare(schema)
+class Unmergeable(ValueError):
+    """Two schemas to be merged constrain the same keyword differently."""
+
+
+def normalize(schema):
+    """A copy of `schema` rewritten into the forms the grammar engine enforces, with the same
+    instances valid: keywords beside an `anyOf`/`oneOf` moved into each branch (P and (A or B) is
+    (P and A) or (P and B)); an `allOf`'s branches (and its siblings) merged into one schema where
+    no keyword is given twice; `required` names declared in `properties`. Where a merge would
+    have to combine two values of one keyword, the schema is left as it was there (then
+    `schema_problem` refuses it)."""
+    return _normalize(copy.deepcopy(schema))
+
+
+def _normalize(schema):
+    if not isinstance(schema, dict):
+        return schema
+    # Merges first, on the schemas as written (declared names would read as conflicts), then the parts.
+    if isinstance(schema.get("allOf"), list) and all(isinstance(b, dict) and "$ref" not in b for b in schema["allOf"]):
+        try:
+            merged = {k: v for k, v in schema.items() if k != "allOf"}
+            for branch in schema["allOf"]:
+                merged = _merge(merged, branch)
+            schema = merged
+        except Unmergeable:
+            pass
+    for key in ("anyOf", "oneOf"):
+        branches = schema.get(key)
+        beside = {k: v for k, v in schema.items() if k not in ANNOTATIONS and k != key}
+        if isinstance(branches, list) and beside and all(isinstance(b, dict) and "$ref" not in b for b in branches):
+            try:
+                merged = [_merge(beside, b) for b in branches]
+            except Unmergeable:
+                continue
+            schema = {k: v for k, v in schema.items() if k not in beside}
+            schema[key] = merged
+    for key in SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            schema[key] = {name: _normalize(sub) for name, sub in schema[key].items()}
+    for key in SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            schema[key] = [_normalize(sub) for sub in schema[key]]
+    for key in SCHEMA_VALUES:
+        if key in schema:
+            schema[key] = _normalize(schema[key])
+    _declare(schema, recurse=False)
     return schema
 
 
-def _declare(schema) -> None:
+def _merge(a: dict, b: dict) -> dict:
+    """One schema valid exactly where both `a` and `b` are (Unmergeable if a keyword would need both
+    values): `required` lists joined, `properties` joined where no name is in both, annotations kept
+    from `a`, any other keyword only if equal or in one of them."""
+    out = dict(a)
+    for key, value in b.items():
+        if key not in out or key in ANNOTATIONS:
+            out.setdefault(key, value)
+        elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
+            out[key] = list(dict.fromkeys(out[key] + value))
+        elif key == "properties" and isinstance(value, dict) and isinstance(out[key], dict):
+            if set(value) & set(out[key]) and any(out[key][n] != value[n] for n in set(value) & set(out[key])):
+                raise Unmergeable(key)
+            out[key] = {**out[key], **value}
+        elif out[key] != value:
+            raise Unmergeable(key)
+    # additionalProperties and patternProperties judge names against their own object's properties:
+    # joining two objects' properties would let one's names past the other's additionalProperties.
+    for one, other in ((a, b), (b, a)):
+        if ("additionalProperties" in one or "patternProperties" in one) and set(other.get("properties") or ()) - set(
+                one.get("properties") or ()):
+            raise Unmergeable("additionalProperties")
+    return out
+
+
+def _declare(schema, recurse: bool = True) -> None:
     if not isinstance(schema, dict):
         return
     required = schema.get("required")
@@ -114,6 +184,8 @@ def _declare(schema) -> None:
             for name in required:
                 if isinstance(name, str) and name not in properties and extra is not False:
                     properties[name] = extra if isinstance(extra, dict) else {}
+    if not recurse:
+        return
     for key in SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for sub in schema[key].values():
