@@ -4,8 +4,9 @@ Blocks of one page run in order in one namespace (later blocks use what earlier 
 page starts with the names its text assumes a reader has (`READER_HAS`): a PeftModel and its
 tokenizer, prompts and a left-padded batch, an `adapters/` folder of PEFT adapter folders and a
 saved base model under `models/base`. A block that builds a model from `peft_model` gets a fresh
-one (a PeftModel can be patched by one LoRazorModel at a time). docs/serving.md's blocks need a
-server and run in test_serving_tutorial.py.
+one (a PeftModel can be patched by one LoRazorModel at a time). docs/serving.md's and
+docs/structured-outputs.md's blocks need a server and run in tests/serve
+(test_serving_tutorial.py, test_structured_outputs_served.py).
 """
 
 import re
@@ -20,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
-                               if p.name != "serving.md")
+                               if p.name not in ("serving.md", "structured-outputs.md"))
 READER_HAS = [
     "peft_model",
     "tokenizer",
