@@ -9,7 +9,9 @@ weights), 128 random rank-8 adapters on every projection, `max_num_seqs=256`,
 - `floors`: read bandwidth (a graph-timed reduction over 4 GiB), copy bandwidth, bf16 matmul TFLOPS.
 - `warmup`: `engine.warm_up()` wall time and graph count.
 - `decode`: decode-only steps at batch 1 and 256 (backbone, 128 adapters, every row released after
-  prefill, half released), with async scheduling and then step by step over the same requests:
+  prefill, half released; `structured`: 128 adapters with every other row under a JSON schema, its
+  grammar's bitmask filled on the host and applied on the device each step, `mask_host_ms` the
+  host's part), with async scheduling and then step by step over the same requests:
   wall per `engine.step()` (median of 30), and from torch.profiler over
   5 steps the CUDA kernels per step, GPU busy time and its split by kernel kind; the bytes floor
   (weights + KV read + active adapters) at the measured read bandwidth, the GEMMs' FLOPs at the
@@ -28,6 +30,7 @@ Writes `step_roofline{tag}.json` and prints each row as it is measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -44,6 +47,10 @@ from common import copy_bandwidth, environment, time_graph  # noqa: E402
 
 PROMPT = 64
 ADAPTERS = 128
+# The decode kind "structured": every other row decodes under this JSON schema (a string of at least
+# 2,000 characters, so no row's grammar ends while the steps are timed).
+LONG_JSON = {"json": {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}},
+                      "required": ["text"]}}
 
 
 def read_bandwidth() -> float:
@@ -68,6 +75,28 @@ def gpu_state() -> dict:
         except Exception as err:  # pynvml missing: say so
             state[name] = f"n/a ({type(err).__name__})"
     return state
+
+
+@contextlib.contextmanager
+def mask_timer():
+    """Host ms of each grammar-mask fill and upload (`runner.grammar.apply_masks` as the engine calls
+    it), appended to the yielded list while the block runs."""
+    import lorazor.engine.engine as engine_module
+
+    original, spent = engine_module.apply_masks, []
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent.append((time.perf_counter() - start) * 1e3)
+
+    engine_module.apply_masks = timed
+    try:
+        yield spent
+    finally:
+        engine_module.apply_masks = original
 
 
 def profile_steps(engine, steps: int = 5, cpu: bool = True) -> dict:
@@ -158,19 +187,41 @@ class Probe:
                     compile=self.model.config.compile, decode_capture_s=round(graphs.capture_seconds, 1),
                     packed_capture_s=round(graphs.packed.capture_seconds, 1))
 
-    def _fill(self, batch: int, adapters, release, prompt: int = PROMPT, new: int = 200, seed: int = 0):
+    def _fill(self, batch: int, adapters, release, prompt: int = PROMPT, new: int = 200, seed: int = 0,
+              structured=lambda i: False):
         g = torch.Generator().manual_seed(seed)
         for i in range(batch):
             ids = torch.randint(3, self.vocab, (prompt,), generator=g).tolist()
-            self.engine.add_request(ids, adapter=adapters(i), max_new_tokens=new, release=release(i), pad_token_id=0)
+            extra = dict(structured_output=LONG_JSON, tokenizer=self.synthetic_tokenizer()) if structured(i) else {}
+            self.engine.add_request(ids, adapter=adapters(i), max_new_tokens=new, release=release(i), pad_token_id=0,
+                                    **extra)
+
+    def synthetic_tokenizer(self):
+        """xgrammar's view of a vocabulary as large as the model's (no tokenizer can be downloaded on the
+        GPU machine): the 256 bytes, then random 2-8 character pieces of JSON's alphabet, seeded."""
+        if getattr(self, "_tokenizer", None) is None:
+            import random
+            import string
+
+            import xgrammar as xgr
+
+            rng = random.Random(0)
+            alphabet = string.ascii_letters + string.digits + ' "{}[]:,.'
+            vocab = [bytes([b]) for b in range(256)]
+            vocab += ["".join(rng.choice(alphabet) for _ in range(rng.randint(2, 8))).encode()
+                      for _ in range(self.vocab - 256)]
+            self._tokenizer = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=self.vocab,
+                                                stop_token_ids=[2])
+        return self._tokenizer
 
     def decode(self, batch: int, kind: str, steps: int = 30, label: str = "decode", modes=("async",)) -> dict:
         """The decode rows, one per scheduling mode ("async", "sync") over the same requests; returns the first."""
         names = self.names
         adapters = (lambda i: None) if kind == "backbone" else (lambda i: names[i % len(names)])
         release = {"backbone": lambda i: "never", "lora": lambda i: "never", "released": lambda i: 0,
-                   "half": lambda i: 0 if i % 2 else "never"}[kind]
-        self._fill(batch, adapters, release)
+                   "half": lambda i: 0 if i % 2 else "never", "structured": lambda i: "never"}[kind]
+        self._fill(batch, adapters, release, structured=(lambda i: i % 2 == 0) if kind == "structured" else
+                   (lambda i: False))
         engine = self.engine
         while any(len(r.output) == 0 for r in engine.requests.values()):
             engine.step()
@@ -180,10 +231,11 @@ class Probe:
             for _ in range(3):
                 engine.step()
             times = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                engine.step()
-                times.append((time.perf_counter() - t) * 1e3)
+            with mask_timer() as mask_ms:
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    engine.step()
+                    times.append((time.perf_counter() - t) * 1e3)
             prof = profile_steps(engine)
             context = PROMPT + 3 + len(rows) * (steps + 8) + steps + 5
             kv = batch * context * self.model.runner.kv_bytes_per_token()
@@ -202,7 +254,8 @@ class Probe:
                        floor_ms=round(floor_ms, 3), vs_floor=round(median / floor_ms, 2),
                        gemm_flops_ms=round(flops_ms, 3), roofline_ms=round(roofline_ms, 3),
                        vs_roofline=round(median / roofline_ms, 2), **prof,
-                       host_gap=round(1 - prof["gpu_busy_ms"] / prof["profiled_wall_ms"], 3), **gpu_state())
+                       host_gap=round(1 - prof["gpu_busy_ms"] / prof["profiled_wall_ms"], 3), **gpu_state(),
+                       **({"mask_host_ms": round(sum(mask_ms) / steps, 3)} if mask_ms else {}))
             self.record(**row)
             rows.append(row)
         engine.async_scheduling = True
@@ -317,7 +370,8 @@ def main() -> None:
     ap.add_argument("--phases", default="floors,warmup,decode,prefill,mixed,drift")
     ap.add_argument("--modes", default="async,sync", help="decode scheduling modes to measure, in order")
     ap.add_argument("--decode-rows", default="1:backbone,1:lora,256:backbone,256:lora,256:released,256:half",
-                    help="the decode rows to measure: batch:kind (kind: backbone, lora, released, half)")
+                    help="the decode rows to measure: batch:kind (kind: backbone, lora, released, half, structured: "
+                         "128 adapters, every other row under a JSON schema)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     phases = args.phases.split(",")

@@ -117,7 +117,9 @@ class GrammarCache:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # A Hugging Face tokenizer, or xgrammar's TokenizerInfo itself (a benchmark's synthetic vocabulary).
+        self.info = tokenizer if isinstance(tokenizer, xgr.TokenizerInfo) else xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
         self.kept = kept
         self._compiled: OrderedDict = OrderedDict()
@@ -236,6 +238,12 @@ def new_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
     return mask.pin_memory() if pin else mask
 
 
+# From this many constrained rows on, their bitmasks are filled by xgrammar's BatchGrammarMatcher,
+# on several threads (128 rows: 0.5 ms against 0.85 ms one by one, on this project's CPU machine).
+BATCH_FILL_ROWS = 8
+_BATCH = None
+
+
 class MaskBuffers:
     """Host bitmasks reused step after step: two, alternated, so a step's asynchronous copy to the
     GPU is never overwritten by the next step's fill (pinned on a GPU)."""
@@ -263,8 +271,19 @@ def apply_masks(logits: torch.Tensor, constraints: list, rows: list[int], buffer
     vocab = logits.shape[-1]
     upto = max(rows) + 1
     mask = (buffers or MaskBuffers()).take(upto, vocab, logits.is_cuda)
-    for row, constraint in zip(rows, constraints):
-        constraint.fill(mask, row)
+    if len(rows) >= BATCH_FILL_ROWS:  # xgrammar fills the rows on its own threads
+        global _BATCH
+        _BATCH = _BATCH or xgr.BatchGrammarMatcher()
+        _BATCH.batch_fill_next_token_bitmask([c.matcher for c in constraints], mask, indices=rows)
+        by_mask: dict = {}  # rows per shared extra mask (`no_control_chars`: one per tokenizer)
+        for row, c in zip(rows, constraints):
+            if c.allowed is not None:
+                by_mask.setdefault(id(c.allowed), (c.allowed, []))[1].append(row)
+        for allowed, limited in by_mask.values():
+            mask[limited] &= allowed
+    else:
+        for row, constraint in zip(rows, constraints):
+            constraint.fill(mask, row)
     if logits.is_cuda:
         mask = mask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits[:upto], mask, vocab_size=vocab, indices=rows)
