@@ -8,6 +8,7 @@ metadata itself, for tests and one-off use.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -196,7 +197,7 @@ def batched_lora(
     row_slot: torch.Tensor,
     grid: str = "exact",
     lora_rank: torch.Tensor | None = None,
-    backend: str = "triton",
+    backend: str = "auto",
     block_m: int = 16,
     fused: bool | None = None,
     mask_rank: bool = True,
@@ -208,7 +209,8 @@ def batched_lora(
         row_slot: `[M]` int slot per row, -1 for none.
         grid: "full", "active_rows", "two_class" or "exact".
         lora_rank: optional `[L]` real rank per slot (defaults to r for every slot).
-        backend: "triton" or "reference".
+        backend: "triton", "reference", or "auto": Triton for CUDA tensors (and under
+            `TRITON_INTERPRET=1`), the pure-torch reference otherwise (a CPU without the interpreter).
         block_m: row-tile height of the kernels.
         fused: one fused kernel (True) or shrink + expand (False); None: the device config's choice.
         mask_rank: see `add_batched_lora_` (False needs zeros past each slot's rank in A and B).
@@ -217,6 +219,8 @@ def batched_lora(
         `[M, N]` delta in `x.dtype`.
     """
     check_lora_args(x, lora_a, lora_b, scaling, row_slot, lora_rank)
+    if backend == "auto":
+        backend = "triton" if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else "reference"
     rank = _full_rank(lora_a) if lora_rank is None else lora_rank.to(torch.int32)
     y = torch.zeros(x.shape[0], lora_b.shape[1], dtype=x.dtype, device=x.device)
     meta = build_batch_meta(row_slot, lora_a.shape[0], grid, block_m)

@@ -229,8 +229,8 @@ def resolve_adapter_folder(name: str, path, allow_hub: bool) -> Path:
     try:
         return Path(snapshot_download(text, allow_patterns=[CONFIG_FILE, SAFE_FILE, LEGACY_FILE]))
     except Exception as err:  # offline and not cached, unknown repo, no network: say which
-        raise AdapterError(f"adapter {name!r}: {text!r} is not a local folder, and fetching it from the Hugging Face "
-                           f"Hub failed ({type(err).__name__}: {err})") from None
+        raise AdapterError(f"adapter {name!r}: there is no local folder {text!r}; taken as a Hugging Face Hub repo id, "
+                           f"fetching it failed ({type(err).__name__}: {err})") from None
 
 
 def _check_inside_decoder(name: str, cfg: dict, keys) -> None:
@@ -422,7 +422,9 @@ def check_target(name: str, module: str, module_sizes: dict) -> None:
 def check_source(source: AdapterSource, module_sizes: dict[str, tuple[int, int]], max_rank: int) -> None:
     """Registration-time checks against the bank: rank bound, targets and shapes from the header."""
     if source.max_rank > max_rank:
-        raise AdapterError(f"adapter {source.name!r} has rank {source.max_rank} > max_lora_rank={max_rank}")
+        raise AdapterError(f"adapter {source.name!r} has rank {source.max_rank} > max_lora_rank={max_rank}: restart "
+                           f"with --max-lora-rank {source.max_rank} (LoRazorConfig(max_lora_rank={source.max_rank})); "
+                           "slots are sized for the largest rank at startup")
     for module, (a_shape, b_shape) in (source.shapes or {}).items():
         check_target(source.name, module, module_sizes)
         rank, _ = module_rank_alpha(source.config, module)

@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -325,15 +326,18 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as err:  # the engine failed to build: its reason in one line, the traceback logged
         log.debug("%s", err)
         lines = [line for line in str(err).splitlines() if line.strip()]
-        refuse(f"{lines[-1] if lines else err} (--log-level debug shows the traceback)")
+        last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?(?:AdapterError|ValueError|NotImplementedError|OSError|KeyError): ", "",
+                      lines[-1]) if lines else str(err)  # the reason, without the exception's internal class path
+        refuse(f"{last} (--log-level debug shows the traceback)")
     protocol = type("HTTPProtocol", (GuardedH11Protocol,), {"HEADER_TIMEOUT_S": args.header_timeout})
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
                             limit_concurrency=limit, timeout_keep_alive=args.timeout_keep_alive,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server.append(uvicorn.Server(config))
-    log.info("serving %r on http://%s:%d/v1 (API key: %s; runtime adapter loading: %s; at most %d connections)",
-             name, args.host, args.port, "required" if args.api_key else "none",
-             "on" if args.enable_runtime_lora else "off", limit)
+    log.info("serving %r on http://%s:%d/v1 (API key: %s; runtime adapter loading: %s; at most %d connections; "
+             "base weights: %s)", name, args.host, args.port, "required" if args.api_key else "none",
+             "on" if args.enable_runtime_lora else "off", limit,
+             "fp8 (--quantization fp8)" if args.quantization == "fp8" else (args.dtype or "the model's dtype"))
     # uvicorn handles SIGINT and SIGTERM while it runs (stop accepting, let running requests finish
     # for --shutdown-timeout seconds, then cancel them; the app's shutdown aborts what is left in the
     # engine), then raises the signal again with the handler it found: for SIGTERM that must be a

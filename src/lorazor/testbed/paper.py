@@ -159,7 +159,9 @@ def _figure(results: list[dict], draw, ylabel: str, path: Path) -> None:
 def plot(results: list[dict], out: Path) -> None:
     try:
         import matplotlib
-    except ImportError:
+    except ImportError:  # said, not skipped silently: the tables are written, the figures are not
+        print("figures skipped: matplotlib is not installed (pip install matplotlib, or lorazor[bench])",
+              file=sys.stderr)
         return
     matplotlib.use("Agg")
 
