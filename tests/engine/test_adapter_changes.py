@@ -14,6 +14,7 @@ import torch
 from helpers import PAD, build_pair
 from lorazor import LoRazorConfig, LoRazorEngine
 from lorazor.adapters import AdapterError
+from test_prefix_cache import finish, tokens
 
 GEN = dict(pad_token_id=PAD, eos_token_id=None, do_sample=False)
 BS = 4
@@ -39,15 +40,7 @@ def engine(model, **kw):
 
 
 def prompt(n=13, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 96, (n,), generator=g).tolist()
-
-
-def finish(eng, ids):
-    done = {}
-    while not all(i in done for i in ids):
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-    return [done[i] for i in ids]
+    return tokens(n, seed)
 
 
 def run_alone(model, folder, ids, n=4):
