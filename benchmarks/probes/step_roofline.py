@@ -197,21 +197,12 @@ class Probe:
                                     **extra)
 
     def synthetic_tokenizer(self):
-        """xgrammar's view of a vocabulary as large as the model's (no tokenizer can be downloaded on the
-        GPU machine): the 256 bytes, then random 2-8 character pieces of JSON's alphabet, seeded."""
+        """xgrammar's view of a vocabulary as large as the model's, built from the testbed tokenizer's
+        pieces (`grammar_cost.synthetic_info`: no tokenizer can be downloaded on the GPU machine)."""
         if getattr(self, "_tokenizer", None) is None:
-            import random
-            import string
+            from grammar_cost import synthetic_info
 
-            import xgrammar as xgr
-
-            rng = random.Random(0)
-            alphabet = string.ascii_letters + string.digits + ' "{}[]:,.'
-            vocab = [bytes([b]) for b in range(256)]
-            vocab += ["".join(rng.choice(alphabet) for _ in range(rng.randint(2, 8))).encode()
-                      for _ in range(self.vocab - 256)]
-            self._tokenizer = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=self.vocab,
-                                                stop_token_ids=[2])
+            self._tokenizer = synthetic_info(self.vocab)
         return self._tokenizer
 
     def decode(self, batch: int, kind: str, steps: int = 30, label: str = "decode", modes=("async",)) -> dict:
