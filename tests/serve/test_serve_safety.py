@@ -268,8 +268,10 @@ def test_unsupported_or_mistyped_fields_are_refused_by_name(server, extra, param
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    # Tools are served; "auto" (the default with tools) needs --enable-auto-tool-choice, which this server lacks.
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
 ])
 def test_chat_fields_that_are_not_supported_are_refused(server, extra, param):
