@@ -84,7 +84,8 @@ def spec_key(spec) -> tuple[str, str]:
         problem = schema_problem(normalize(value))
         if problem:
             raise StructuredOutputError(f"structured_output.json cannot be enforced: {problem}")
-        text = json.dumps(value, sort_keys=True)
+        # Key order kept: properties are generated in the schema's order (as OpenAI does).
+        text = json.dumps(value)
         kind = "json_strict" if strict else "json"
     elif kind == "json_object":
         if value is not True:
@@ -271,6 +272,17 @@ def apply_masks(logits: torch.Tensor, constraints: list, rows: list[int], buffer
     vocab = logits.shape[-1]
     upto = max(rows) + 1
     mask = (buffers or MaskBuffers()).take(upto, vocab, logits.is_cuda)
+    fill_masks(mask, constraints, rows)
+    if logits.is_cuda:
+        mask = mask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits[:upto], mask, vocab_size=vocab, indices=rows)
+
+
+def fill_masks(mask: torch.Tensor, constraints: list, rows: list[int]) -> None:
+    """Fill row `rows[k]` of host bitmask `mask` with what `constraints[k]` allows next (the host's
+    part of a constrained step)."""
+    import xgrammar as xgr
+
     if len(rows) >= BATCH_FILL_ROWS:  # xgrammar fills the rows on its own threads
         global _BATCH
         _BATCH = _BATCH or xgr.BatchGrammarMatcher()
@@ -284,9 +296,6 @@ def apply_masks(logits: torch.Tensor, constraints: list, rows: list[int], buffer
     else:
         for row, constraint in zip(rows, constraints):
             constraint.fill(mask, row)
-    if logits.is_cuda:
-        mask = mask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits[:upto], mask, vocab_size=vocab, indices=rows)
 
 
 
