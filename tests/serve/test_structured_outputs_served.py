@@ -274,3 +274,37 @@ def test_the_structured_outputs_page_runs_as_written():
             assert done.stdout.strip()
     finally:
         stop_process_group(proc, timeout=30)
+
+
+def test_the_engine_process_compiles_off_its_loop_and_serves_the_same_constraints():
+    """`lorazor serve`'s default engine process: a constrained request is queued once its grammar
+    is compiled on a worker thread; its answer equals the in-process engine's."""
+    import functools
+
+    from lorazor.serve import build_app
+    from lorazor.serve.cli import build_engine
+    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.serve.settings import ServerSettings
+    from lorazor.testbed import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    engine = EngineProcess(functools.partial(build_engine, serve_args()))
+    url, stop = run_uvicorn(build_app(engine, tokenizer, model_name="testbed", settings=ServerSettings()))
+    local_engine, local_tok = build_engine(serve_args())
+    local_url, local_stop = run_uvicorn(build_app(local_engine, local_tok, model_name="testbed",
+                                                  settings=ServerSettings()))
+    try:
+        body = {"model": "math", "messages": [{"role": "user", "content": "How many apples?"}], "max_tokens": 48,
+                "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "a", "schema": SCHEMA}}}
+        got = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+        want = httpx.post(f"{local_url}/v1/chat/completions", json=body, timeout=300)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["message"] == want.json()["choices"][0]["message"]
+        bad = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            **body, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+    finally:
+        stop()
+        local_stop()

@@ -20,6 +20,7 @@ How (two one-way pipes, pickled tuples):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import multiprocessing
@@ -32,6 +33,7 @@ import traceback
 from ..adapters.loader import read_adapter
 from ..engine.background import merge
 from ..engine.request import RequestOutput, TokenPrefix
+from ..runner.grammar import grammar_cache
 from .engines import REQUEST_ERRORS, engine_info, engine_stats, register
 from .openai_sampling import engine_arguments
 
@@ -88,21 +90,40 @@ def engine_main(factory, inbox, outbox, threads: int | None = None) -> None:
     outbox.send(("ready", list(model.adapter_names), engine_info(engine)))
     calls = {"register_adapter": lambda *args: register(model, *args), "unregister_adapter": model.unregister_adapter,
              "stats": lambda: engine_stats(engine)}
+    def add(rid, kwargs, arrival):
+        try:
+            request = engine.prepare_request(request_id=rid, **engine_arguments(kwargs, engine, tokenizer))
+            engine.queue_request(request, arrival)
+        except REQUEST_ERRORS as err:
+            outbox.send(("error", rid, str(err).strip('"')))
+
+    # Requests whose grammar compiles on a worker thread (never on this loop: a new schema can take
+    # a second at a large vocabulary); each is added at the first pass after its compile is done.
+    compiling: dict = {}
+    compiler = None
     try:
         while True:
             if not engine.has_unfinished():
-                inbox.poll(None)  # idle: sleep until the server sends something
+                inbox.poll(0.005 if compiling else None)  # idle: sleep until the server sends something
+            for rid, (future, kwargs, arrival) in list(compiling.items()):
+                if future.done():
+                    del compiling[rid]
+                    add(rid, kwargs, arrival)  # its grammar is cached now (or its error is raised again)
             while inbox.poll(0):
                 message = inbox.recv()
                 kind = message[0]
                 if kind == "add":
                     _, rid, kwargs, arrival = message
-                    try:
-                        request = engine.prepare_request(request_id=rid, **engine_arguments(kwargs, engine, tokenizer))
-                        engine.queue_request(request, arrival)
-                    except REQUEST_ERRORS as err:
-                        outbox.send(("error", rid, str(err).strip('"')))
+                    spec = kwargs.get("structured_output")
+                    if spec is None:
+                        add(rid, kwargs, arrival)
+                        continue
+                    if compiler is None:
+                        compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorazor-grammar")
+                    cache = grammar_cache(tokenizer, engine.runner.vocab_size)
+                    compiling[rid] = (compiler.submit(cache.compile, spec), kwargs, arrival)
                 elif kind == "abort":
+                    compiling.pop(message[1], None)
                     if message[1] in engine.requests:
                         outbox.send(("out", [pack(engine.abort(message[1]))]))
                 elif kind == "call":
