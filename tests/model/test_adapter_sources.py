@@ -51,7 +51,7 @@ def test_hub_adapter_loads_offline_from_the_cache(hub_cache):
     lines = done.stdout.splitlines()
     assert "EQUAL" in lines
     refused = next(line for line in lines if line.startswith("REFUSED"))
-    assert "AdapterError" in refused and "'acme/not-cached' is not a local folder" in refused
+    assert "AdapterError" in refused and "there is no local folder 'acme/not-cached'; taken as a Hugging Face Hub repo id" in refused
     assert "fetching it from the Hugging Face Hub failed" in refused
 
 
