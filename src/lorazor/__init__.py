@@ -5,8 +5,16 @@ command line's argument errors answer without importing torch and transformers.
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.2.0.dev0"
+
+if TYPE_CHECKING:  # what type checkers and the API docs (static analysis) read as the public names
+    from .adapters import AdapterBank, AdapterError
+    from .config import LoRazorConfig
+    from .engine import LoRazorEngine, RequestOutput
+    from .model import LoRazorModel, LoRazorOutput, ModelBusyError, ModelClosedError
+    from .policies import LearnedRelease, ProfiledRelease, ReleasePolicy, load_release_policy, save_release_policy
 
 # Public name -> the module that defines it.
 _PUBLIC = {
@@ -17,7 +25,22 @@ _PUBLIC = {
     "save_release_policy": ".policies",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "AdapterBank",
+    "AdapterError",
+    "LearnedRelease",
+    "LoRazorConfig",
+    "LoRazorEngine",
+    "LoRazorModel",
+    "LoRazorOutput",
+    "ModelBusyError",
+    "ModelClosedError",
+    "ProfiledRelease",
+    "ReleasePolicy",
+    "RequestOutput",
+    "load_release_policy",
+    "save_release_policy",
+]
 
 
 def __getattr__(name):

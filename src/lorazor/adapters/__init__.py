@@ -5,6 +5,14 @@ The public names are imported on first use (PEP 562), so `names` can be read wit
 command line checks adapter folders before anything heavy loads)."""
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers and the API docs (static analysis) read as the public names
+    from .bank import NO_ADAPTER, AdapterBank, ModuleLoRA, SlotImage
+    from .loader import AdapterSource, check_adapter_name, check_lora_config, read_adapter
+    from .peft_layers import check_lora_layer, find_lora_layers, peft_adapter_weights
+    from .registry import AdapterRegistry, AdapterStatus
+    from .types import AdapterError, AdapterWeights
 
 # Public name -> the submodule that defines it.
 _PUBLIC = {
@@ -15,7 +23,23 @@ _PUBLIC = {
     "AdapterRegistry": ".registry", "AdapterStatus": ".registry",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "AdapterBank",
+    "AdapterError",
+    "AdapterRegistry",
+    "AdapterSource",
+    "AdapterStatus",
+    "AdapterWeights",
+    "ModuleLoRA",
+    "NO_ADAPTER",
+    "SlotImage",
+    "check_adapter_name",
+    "check_lora_config",
+    "check_lora_layer",
+    "find_lora_layers",
+    "peft_adapter_weights",
+    "read_adapter",
+]
 
 
 def __getattr__(name):

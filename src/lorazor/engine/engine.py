@@ -174,20 +174,20 @@ class LoRazorEngine:
                 `stop_strings` with `tokenizer=`, ...). `num_return_sequences` must be 1.
                 `release_policy=`: this request's StepTrim policy (`ProfiledRelease`,
                 `LearnedRelease` or your own `ReleasePolicy`), instead of the model's default.
+                `structured_output=`: a constraint on the output (`runner/grammar.py`): a dict with
+                exactly one of `json` (a JSON schema), `json_object` (True), `regex`, `choice` (a
+                list of strings) or `grammar` (xgrammar's EBNF), or a `StructuredOutput`; needs
+                `tokenizer=`. Every token is drawn from what the grammar allows next; the request
+                finishes "stop" once the grammar is complete, "length" at `max_new_tokens`.
+                `cache_salt=`: a string mixed into the hash of every KV block this request
+                computes (vLLM's name): requests with different salts never share prefix-cache
+                blocks, those with the same salt do. A gateway sets one per tenant to close the
+                side channel of `num_cached_tokens` (docs/serving.md, "Security").
             release: None (the policy decides), "never", or a release length k >= 0.
             request_id: a unique id; None: a fresh one.
             generator: a seeded `torch.Generator` for this request's sampling.
             arrival_time: when the request arrived (`time.monotonic()`), if before this call; TTFT
                 counts from it.
-            structured_output (keyword): a constraint on the output (`runner/grammar.py`): a dict with
-                exactly one of `json` (a JSON schema), `json_object` (True), `regex`, `choice` (a
-                list of strings) or `grammar` (xgrammar's EBNF), or a `StructuredOutput`; needs
-                `tokenizer=`. Every token is drawn from what the grammar allows next; the request
-                finishes "stop" once the grammar is complete, "length" at `max_new_tokens`.
-            cache_salt (keyword): a string mixed into the hash of every KV block this request
-                computes (vLLM's name): requests with different salts never share prefix-cache
-                blocks, those with the same salt do. A gateway sets one per tenant to close the
-                side channel of `num_cached_tokens` (docs/serving.md, "Security").
         """
         request = self.prepare_request(prompt_ids, adapter, generation_config, release, request_id, generator,
                                        **kwargs)

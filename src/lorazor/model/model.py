@@ -301,7 +301,7 @@ class LoRazorModel(nn.Module):
         streamer: BaseStreamer | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         prefix_allowed_tokens_fn: Callable | None = None,
-        structured_output=None,
+        structured_output: dict | list | None = None,
         **kwargs,
     ) -> LoRazorOutput:
         """Generate for a mixed-adapter batch, one forward per step for the whole batch.
