@@ -51,7 +51,8 @@ def test_hub_adapter_loads_offline_from_the_cache(hub_cache):
     lines = done.stdout.splitlines()
     assert "EQUAL" in lines
     refused = next(line for line in lines if line.startswith("REFUSED"))
-    assert "AdapterError" in refused and "there is no local folder 'acme/not-cached'; taken as a Hugging Face Hub repo id" in refused
+    assert "AdapterError" in refused
+    assert "there is no local folder 'acme/not-cached'; taken as a Hugging Face Hub repo id" in refused
     assert "fetching it failed" in refused
 
 
