@@ -3,7 +3,7 @@
 # device call returns few files; a second invocation in the same call writes $OUT/all_<time>.tgz). On the GPU machine, from the repository root:
 #   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh gpu-tests kernels e2e-quick
 # Steps:
-#   gpu-tests        every test on the GPU (or those under $TEST_PATHS), in $SHARDS parallel shards over the GPUs (default 10, $SHARD_TIMEOUT s each,
+#   gpu-tests        every test on the GPU (or those under $TEST_PATHS), in $SHARDS parallel shards over the GPUs (default 20, $SHARD_TIMEOUT s each,
 #                    default 540; bf16 kernels, graph replay = eager, compile); check every shard's summary. Then the
 #                    whole_gpu tests alone (a default-size KV pool), in tests_whole_gpu.log.
 #                    SHARD_PART=k/m runs shards i with i % m == k only: the whole suite over m calls
@@ -59,6 +59,10 @@
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
 #                    (needs fastapi, uvicorn, pydantic: carry their wheels as .whl/, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
+# Structured outputs need xgrammar on the GPU image, which has neither it nor its pydantic: carry the wheels in the
+# ignored .whl/ (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
+# xgrammar==0.2.8 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection; jsonschema's for the tests)
+# and install them first: python3 -m pip install -q --no-deps .whl/*.whl
 set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -106,7 +110,8 @@ for step in "$@"; do
                  | grep :: > "$W/all_ids.txt"
                # A shard given no test ids would run pytest with no arguments: the whole suite.
                [ -s "$W/all_ids.txt" ] || { echo "gpu-tests: pytest collected no tests"; exit 2; }
-               n=${SHARDS:-10}
+               # 16 shards at 360 s left one cut on an H100 at 9fd8d8b (test_examples.py is slow): 20 by default.
+               n=${SHARDS:-20}
                # Whole files per shard, the largest first onto the emptiest shard, so a module's fixtures
                # (a served engine) are built once per shard: pytest collects a module once per test id
                # given. Only a file larger than a shard's share is split into runs of test ids.
