@@ -220,10 +220,6 @@ class AdapterRegistry:
         self.broken.pop(name, None)
         self.read_ahead.forget(name)
 
-    def digest(self, name: str) -> bytes:
-        """The hash of a registered adapter's config and weights."""
-        return self.entries[name].digest
-
     def check_usable(self, name: str) -> None:
         """Raise AdapterError when `name` is marked broken (its weights failed to load)."""
         if name in self.broken:

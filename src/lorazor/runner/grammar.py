@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -182,9 +183,10 @@ class GrammarCache:
         return self._no_control
 
 
-# GrammarCache per tokenizer object (a server has one tokenizer; tests a few): weakly keyed by id,
-# with the tokenizer kept to rule out a reused id.
-_CACHES: dict = {}
+# GrammarCaches per tokenizer object (a server has one tokenizer; tests a few) and vocabulary size,
+# weakly keyed: a tokenizer that is gone takes its compiled grammars with it (no id() that a new
+# object could reuse).
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CACHES_LOCK = threading.Lock()
 
 
@@ -193,12 +195,11 @@ def grammar_cache(tokenizer, vocab_size: int) -> GrammarCache:
     if tokenizer is None:
         raise StructuredOutputError("structured_output needs the tokenizer (pass tokenizer=...): the grammar is "
                                     "compiled against its vocabulary")
-    key = (id(tokenizer), vocab_size)
     with _CACHES_LOCK:
-        entry = _CACHES.get(key)
-        if entry is None or entry[0] is not tokenizer:
-            entry = _CACHES[key] = (tokenizer, GrammarCache(tokenizer, vocab_size))
-        return entry[1]
+        by_size = _CACHES.setdefault(tokenizer, {})
+        if vocab_size not in by_size:
+            by_size[vocab_size] = GrammarCache(tokenizer, vocab_size)
+        return by_size[vocab_size]
 
 
 class Constraint:

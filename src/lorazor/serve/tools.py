@@ -87,7 +87,8 @@ def plan_tools(request, enable_auto: bool, parser: str | None) -> tuple[ToolPlan
         return ToolPlan(), None
     if isinstance(choice, NamedToolChoice):
         function = next(t.function for t in tools if t.function.name == choice.function.name)
-        return ToolPlan("named", names, function=function.name), {"json": function.parameters or ANY_OBJECT}
+        spec = {"json": function.parameters or ANY_OBJECT, **({"strict": True} if function.strict else {})}
+        return ToolPlan("named", names, function=function.name), spec
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                    "parameters": t.function.parameters or ANY_OBJECT},
@@ -95,7 +96,9 @@ def plan_tools(request, enable_auto: bool, parser: str | None) -> tuple[ToolPlan
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if request.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan("required", names), {"json": schema}
+        # OpenAI's per-function `strict`: honoured when every function asks for it (one grammar serves all).
+        strict = all(t.function.strict for t in tools)
+        return ToolPlan("required", names), {"json": schema, **({"strict": True} if strict else {})}
     if not enable_auto:  # "auto", said or by default with tools: vLLM's rule
         raise FieldError("tool_choice", "tool_choice 'auto' (the default with tools) needs the server started with "
                                         "--enable-auto-tool-choice and --tool-call-parser; or use 'required', a "
