@@ -61,7 +61,7 @@
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
 # Structured outputs need xgrammar on the GPU image, which has neither it nor its pydantic: carry the wheels in the
 # ignored .whl/ (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
-# xgrammar==0.2.8 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection; jsonschema's for the tests)
+# xgrammar==0.2.9 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection; jsonschema's for the tests)
 # and install them first: python3 -m pip install -q --no-deps .whl/*.whl
 set -u
 export PYTHONPATH=$PWD/src:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -203,6 +203,28 @@ def test_required_names_missing_from_properties_are_enforced(testbed):
     assert not (matcher.accept_string("{}") and matcher.is_completed())
 
 
+
+def test_a_local_ref_inside_an_embedded_resource_resolves_against_that_resource(testbed):
+    """JSON Schema 2020-12: a sub-schema with its own `$id` is a resource; its `#/...` refs are its own
+    (Goreleaser's FileInfo). Drafts 6/7: a `#name` `$id` is an anchor, and an `$id` beside a `$ref` is
+    ignored: the refs resolve from the root. jsonschema's validator is the oracle."""
+    model, _, tok, _ = testbed
+    cache = grammar_cache(tok, model.runner.vocab_size)
+    inner = {"type": "object", "properties": {"mode": {"type": "integer"}}, "required": ["mode"],
+             "additionalProperties": False}
+    outer = {"Info": {"type": "string"}, "Tag": {"enum": ["a", "b"]}}
+    info = {"$id": "https://example.com/file-info", "$ref": "#/$defs/Info", "$defs": {"Info": inner}}
+    schema = {"type": "object", "properties": {"info": info}, "$defs": outer, "required": ["info"]}
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {
+        "info": info, "tag": {"$id": "#tag", "type": "object", "properties": {"v": {"$ref": "#/$defs/Tag"}},
+                              "required": ["v"]}}, "$defs": outer, "required": ["info", "tag"]}
+    for spec, good, bad in ((schema, '{"info": {"mode": 7}}', '{"info": "x"}'),
+                            (draft7, '{"info": "x", "tag": {"v": "a"}}', '{"info": {')):
+        jsonschema.validate(json.loads(good), spec)
+        assert xgr.GrammarMatcher(cache.compile({"json": spec})).accept_string(good)
+        assert not xgr.GrammarMatcher(cache.compile({"json": spec})).accept_string(bad)
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"json": "{not json"}, "not valid JSON"), ({"json": [1]}, "must be a JSON schema"),
     ({"regex": "(("}, "cannot be compiled"), ({"choice": []}, "non-empty list"), ({"choice": ["a", ""]}, "non-empty"),
@@ -234,6 +256,28 @@ def test_a_spec_is_compiled_once(testbed):
     cache.compile(json.loads(json.dumps(spec)))  # an equal spec, another object
     assert cache.compiles == before + 1
     assert spec_key({"json": json.dumps(spec["json"])}) == spec_key(spec)
+
+
+def test_an_xgrammar_tokenizer_info_serves_as_the_tokenizer_and_gets_its_own_cache(testbed):
+    """xgrammar's TokenizerInfo cannot be hashed (the benchmarks pass one for a 128k vocabulary)."""
+    import gc
+
+    model, _, tok, _ = testbed
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.runner.vocab_size)
+    cache = grammar_cache(info, model.runner.vocab_size)
+    assert grammar_cache(info, model.runner.vocab_size) is cache
+    assert grammar_cache(tok, model.runner.vocab_size) is not cache
+    other = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.runner.vocab_size)
+    assert grammar_cache(other, model.runner.vocab_size) is not cache
+    engine = LoRazorEngine(model)
+    out = engine.generate([dict(prompt_ids=tok("Is 7 prime?")["input_ids"], adapter="math", max_new_tokens=4,
+                                structured_output={"choice": ["yes", "no"]}, tokenizer=info)])[0]
+    assert tok.decode(out.token_ids, skip_special_tokens=True) in ("yes", "no")
+    del info, other, cache
+    gc.collect()
+    import lorazor.runner.grammar as grammar
+
+    assert all(ref() is not None for ref, _ in grammar._CACHES.values())  # the dead ones' entries went
 
 
 # ---- real-world schemas --------------------------------------------------------------------------------

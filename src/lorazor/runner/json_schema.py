@@ -109,8 +109,38 @@ def normalize(schema):
     (P and A) or (P and B)); an `allOf`'s branches (and its siblings) merged into one schema where
     no keyword is given twice; `required` names declared in `properties`. Where a merge would
     have to combine two values of one keyword, the schema is left as it was there (then
-    `schema_problem` refuses it)."""
-    return _normalize(copy.deepcopy(schema))
+    `schema_problem` refuses it). A local `$ref` inside an embedded resource (a sub-schema with its
+    own `$id`) is resolved against that resource, as JSON Schema says, and rewritten to point from
+    the root (the grammar engine resolves every `#/...` from the root)."""
+    schema = copy.deepcopy(schema)
+    # Drafts 4-7 ignore every keyword beside a `$ref`, its `$id` included.
+    legacy = isinstance(schema, dict) and "draft-0" in str(schema.get("$schema", ""))
+    _rebase(schema, "", "", legacy)
+    return _normalize(schema)
+
+
+def _rebase(schema, path: str, base: str, legacy: bool) -> None:
+    """Rewrite, in place, each `#...` `$ref` under an embedded resource at JSON pointer `base` to `#<base>...`."""
+    if not isinstance(schema, dict):
+        return
+    new_id = isinstance(schema.get("$id"), str) and not schema["$id"].startswith("#")
+    if path and new_id and not (legacy and "$ref" in schema):
+        base = path  # a new resource ("#name", draft 6/7's plain-name fragment, is an anchor, not a new base)
+    ref = schema.get("$ref")
+    if base and isinstance(ref, str) and ref.startswith("#") and (ref == "#" or ref.startswith("#/")):
+        schema["$ref"] = "#" + base + ref[1:]
+    for key in SCHEMA_MAPS:
+        for name, sub in schema[key].items() if isinstance(schema.get(key), dict) else ():
+            _rebase(sub, f"{path}/{key}/{_pointer(name)}", base, legacy)
+    for key in SCHEMA_LISTS:
+        for i, sub in enumerate(schema[key]) if isinstance(schema.get(key), list) else ():
+            _rebase(sub, f"{path}/{key}/{i}", base, legacy)
+    for key in SCHEMA_VALUES:
+        _rebase(schema.get(key), f"{path}/{key}", base, legacy)
+
+
+def _pointer(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
 
 
 def _normalize(schema):

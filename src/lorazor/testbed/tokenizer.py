@@ -3,10 +3,38 @@ so answers are tens of tokens as in the paper (not hundreds of characters)."""
 
 from __future__ import annotations
 
-# The testbed's tasks are plain prompts: a chat is its messages' contents in order, so a single user
-# message is the very prompt a completion gets (and gets the same answer).
-CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n{% endif %}"
-                 "{% endfor %}")
+# The testbed's tasks are plain prompts: a chat is its messages' contents one after another, so a
+# single user message is the very prompt a completion gets (and gets the same answer). A chat with tools, or with
+# tool calls and results in it (the "tools" adapter's format, `tools.py`), is rendered turn by turn:
+# the functions one per line, "User:", "Assistant:" (a call in Hermes' `<tool_call>` form), "Result:".
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(tools=tools is defined and tools is not none and tools | length > 0) -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'tool' or (m['tool_calls'] is defined and m['tool_calls']) -%}{%- set ns.tools = true -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if not ns.tools -%}"
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    "{%- else -%}"
+    "Tools:"
+    "{%- for tool in (tools or []) -%}"
+    "{%- set f = tool['function'] if tool['function'] is defined else tool -%}"
+    "{%- set p = f['parameters'] if f['parameters'] is defined and f['parameters'] else {} -%}"
+    "{{ '\\n' }}- {{ f['name'] }}({{ (p['properties'] if p['properties'] is defined else {}) | list | join(', ') }})"
+    "{%- if f['description'] is defined and f['description'] %}: {{ f['description'] }}{% endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}{{ '\\n' }}Assistant:"
+    "{%- if m['tool_calls'] is defined and m['tool_calls'] -%}"
+    "{%- for c in m['tool_calls'] %} <tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor -%}"
+    "{%- else %} {{ m['content'] }}{% endif -%}"
+    "{%- elif m['role'] == 'tool' -%}{{ '\\n' }}Result: {{ m['content'] }}"
+    "{%- elif m['role'] == 'system' -%}{{ '\\n' }}{{ m['content'] }}"
+    "{%- else -%}{{ '\\n' }}User: {{ m['content'] }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '\\n' }}Assistant:{%- endif -%}"
+    "{%- endif -%}"
+)
 
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 VOCAB_SIZE = 4096

@@ -1,6 +1,7 @@
 """Train the testbed: a tiny Llama backbone on domain prose, then one rank-8 LoRA per task with PEFT.
 
     python -m lorazor.testbed.train --out <dir>     # the shipped testbed's recipe (v2; 6 minutes on one H200)
+    python -m lorazor.testbed.train --out <dir> --only tools   # one adapter on the backbone already in <dir>
     python -m lorazor.testbed.train --version 1 --out <dir> --pretrain-steps 600 --adapter-steps 400 \
         --batch 32 --seq 192                          # the earlier character-level testbed (not shipped)
 
@@ -169,6 +170,38 @@ def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, devi
     return model
 
 
+# Adapters trained on a finished backbone, beside the four task adapters (`--only NAME`).
+EXTRA_ADAPTERS = {"tools": lambda: __import__("lorazor.testbed.tools", fromlist=["tool_task"]).tool_task()}
+
+
+def save_adapter(model, out: Path, name: str) -> None:
+    """The adapter in fp16 under `out/adapters/<name>`, its base named by folder, without PEFT's empty card."""
+    model.half().save_pretrained(out / "adapters")  # fp16 like the backbone: the testbed ships in < 20 MB
+    (out / "adapters" / "README.md").unlink(missing_ok=True)
+    config = out / "adapters" / name / "adapter_config.json"
+    # The backbone by its folder name, not this machine's path to it.
+    config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "backbone"},
+                                 indent=2, sort_keys=True))
+
+
+def train_extra(args, argv) -> None:
+    """`--only NAME`: one adapter on the backbone in `args.out`; its log goes to `NAME_train_log.json`."""
+    from transformers import AutoModelForCausalLM
+
+    from . import load_tokenizer
+
+    start = time.time()
+    device = torch.device(args.device)
+    tokenizer, task = load_tokenizer(args.out), EXTRA_ADAPTERS[args.only]()
+    command = " ".join(["python -m lorazor.testbed.train", *(argv if argv is not None else sys.argv[1:])])
+    log = {"command": command, "torch": torch.__version__, "device": str(device)}
+    base = AutoModelForCausalLM.from_pretrained(args.out / "backbone", dtype=torch.float32).to(device)
+    model = train_adapter(base, args.only, task, tokenizer, args.adapter_steps, args.batch, device, args.seed, log)
+    save_adapter(model, args.out, args.only)
+    log[f"{args.only}_seconds"] = round(time.time() - start, 1)
+    (args.out / f"{args.only}_train_log.json").write_text(json.dumps(log, indent=2) + "\n")
+
+
 def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -182,7 +215,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--version", type=int, choices=[1, 2], default=2,
                     help="testbed version (2: shipped; 1: the earlier character-level one)")
+    ap.add_argument("--only", choices=sorted(EXTRA_ADAPTERS),
+                    help="train only this adapter, on the backbone and tokenizer already in --out")
     args = ap.parse_args(argv)
+    if args.only:
+        return train_extra(args, argv)
     start = time.time()
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -207,12 +244,7 @@ def main(argv=None) -> None:
         fresh = AutoModelForCausalLM.from_pretrained(args.out / "backbone", dtype=torch.float32).to(device)
         t = time.time()
         model = train_adapter(fresh, name, task, tokenizer, args.adapter_steps, args.batch, device, args.seed + i, log)
-        model.half().save_pretrained(args.out / "adapters")  # fp16 like the backbone: the testbed ships in < 20 MB
-        (args.out / "adapters" / "README.md").unlink(missing_ok=True)  # PEFT's empty model card
-        config = args.out / "adapters" / name / "adapter_config.json"
-        # The backbone by its folder name, not this machine's path to it.
-        config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "backbone"},
-                                     indent=2, sort_keys=True))
+        save_adapter(model, args.out, name)
         log[f"{name}_seconds"] = round(time.time() - t, 1)
         (args.out / "train_log.json").write_text(json.dumps(log, indent=2))  # a run cut short keeps its log
     log["total_seconds"] = round(time.time() - start, 1)
