@@ -126,8 +126,8 @@ def main() -> None:
     plain = offline_requests(workload, wl.assign(workload, len(names)), names, ks, True)
     specs = [{"json": SCHEMAS[(i // 2) % len(SCHEMAS)]} if i % 2 == 0 else None for i in range(len(plain))]
     constrained = [dict(r, **({"structured_output": s, "tokenizer": info} if s else {})) for r, s in zip(plain, specs)]
-    rows, meta = [], dict(environment(), requests=len(plain), constrained_share=0.5, vocab=vocab, graphs_captured=captured,
-                          compile=model.config.compile, **shape)
+    rows, meta = [], dict(environment(), requests=len(plain), constrained_share=0.5, vocab=vocab,
+                          graphs_captured=captured, compile=model.config.compile, **shape)
     engine.generate(constrained[:64])  # schemas compiled, prefill tiles warm: the steady state is timed
 
     def record(**row):
