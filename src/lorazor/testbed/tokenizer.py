@@ -6,7 +6,8 @@ from __future__ import annotations
 # The testbed's tasks are plain prompts: a chat is its messages' contents one after another, so a
 # single user message is the very prompt a completion gets (and gets the same answer). A chat with tools, or with
 # tool calls and results in it (the "tools" adapter's format, `tools.py`), is rendered turn by turn:
-# the functions one per line, "User:", "Assistant:" (a call in Hermes' `<tool_call>` form), "Result:".
+# the functions' signatures on one line (a tiny model copies better from a short prompt), "User:",
+# "Assistant:" (a call in Hermes' `<tool_call>` form), "Result:".
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(tools=tools is defined and tools is not none and tools | length > 0) -%}"
     "{%- for m in messages -%}"
@@ -19,8 +20,8 @@ CHAT_TEMPLATE = (
     "{%- for tool in (tools or []) -%}"
     "{%- set f = tool['function'] if tool['function'] is defined else tool -%}"
     "{%- set p = f['parameters'] if f['parameters'] is defined and f['parameters'] else {} -%}"
-    "{{ '\\n' }}- {{ f['name'] }}({{ (p['properties'] if p['properties'] is defined else {}) | list | join(', ') }})"
-    "{%- if f['description'] is defined and f['description'] %}: {{ f['description'] }}{% endif -%}"
+    "{{ ',' if not loop.first }} {{ f['name'] }}({{ (p['properties'] if p['properties'] is defined else {}) | list "
+    "| join(', ') }})"
     "{%- endfor -%}"
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'assistant' -%}{{ '\\n' }}Assistant:"

@@ -176,5 +176,5 @@ class ToolTask(Task):
 
 def tool_task() -> Task:
     """The tool-calling task (64 new tokens at most: a call is about 30)."""
-    splits = {"train": (10, 4000), "validation": (11, 200), "test": (12, 300)}
+    splits = {"train": (10, 20000), "validation": (11, 200), "test": (12, 300)}
     return ToolTask(TOOL_ADAPTER, _maker("train"), score, 64, splits=splits, seed_tag="v2-")

@@ -184,6 +184,24 @@ def save_adapter(model, out: Path, name: str) -> None:
                                  indent=2, sort_keys=True))
 
 
+@torch.no_grad()
+def validation_accuracy(model, tokenizer, task, device, batch: int = 50) -> dict:
+    """Greedy accuracy on the validation split, overall and by the examples' `kind` where they have one."""
+    examples, right = task.split("validation"), {}
+    for b in range(0, len(examples), batch):
+        part = examples[b:b + batch]
+        enc = tokenizer([ex["prompt"] for ex in part], return_tensors="pt", padding=True).to(device)
+        with _autocast(device):
+            out = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        for ex, row in zip(part, out[:, enc["input_ids"].shape[1]:]):
+            ok = task.score(tokenizer.decode(row, skip_special_tokens=True), ex)
+            for key in ("all", ex.get("kind")):
+                if key is not None:
+                    right.setdefault(key, []).append(ok)
+    return {key: round(sum(v) / len(v), 3) for key, v in right.items()}
+
+
 def train_extra(args, argv) -> None:
     """`--only NAME`: one adapter on the backbone in `args.out`; its log goes to `NAME_train_log.json`."""
     from transformers import AutoModelForCausalLM
@@ -197,8 +215,10 @@ def train_extra(args, argv) -> None:
     log = {"command": command, "torch": torch.__version__, "device": str(device)}
     base = AutoModelForCausalLM.from_pretrained(args.out / "backbone", dtype=torch.float32).to(device)
     model = train_adapter(base, args.only, task, tokenizer, args.adapter_steps, args.batch, device, args.seed, log)
-    save_adapter(model, args.out, args.only)
     log[f"{args.only}_seconds"] = round(time.time() - start, 1)
+    log["validation"] = validation_accuracy(model, tokenizer, task, device)
+    print(json.dumps(log["validation"]), flush=True)
+    save_adapter(model, args.out, args.only)
     (args.out / f"{args.only}_train_log.json").write_text(json.dumps(log, indent=2) + "\n")
 
 
