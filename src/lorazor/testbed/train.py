@@ -140,27 +140,30 @@ def task_batches(task, tokenizer, batch: int, g: torch.Generator):
         yield ids, lab, mask
 
 
-def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, device, seed: int, log: dict):
+def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, device, seed: int, log: dict,
+                  rank: int = 8, lr: float = 3e-3, clip: float | None = None):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0)
     from ..model.build import quiet_peft
 
     with quiet_peft():
         model = get_peft_model(base, cfg, adapter_name=name)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     batches = task_batches(task, tokenizer, batch, torch.Generator().manual_seed(seed))
     model.train()
     for step in range(steps):
         ids, lab, mask = next(batches)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         for group in opt.param_groups:
-            group["lr"] = _lr(step, steps, 3e-3)
+            group["lr"] = _lr(step, steps, lr)
         with _autocast(device):
             loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
                          labels=lab.to(device)).loss
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == steps - 1:
@@ -170,8 +173,11 @@ def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, devi
     return model
 
 
-# Adapters trained on a finished backbone, beside the four task adapters (`--only NAME`).
-EXTRA_ADAPTERS = {"tools": lambda: __import__("lorazor.testbed.tools", fromlist=["tool_task"]).tool_task()}
+# Adapters trained on a finished backbone, beside the four task adapters (`--only NAME`): the task,
+# and its LoRA settings (the tool task's answers start far from the backbone's text, loss ~12: at the
+# four tasks' lr 3e-3 without clipping it diverged to NaN; rank 16 also puts two ranks in the testbed).
+EXTRA_ADAPTERS = {"tools": (lambda: __import__("lorazor.testbed.tools", fromlist=["tool_task"]).tool_task(),
+                            dict(rank=16, lr=1e-3, clip=1.0))}
 
 
 def save_adapter(model, out: Path, name: str) -> None:
@@ -210,11 +216,13 @@ def train_extra(args, argv) -> None:
 
     start = time.time()
     device = torch.device(args.device)
-    tokenizer, task = load_tokenizer(args.out), EXTRA_ADAPTERS[args.only]()
+    make_task, settings = EXTRA_ADAPTERS[args.only]
+    tokenizer, task = load_tokenizer(args.out), make_task()
     command = " ".join(["python -m lorazor.testbed.train", *(argv if argv is not None else sys.argv[1:])])
     log = {"command": command, "torch": torch.__version__, "device": str(device)}
     base = AutoModelForCausalLM.from_pretrained(args.out / "backbone", dtype=torch.float32).to(device)
-    model = train_adapter(base, args.only, task, tokenizer, args.adapter_steps, args.batch, device, args.seed, log)
+    model = train_adapter(base, args.only, task, tokenizer, args.adapter_steps, args.batch, device, args.seed, log,
+                          **settings)
     log[f"{args.only}_seconds"] = round(time.time() - start, 1)
     log["validation"] = validation_accuracy(model, tokenizer, task, device)
     print(json.dumps(log["validation"]), flush=True)
