@@ -12,6 +12,7 @@ Writes `backbone/` (config + safetensors), `tokenizer/`, `adapters/<task>/` (PEF
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -141,7 +142,7 @@ def task_batches(task, tokenizer, batch: int, g: torch.Generator):
 
 
 def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, device, seed: int, log: dict,
-                  rank: int = 8, lr: float = 3e-3, clip: float | None = None):
+                  rank: int = 8, lr: float = 3e-3, clip: float | None = None, fp32: bool = False):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -158,12 +159,16 @@ def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, devi
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         for group in opt.param_groups:
             group["lr"] = _lr(step, steps, lr)
-        with _autocast(device):
+        with _autocast(device) if not fp32 else contextlib.nullcontext():
             loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
                          labels=lab.to(device)).loss
         loss.backward()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+            if not torch.isfinite(norm):  # a step that would turn the weights into NaN is skipped, and counted
+                opt.zero_grad(set_to_none=True)
+                log[f"{name}_skipped_steps"] = log.get(f"{name}_skipped_steps", 0) + 1
+                continue
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == steps - 1:
@@ -177,7 +182,7 @@ def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, devi
 # and its LoRA settings (the tool task's answers start far from the backbone's text, loss ~12: at the
 # four tasks' lr 3e-3 without clipping it diverged to NaN; rank 16 also puts two ranks in the testbed).
 EXTRA_ADAPTERS = {"tools": (lambda: __import__("lorazor.testbed.tools", fromlist=["tool_task"]).tool_task(),
-                            dict(rank=16, lr=1e-3, clip=1.0))}
+                            dict(rank=16, lr=1e-3, clip=1.0, fp32=True))}
 
 
 def save_adapter(model, out: Path, name: str) -> None:
@@ -221,6 +226,7 @@ def train_extra(args, argv) -> None:
     command = " ".join(["python -m lorazor.testbed.train", *(argv if argv is not None else sys.argv[1:])])
     log = {"command": command, "torch": torch.__version__, "device": str(device)}
     base = AutoModelForCausalLM.from_pretrained(args.out / "backbone", dtype=torch.float32).to(device)
+    settings = dict(settings, fp32=settings.get("fp32", False) and not args.bf16)
     model = train_adapter(base, args.only, task, tokenizer, args.adapter_steps, args.batch, device, args.seed, log,
                           **settings)
     log[f"{args.only}_seconds"] = round(time.time() - start, 1)
@@ -245,6 +251,7 @@ def main(argv=None) -> None:
                     help="testbed version (2: shipped; 1: the earlier character-level one)")
     ap.add_argument("--only", choices=sorted(EXTRA_ADAPTERS),
                     help="train only this adapter, on the backbone and tokenizer already in --out")
+    ap.add_argument("--bf16", action="store_true", help="with --only: bf16 autocast on a GPU (default: fp32)")
     args = ap.parse_args(argv)
     if args.only:
         return train_extra(args, argv)
