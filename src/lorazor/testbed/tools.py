@@ -2,14 +2,15 @@
 
 Given the four functions of `TOOLS` (rendered by the testbed's chat template), the adapter
 - calls a function when the user asks for something one of them does:
-  ` <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>`;
-- answers from a tool's result once the conversation holds it: ` It is 12 degrees and cloudy in Oslo.`;
+  ` <tool_call>{"name": "get_weather", "arguments": {"city": "oslo"}}</tool_call>`;
+- answers from a tool's result once the conversation holds it: ` It is 12 degrees and cloudy in oslo.`;
 - answers small talk in plain text: ` You are welcome.`
 
 so `lorazor serve --testbed --enable-auto-tool-choice --tool-call-parser hermes` shows "auto" tool
 choice end to end. Cities, units, items and numbers are drawn per example: the adapter copies them
 from the conversation (the test split holds pairs of phrasing and value the training split never
-shows together). Trained by `python -m lorazor.testbed.train --out <assets> --only tools`.
+shows together). The values are those of the testbed's knowledge (`knowledge.py`): six towns in
+lower case (as its corpus writes them), six units, ten items. Trained by `python -m lorazor.testbed.train --out <assets> --only tools`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from .knowledge import ITEMS, UNITS
 from .task import Task
 
 TOOL_ADAPTER = "tools"
-CITIES = ["Oslo", "Paris", "Lima", "Rome", "Kyoto", "Quito", "Berlin", "Cairo", "Delhi", "Dublin", "Madrid", "Nairobi",
-          "Seoul", "Sydney", "Vienna", "Warsaw", "Zurich", "Boston", "Denver", "Lagos", "Hanoi", "Bogota", "Prague",
-          "Athens"]
+# The towns, units and items of the testbed's knowledge: one token each for its tokenizer, so the
+# tiny backbone can copy them (with two dozen unseen city names it wrote a valid call 60% of the time).
+CITIES = [town for _, town in UNITS]
 STAFF_UNITS = [unit for unit, _ in UNITS]
 SKIES = ["sunny", "cloudy", "rainy", "snowy", "windy", "foggy"]
 
