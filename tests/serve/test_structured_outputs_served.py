@@ -245,6 +245,72 @@ def test_auto_tool_choice_parses_each_family_format():
     assert calls == []  # only declared functions become calls
 
 
+@pytest.fixture(scope="module")
+def auto_server():
+    """The testbed served with "auto" tool choice, as `lorazor serve --testbed --enable-auto-tool-choice
+    --tool-call-parser hermes` does."""
+    from lorazor.serve import build_app
+    from lorazor.serve.cli import build_engine
+    from lorazor.serve.settings import ServerSettings
+
+    engine, tokenizer = build_engine(serve_args("--max-num-seqs", "32"))
+    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    url, stop = run_uvicorn(build_app(engine, tokenizer, model_name="testbed", settings=settings))
+    yield dict(url=url, tokenizer=tokenizer, engine=engine)
+    stop()
+
+
+def test_auto_tool_choice_on_the_testbeds_tool_adapter_calls_for_tool_prompts_and_talks_otherwise(auto_server):
+    """The "tools" adapter on held-out prompts (`lorazor.testbed.tools`, test split): a prompt that
+    asks for a function gets `tool_calls` (the exact call: 80% of the validation split), small talk
+    gets text, a conversation holding a tool's result gets the answer in text; the same prompt
+    streamed reassembles to the same call."""
+    from lorazor.testbed.tools import TOOLS as TESTBED_TOOLS
+    from lorazor.testbed.tools import openai_messages, tool_task
+
+    examples = tool_task().split("test")[:60]
+
+    async def ask(h, example):
+        r = await h.post("/v1/chat/completions", json={
+            "model": "tools", "messages": openai_messages(example["messages"]), "tools": TESTBED_TOOLS,
+            "max_tokens": 96, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=auto_server["url"], timeout=600) as h:
+            return await asyncio.gather(*(ask(h, e) for e in examples))
+
+    choices = asyncio.run(run())
+    by_kind = {}
+    for example, choice in zip(examples, choices):
+        calls = choice["message"].get("tool_calls") or []
+        if example["kind"] == "call":
+            exact = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+                (example["name"], example["arguments"])]
+            by_kind.setdefault("call", []).append((choice["finish_reason"] == "tool_calls", exact))
+        else:
+            assert not calls and choice["finish_reason"] == "stop", (example["messages"], choice)
+            by_kind.setdefault(example["kind"], []).append(choice["message"]["content"].strip() == example["text"])
+    called = [c for c, _ in by_kind["call"]]
+    exact = [e for _, e in by_kind["call"]]
+    assert sum(called) >= 0.9 * len(called) and sum(exact) >= 0.7 * len(exact), by_kind["call"]
+    assert all(by_kind["plain"]) and sum(by_kind["answer"]) >= 0.4 * len(by_kind["answer"]), by_kind
+    first = next(e for e, (c, x) in zip([e for e in examples if e["kind"] == "call"], by_kind["call"]) if x)
+    stream = client(auto_server).chat.completions.create(
+        model="tools", messages=openai_messages(first["messages"]), tools=TESTBED_TOOLS, max_tokens=96,
+        temperature=0, stream=True)
+    parts, finish = {}, None
+    for chunk in stream:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            part = parts.setdefault(delta.index, {"name": "", "arguments": ""})
+            part["name"] += delta.function.name or ""
+            part["arguments"] += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(p["name"], json.loads(p["arguments"])) for p in parts.values()] == [(first["name"], first["arguments"])]
+
+
 def test_auto_tool_choice_needs_the_flags_and_the_settings_check_the_parser():
     from lorazor.serve.settings import TOOL_CALL_PARSERS, ServerSettings
     from lorazor.serve.tools import PARSERS
@@ -263,8 +329,8 @@ def test_the_structured_outputs_page_runs_as_written():
     port = free_port()
     text = PAGE.read_text()
     start = re.findall(r"```bash\n(.*?)```", text, flags=re.S)[0].strip()
-    assert start == "lorazor serve --testbed"
-    proc = start_serve_command("--testbed", "--port", str(port))
+    assert start.startswith("lorazor serve --testbed")
+    proc = start_serve_command(*start.split()[2:], "--port", str(port))
     try:
         wait_healthy(f"http://127.0.0.1:{port}")
         for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):

@@ -152,10 +152,11 @@ class Response:
         return {"index": index, key: message, "logprobs": logprobs, "finish_reason": finish}
 
     def _tool_calls(self, text: str, out) -> tuple[str | None, list, str]:
-        """(content, tool calls, finish reason) of a finished chat choice under `self.tools`: an
-        output cut by max_tokens stays text (its calls may be incomplete)."""
+        """(content, tool calls, finish reason) of a finished chat choice under `self.tools`. As in
+        vLLM, the calls are parsed whatever ended the output: one cut by max_tokens keeps the calls
+        it completed (a cut one does not parse and stays in the text's place)."""
         finish = FINISH_REASONS[out.finish_reason]
-        if self.tools is None or finish != "stop":
+        if self.tools is None:
             return text, [], finish
         content, calls = self.tools.calls(text)
         return content, calls, "tool_calls" if calls else finish
