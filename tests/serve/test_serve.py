@@ -156,7 +156,7 @@ def test_models_and_adapter_load_unload_round_trip(served):
     from lorazor.testbed import ASSETS
 
     c = client(served)
-    assert {m.id for m in c.models.list().data} == {"testbed", "math", "sql", "medqa", "science"}
+    assert {m.id for m in c.models.list().data} == {"testbed", "math", "sql", "medqa", "science", "tools"}
     r = httpx.post(f"{served['url']}/v1/load_lora_adapter", json={"lora_name": "sql2",
                                                                    "lora_path": str(ASSETS / "adapters" / "sql")})
     assert r.status_code == 200, r.text

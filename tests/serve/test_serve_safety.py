@@ -153,10 +153,10 @@ def test_runtime_loading_stays_under_the_root_and_under_the_cap(server, tmp_path
     assert len({r.json()["error"]["message"] for r in answers}) == 1  # existence is not revealed
     r = load(server, "testbed", server["root"] / "sql")
     assert r.status_code == 400 and "reserved" in r.json()["error"]["message"]
-    # 4 testbed adapters + 3 more reach the cap of 7
-    codes = [load(server, f"cap{i}", server["root"] / "sql").status_code for i in range(4)]
-    assert codes == [200, 200, 200, 400]
-    for i in range(3):
+    # 5 testbed adapters (4 tasks + tools) + 2 more reach the cap of 7
+    codes = [load(server, f"cap{i}", server["root"] / "sql").status_code for i in range(3)]
+    assert codes == [200, 200, 400]
+    for i in range(2):
         assert post(server, "/v1/unload_lora_adapter", json={"lora_name": f"cap{i}"}).status_code == 200
 
 

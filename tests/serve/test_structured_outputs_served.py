@@ -261,12 +261,12 @@ def auto_server():
 
 
 def test_auto_tool_choice_on_the_testbeds_tool_adapter_calls_for_tool_prompts_and_talks_otherwise(auto_server):
-    """The "tools" adapter on held-out prompts (`lorazor.testbed.tools`, test split): a prompt that
+    """The "tools" adapter on held-out prompts (`lorazor.testbed.tool_task`, test split): a prompt that
     asks for a function gets `tool_calls` (the exact call: 80% of the validation split), small talk
     gets text, a conversation holding a tool's result gets the answer in text; the same prompt
     streamed reassembles to the same call."""
-    from lorazor.testbed.tools import TOOLS as TESTBED_TOOLS
-    from lorazor.testbed.tools import openai_messages, tool_task
+    from lorazor.testbed.tool_task import TOOLS as TESTBED_TOOLS
+    from lorazor.testbed.tool_task import openai_messages, tool_task
 
     examples = tool_task().split("test")[:60]
 

@@ -1,4 +1,4 @@
-"""The testbed's tool-calling task and chat template (`lorazor.testbed.tools`, `tokenizer.CHAT_TEMPLATE`)."""
+"""The testbed's tool-calling task and chat template (`lorazor.testbed.tool_task`, `tokenizer.CHAT_TEMPLATE`)."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 
 from lorazor.testbed import ASSETS, load_tokenizer
 from lorazor.testbed.tokenizer import CHAT_TEMPLATE
-from lorazor.testbed.tools import TOOLS, openai_messages, parse_call, tool_task
+from lorazor.testbed.tool_task import TOOLS, openai_messages, parse_call, tool_task
 
 
 def test_the_shipped_tokenizer_carries_the_template_the_adapter_was_trained_with():

@@ -183,7 +183,7 @@ def build_engine(args: argparse.Namespace):
     if args.testbed:
         from lorazor.testbed import load
 
-        # The four task adapters and the tool-calling one (`lorazor.testbed.tools`, rank 16).
+        # The four task adapters and the tool-calling one (`lorazor.testbed.tool_task`, rank 16).
         model = LoRazorModel.from_peft(load(with_tools=True)[0].to(device), config)
         for name, path in adapters.items():
             model.register_adapter(name, path)

@@ -53,7 +53,7 @@ def load_tokenizer(assets: str | Path | None = None):
 def load(assets: str | Path | None = None, with_tools: bool = False):
     """(PeftModel with the four task adapters, tokenizer, {name: Task}), on the CPU in float32.
     The tasks are those of the testbed version that trained the weights (v2 for the shipped ones).
-    `with_tools`: the tool-calling adapter "tools" too, with its task (`lorazor.testbed.tools`).
+    `with_tools`: the tool-calling adapter "tools" too, with its task (`lorazor.testbed.tool_task`).
 
     Raises:
         FileNotFoundError: the weights are not in `assets` (train them with
@@ -70,7 +70,7 @@ def load(assets: str | Path | None = None, with_tools: bool = False):
     base = AutoModelForCausalLM.from_pretrained(root / "backbone", dtype=torch.float32)
     tasks = tasks_for(root)
     if with_tools:
-        from .tools import tool_task
+        from .tool_task import tool_task
 
         tasks = {**tasks, "tools": tool_task()}
     names = [n for n in tasks if (root / "adapters" / n / "adapter_config.json").exists()]

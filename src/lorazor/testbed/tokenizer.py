@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # The testbed's tasks are plain prompts: a chat is its messages' contents one after another, so a
 # single user message is the very prompt a completion gets (and gets the same answer). A chat with tools, or with
-# tool calls and results in it (the "tools" adapter's format, `tools.py`), is rendered turn by turn:
+# tool calls and results in it (the "tools" adapter's format, `tool_task.py`), is rendered turn by turn:
 # the functions' signatures on one line (a tiny model copies better from a short prompt), "User:",
 # "Assistant:" (a call in Hermes' `<tool_call>` form), "Result:".
 CHAT_TEMPLATE = (

@@ -181,7 +181,7 @@ def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, devi
 # Adapters trained on a finished backbone, beside the four task adapters (`--only NAME`): the task,
 # and its LoRA settings (the tool task's answers start far from the backbone's text, loss ~12: at the
 # four tasks' lr 3e-3 without clipping it diverged to NaN; rank 16 also puts two ranks in the testbed).
-EXTRA_ADAPTERS = {"tools": (lambda: __import__("lorazor.testbed.tools", fromlist=["tool_task"]).tool_task(),
+EXTRA_ADAPTERS = {"tools": (lambda: __import__("lorazor.testbed.tool_task", fromlist=["tool_task"]).tool_task(),
                             dict(rank=16, lr=1e-3, clip=1.0, fp32=True))}
 
 
@@ -223,7 +223,9 @@ def train_extra(args, argv) -> None:
     device = torch.device(args.device)
     make_task, settings = EXTRA_ADAPTERS[args.only]
     tokenizer, task = load_tokenizer(args.out), make_task()
-    command = " ".join(["python -m lorazor.testbed.train", *(argv if argv is not None else sys.argv[1:])])
+    # No machine paths in what ships: the output folder by its name.
+    given = [args.out.name if a == str(args.out) else a for a in (argv if argv is not None else sys.argv[1:])]
+    command = " ".join(["python -m lorazor.testbed.train", *given])
     log = {"command": command, "torch": torch.__version__, "device": str(device)}
     base = AutoModelForCausalLM.from_pretrained(args.out / "backbone", dtype=torch.float32).to(device)
     settings = dict(settings, fp32=settings.get("fp32", False) and not args.bf16)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from pathlib import Path
 
 from .knowledge import ITEMS, UNITS
 from .task import Task
@@ -125,16 +127,18 @@ def _result(rng: random.Random, function: str, city: str, unit: str, item: str, 
 
 
 _TOKENIZER = None
+TOKENIZER_DIR = Path(__file__).parent / "assets" / "tokenizer"
 
 
 def _render(messages: list[dict]) -> str:
     """The prompt the served chat route builds for these messages with `TOOLS` declared."""
     global _TOKENIZER
     if _TOKENIZER is None:
-        from . import load_tokenizer
+        from transformers import AutoTokenizer
+
         from .tokenizer import CHAT_TEMPLATE
 
-        _TOKENIZER = load_tokenizer()
+        _TOKENIZER = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
         _TOKENIZER.chat_template = CHAT_TEMPLATE
     return _TOKENIZER.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
 
@@ -164,12 +168,20 @@ def openai_messages(messages: list[dict]) -> list[dict]:
     return wire
 
 
-def parse_call(prediction: str) -> tuple[str, dict] | None:
-    """(name, arguments) of the one Hermes tool call `prediction` holds, or None."""
-    from ..serve.tools import parse_hermes
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-    _, calls = parse_hermes(prediction)
-    return calls[0] if len(calls) == 1 and isinstance(calls[0][1], dict) else None
+
+def parse_call(prediction: str) -> tuple[str, dict] | None:
+    """(name, arguments) of the one complete Hermes tool call `prediction` holds, or None (the
+    scorer's own reading; the server's parsers are `serve/tools.py`'s, a layer above the testbed)."""
+    bodies = CALL.findall(prediction)
+    try:
+        call = json.loads(bodies[0]) if len(bodies) == 1 else None
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict):
+        return None
+    return call.get("name"), call["arguments"]
 
 
 def score(prediction: str, example: dict) -> bool:
