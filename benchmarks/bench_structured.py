@@ -81,8 +81,9 @@ def timed_masks():
     return spent, lambda: setattr(engine_module, "apply_masks", original)
 
 
-def valid_fraction(outs, specs, vocab_bytes) -> tuple[int, int]:
-    """(outputs that finished "stop" under a schema, those of them whose text parses and validates)."""
+def valid_fraction(outs, specs, vocab_bytes, stop_ids) -> tuple[int, int]:
+    """(outputs that finished "stop" under a schema, those of them whose text parses and validates;
+    the grammar's stop token, which ends such an output, is not text)."""
     try:
         import jsonschema
     except ImportError:
@@ -92,7 +93,8 @@ def valid_fraction(outs, specs, vocab_bytes) -> tuple[int, int]:
         if spec is None or out.finish_reason != "stop":
             continue
         done += 1
-        text = b"".join(vocab_bytes[t] for t in out.token_ids).decode("utf-8", "replace")
+        ids = out.token_ids[:-1] if out.token_ids and out.token_ids[-1] in stop_ids else out.token_ids
+        text = b"".join(vocab_bytes[t] for t in ids).decode("utf-8", "replace")
         try:
             value = json.loads(text)
             if jsonschema is not None:
@@ -159,7 +161,7 @@ def main() -> None:
         return outs
 
     outs = run("constrained", constrained)
-    done, ok = valid_fraction(outs, specs, vocab_bytes)
+    done, ok = valid_fraction(outs, specs, vocab_bytes, set(info.stop_token_ids))
     record(run="validity", finished_stop=done, valid=ok,
            finished_length=sum(1 for o, s in zip(outs, specs) if s and o.finish_reason == "length"))
     same_lengths = [dict(r, max_new_tokens=max(1, len(o.token_ids))) for r, o in zip(plain, outs)]

@@ -99,8 +99,11 @@ def main() -> None:
         print(json.dumps(masks[-1]), flush=True)
     compile_ms = [r["compile_ms"] for r in rows]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    from importlib.metadata import version
+
     summary = dict(command="python benchmarks/probes/grammar_cost.py", commit=commit.strip(), cpu=platform.processor()
-                   or platform.machine(), torch=torch.__version__, vocab=VOCAB, schemas=len(rows),
+                   or platform.machine(), torch=torch.__version__, xgrammar=version("xgrammar"), vocab=VOCAB,
+                   schemas=len(rows),
                    compile_ms_median=round(statistics.median(compile_ms), 1), compile_ms_max=round(max(compile_ms), 1),
                    cached_ms_max=max(r["cached_ms"] for r in rows), masks=masks, rows=rows)
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
