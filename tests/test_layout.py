@@ -14,7 +14,7 @@ KERNELS = ROOT / "kernels" / "lorazor_kernels"
 
 # Bottom to top: a package may import those before it, never those after it. The package root
 # (`lorazor`: public names and `__version__`) may be imported from anywhere.
-LAYERS = ["lorazor_kernels", "lorazor.config", "lorazor.adapters", "lorazor.policies", "lorazor.lora", "lorazor.quant",
+LAYERS = ["lorazor_kernels", "lorazor.config", "lorazor.lora", "lorazor.adapters", "lorazor.policies", "lorazor.quant",
           "lorazor.runner", "lorazor.model", "lorazor.engine", "lorazor.calibration", "lorazor.testbed",
           "lorazor.serve", "lorazor.ray", "lorazor.tiny", "lorazor.cli", "lorazor.__main__"]
 MAX_ROOT_MODULES = 6
@@ -55,13 +55,25 @@ def test_layers_import_only_layers_below(graph):
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("rule", [("lorazor.runner", "lorazor.lora"), ("lorazor.testbed", "lorazor.calibration"),
-                                  ("lorazor.ray", "lorazor.serve"), ("lorazor.engine", "lorazor.model")])
-def test_the_named_arrows_point_down(rule):
-    """The arrows DESIGN.md names: the runner above the LoRA layers, the testbed plugging into
-    calibration, Ray above the server, the engine above the model."""
-    upper, lower = rule
-    assert LAYERS.index(upper) > LAYERS.index(lower)
+@pytest.mark.parametrize("upper, lower", [("lorazor.runner", "lorazor.lora"), ("lorazor.adapters", "lorazor.lora"),
+                                          ("lorazor.testbed", "lorazor.calibration"), ("lorazor.ray", "lorazor.serve"),
+                                          ("lorazor.engine", "lorazor.model")])
+def test_the_named_arrows_point_down(graph, upper, lower):
+    """The arrows DESIGN.md names are in the import graph, and none of them points back up: the
+    runner above the LoRA layers, the adapter files above the slots they fill, the testbed plugging
+    into calibration, Ray above the server, the engine above the model."""
+    down = [m for m, targets in graph.items() if layer_of(m) == upper and any(layer_of(t) == lower for t in targets)]
+    up = [f"{m} imports {t}" for m, targets in graph.items() if layer_of(m) == lower
+          for t in targets if layer_of(t) == upper]
+    assert down and not up, up
+
+
+@pytest.mark.parametrize("importer, package", [("lorazor.engine", "lorazor.runner"),
+                                               ("lorazor.serve", "lorazor.engine")])
+def test_a_package_is_used_through_its_public_names_only(graph, importer, package):
+    """The engine takes the runner's names from `lorazor.runner` (its `__init__`), never from its
+    modules; the server takes the engine's from `lorazor.engine`."""
+    assert structure().internal_imports(graph, importer, package) == []
 
 
 def test_no_import_cycles(graph):
@@ -70,8 +82,8 @@ def test_no_import_cycles(graph):
     assert probe.package_cycles(graph) == []
 
 
-def test_the_bank_does_not_import_the_loader(graph):
-    assert "lorazor.adapters.loader" not in graph["lorazor.adapters.bank"]
+def test_the_slots_import_no_adapter_files(graph):
+    assert not [t for t in graph["lorazor.lora.bank"] if t.startswith("lorazor.adapters")]
 
 
 def test_kernels_know_nothing_about_models():

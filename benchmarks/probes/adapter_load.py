@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from lorazor.adapters import AdapterWeights
-    from lorazor.adapters.bank import AdapterBank
+    from lorazor.lora.bank import AdapterBank
 
     H, inter, kv, layers, r = 3072, 8192, 1024, 28, 8
     sizes = {}

@@ -48,7 +48,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import load_file, save_file
 
-    from lorazor.adapters.bank import AdapterBank
+    from lorazor.lora.bank import AdapterBank
     from lorazor.adapters.folder_reader import FolderReader
     from lorazor.adapters.loader import load_adapter_weights, read_adapter
 

@@ -75,6 +75,13 @@ def import_graph(packages: dict[str, Path]) -> dict[str, set[str]]:
     return graph
 
 
+def internal_imports(graph: dict[str, set[str]], importer: str, package: str) -> list[str]:
+    """Imports by modules of package `importer` of `package`'s modules other than its `__init__`
+    (its public names), as "module -> target"."""
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() if m == importer or m.startswith(importer + ".")
+                  for t in targets if t.startswith(package + "."))
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected groups of more than one module (Tarjan)."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -171,6 +178,59 @@ def request_path() -> list[str]:
     return sorted(str(Path(p).resolve().relative_to(ROOT)) for p in seen)
 
 
+def package_of(filename: str) -> str | None:
+    """`lorazor.<package>` (or `lorazor_kernels`, or `lorazor` for a root module) of a project file."""
+    parts = Path(filename).resolve().parts
+    for root, name in (("lorazor", "lorazor"), ("lorazor_kernels", "lorazor_kernels")):
+        if root in parts:
+            rest = parts[parts.index(root) + 1:]
+            if name == "lorazor_kernels" or len(rest) == 1:
+                return name
+            return f"{name}.{rest[0]}"
+    return None
+
+
+def step_crossings() -> list[str]:
+    """The package borders one decode step of the engine crosses (CPU, the testbed: an adapter row and
+    a backbone row): each distinct "caller module -> callee module" call between two packages."""
+    import torch
+
+    torch.set_num_threads(1)
+    from lorazor import LoRazorEngine, LoRazorModel
+    from lorazor.testbed import load
+
+    peft_model, tokenizer, tasks = load()
+    engine = LoRazorEngine(LoRazorModel.from_peft(peft_model), max_num_seqs=4, num_kv_blocks=64)
+    prompt = tokenizer(tasks["sql"].split("test")[0]["prompt"])["input_ids"]
+    for adapter in ("sql", None):
+        engine.add_request(prompt, adapter=adapter, max_new_tokens=16, eos_token_id=None)
+    for _ in range(3):  # the prefill and the first decode steps (compiles, first uploads)
+        engine.step()
+    edges: set[str] = set()
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_back is None:
+            return
+        callee, caller = frame.f_code.co_filename, frame.f_back.f_code.co_filename
+        a, b = package_of(caller), package_of(callee)
+        if a and b and a != b and "lorazor" in caller and "lorazor" in callee:
+            edges.add(f"{module_of(caller)} -> {module_of(callee)}")
+
+    sys.setprofile(profile)
+    try:
+        engine.step()
+    finally:
+        sys.setprofile(None)
+    engine.abort_all()
+    return sorted(edges)
+
+
+def module_of(filename: str) -> str:
+    parts = Path(filename).resolve().with_suffix("").parts
+    root = "lorazor_kernels" if "lorazor_kernels" in parts else "lorazor"
+    return ".".join(parts[parts.index(root):])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--src", type=Path, default=ROOT / "src" / "lorazor")
@@ -184,13 +244,22 @@ def main() -> None:
         module_cycles=cycles(graph),
         package_cycles=package_cycles(graph),
         longest_functions=longest_functions([args.src, ROOT / "kernels"]),
+        engine_imports_runner_internals=internal_imports(graph, "lorazor.engine", "lorazor.runner"),
+        serve_imports_engine_internals=internal_imports(graph, "lorazor.serve", "lorazor.engine"),
+        lora_imports_adapters=sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith("lorazor.lora")
+                                     for t in ts if t.startswith("lorazor.adapters")),
     )
     if not args.no_request:
         report["request_files"] = request_path()
+        report["decode_step_crossings"] = step_crossings()
     print(f"root modules: {len(report['root_modules'])} {report['root_modules']}")
     print(f"module cycles: {len(report['module_cycles'])} {report['module_cycles']}")
     print(f"package cycles: {len(report['package_cycles'])} {report['package_cycles']}")
     print(f"longest functions: {report['longest_functions']}")
+    for key in ("engine_imports_runner_internals", "serve_imports_engine_internals", "lora_imports_adapters",
+                "decode_step_crossings"):
+        if key in report:
+            print(f"{key.replace('_', ' ')}: {len(report[key])} {report[key]}")
     if "request_files" in report:
         print(f"files on one request's path (HTTP -> kernel -> HTTP): {len(report['request_files'])}")
         for f in report["request_files"]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import EOS, PAD, build_pair
 from lorazor import LoRazorConfig, LoRazorEngine
-from lorazor.engine.launched import LaunchedStep
+from lorazor.runner.launched import LaunchedStep
 
 GEN = dict(pad_token_id=PAD, eos_token_id=EOS)
 TIMES = ("arrival_time", "first_token_time", "finish_time", "scheduled_time")

@@ -5,7 +5,7 @@ a request with `stop` keeps the step overlappable. Outputs equal `generate()` wi
 import pytest
 import torch
 from lorazor import LoRazorEngine, LoRazorModel
-from lorazor.engine.launched import LaunchedStep
+from lorazor.runner.launched import LaunchedStep
 
 STOPS = [" FROM", "e ", "Step 3"]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import DEVICE
 from lorazor.adapters import AdapterWeights
-from lorazor.adapters.bank import AdapterBank
+from lorazor.lora.bank import AdapterBank
 
 SIZES = {"l0.q": (32, 48), "l0.k": (32, 16), "l0.v": (32, 16), "l0.o": (48, 32), "l0.up": (32, 80),
          "l0.down": (80, 32)}

@@ -8,10 +8,10 @@ import types
 
 import pytest
 import torch
-from lorazor.adapters.bank import AdapterBank
+from lorazor.lora.bank import AdapterBank
 from lorazor.adapters.folder_reader import FolderReader
 from lorazor.adapters.loader import load_adapter_weights, read_adapter
-from lorazor.adapters.types import AdapterError
+from lorazor.lora.types import AdapterError
 from safetensors.torch import load_file, save_file
 
 SIZES = {"l0.q": (32, 48), "l0.k": (32, 16), "l0.v": (32, 16), "l0.o": (48, 32), "l0.up": (32, 80),

@@ -22,7 +22,7 @@ import stat
 import zipfile
 from pathlib import Path
 
-from .types import AdapterError
+from ..lora.types import AdapterError
 
 # Bytes an adapter may hold beyond its LoRA tensors' bound (safetensors headers, pickle records).
 FILE_OVERHEAD_BYTES = 1 << 20

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .bank import AdapterBank, SlotImage
+from ..lora.bank import AdapterBank, SlotImage
 from .files import check_unchanged, open_file
 from .loader import SAFE_FILE, AdapterSource, adapter_weights, all_finite, config_bytes, load_adapter_weights
 

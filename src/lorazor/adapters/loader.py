@@ -24,7 +24,7 @@ import torch
 from .files import FILE_OVERHEAD_BYTES, check_archive, check_inside_root, check_unchanged, digest_of, fd_path, \
     open_file, weights_bound
 from .names import ADAPTER_NAME, CONFIG_FILE, LEGACY_FILE, SAFE_FILE, adapter_name_problem  # noqa: F401 (re-exported)
-from .types import AdapterError, AdapterWeights
+from ..lora.types import AdapterError, AdapterWeights
 
 PEFT_PREFIX = "base_model.model."
 # The largest `adapter_config.json` read (PEFT's are a few KiB); larger ones are refused unread.

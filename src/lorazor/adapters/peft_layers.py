@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .types import AdapterError, AdapterWeights
+from ..lora.types import AdapterError, AdapterWeights
 
 
 def _lora_layer_types():

@@ -15,7 +15,7 @@ import concurrent.futures
 import time
 from collections import OrderedDict
 
-from .types import AdapterError
+from ..lora.types import AdapterError
 
 # Adapters read from disk ahead of their load, at most (each holds one slot image in host memory).
 READ_AHEAD = 8

@@ -20,12 +20,12 @@ from types import MappingProxyType
 
 import torch
 
-from .bank import AdapterBank, SlotImage
+from ..lora.bank import AdapterBank, SlotImage
 from .folder_reader import FolderReader
 from .loader import (MAX_SCALING, AdapterSource, check_adapter_name, check_finite, check_source, read_adapter,
                      weights_digest)
 from .read_ahead import ReadAhead
-from .types import AdapterError, AdapterWeights
+from ..lora.types import AdapterError, AdapterWeights
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,28 @@
-"""The serving engine: continuous batching over a LoRazorModel with a paged KV cache."""
+"""The serving engine: continuous batching over a LoRazorModel with a paged KV cache.
 
-from .engine import LoRazorEngine
-from .request import RequestOutput
+The server and the scripts take the engine's names from here, never from its modules. They are
+imported on first use (PEP 562): a request body's schema can name `MAX_CACHE_SALT_CHARS` without
+torch loading."""
 
-__all__ = ["LoRazorEngine", "RequestOutput"]
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers and the API docs read as the public names
+    from .background import merge
+    from .blocks import MAX_CACHE_SALT_CHARS
+    from .engine import LoRazorEngine, check_engine_supports
+    from .request import RequestOutput, TokenPrefix
+
+# Public name -> the submodule that defines it.
+_PUBLIC = {"LoRazorEngine": ".engine", "check_engine_supports": ".engine", "RequestOutput": ".request",
+           "TokenPrefix": ".request", "merge": ".background", "MAX_CACHE_SALT_CHARS": ".blocks"}
+
+__all__ = ["LoRazorEngine", "MAX_CACHE_SALT_CHARS", "RequestOutput", "TokenPrefix", "check_engine_supports", "merge"]
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

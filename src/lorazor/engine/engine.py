@@ -33,16 +33,13 @@ from transformers import GenerationConfig, LogitsProcessorList
 from ..config import EngineConfig
 from ..model.hf_generation import ResolvedConfigs, plan_generation
 from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
-from ..runner.grammar import MaskBuffers, apply_masks, grammar_cache
-from ..runner.release import BoundPolicies
-from ..runner.sampling import batchable
+from ..runner import BlockTables, BoundPolicies, MaskBuffers, apply_masks, batchable, grammar_cache, launch_picks
 from .background import BackgroundLoop
 from .blocks import BACKBONE, BlockPool, adapter_identity, check_cache_salt, salted
-from .launched import launch_picks
 from .outputs import postprocess
 from .request import Request, RequestOutput, Status
 from .scheduler import Scheduler
-from .step_inputs import BlockTables, prepare
+from .step_inputs import prepare
 
 # The engine's defaults live in one place: `EngineConfig` (these names stay for callers of old).
 DEFAULT_MAX_NUM_SEQS = EngineConfig.max_num_seqs

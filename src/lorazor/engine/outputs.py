@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..runner.sampling import float_scores, next_tokens
+from ..runner import float_scores, next_tokens
 from .request import Request, RequestOutput, Status
 
 log = logging.getLogger("lorazor.engine")

@@ -11,7 +11,7 @@ import torch
 
 from ..model.hf_generation import GenerationPlan
 from ..policies.base import NEVER
-from ..runner.release import decode_counts
+from ..runner import decode_counts
 
 
 class Status(enum.Enum):

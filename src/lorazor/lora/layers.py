@@ -10,7 +10,7 @@ import torch
 from lorazor_kernels import base_linear, linear_lora_op
 from torch import nn
 
-from ..adapters import AdapterBank, ModuleLoRA, find_lora_layers
+from .bank import AdapterBank, ModuleLoRA
 from .context import StepContext
 
 
@@ -78,13 +78,14 @@ def _parent_and_attr(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(parent_name) if parent_name else root), attr
 
 
-def patch_layers(root: nn.Module, bank: AdapterBank, context: StepContext) -> list[tuple[str, nn.Module]]:
+def patch_layers(root: nn.Module, bank: AdapterBank, context: StepContext,
+                 peft_layers: list[str] = ()) -> list[tuple[str, nn.Module]]:
     """Replace every bank module under `root` (a PEFT LoRA layer or a plain nn.Linear) by a
     `BatchedLoRALinear` over its base linear, in place; PEFT LoRA layers outside the bank become
     their plain base layer. Returns `(name, old module)` pairs for `unpatch_layers`.
     """
     replaced = []
-    for name in [*bank.modules, *(n for n in find_lora_layers(root) if n not in bank.modules)]:
+    for name in [*bank.modules, *(n for n in peft_layers if n not in bank.modules)]:
         parent, attr = _parent_and_attr(root, name)
         old = getattr(parent, attr)
         base = old.get_base_layer() if hasattr(old, "get_base_layer") else old

@@ -16,7 +16,7 @@ from transformers import (GenerationConfig, LogitsProcessorList, PreTrainedModel
                           StoppingCriteriaList)
 from transformers.generation.streamers import BaseStreamer
 
-from ..adapters import AdapterBank, AdapterRegistry, AdapterStatus
+from ..adapters import AdapterBank, AdapterRegistry, AdapterStatus, find_lora_layers
 from ..config import RELEASE_MODES, LoRazorConfig
 from ..lora.context import StepContext
 from ..lora.layers import patch_layers, unpatch_layers
@@ -84,7 +84,7 @@ class LoRazorModel(nn.Module):
                              "backend='reference' (or 'auto'), or set TRITON_INTERPRET=1 before importing triton")
         config = config.resolve_compile(self.device, backend)
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
-        self._replaced = patch_layers(model, bank, self.context)
+        self._replaced = patch_layers(model, bank, self.context, find_lora_layers(model))
         if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
             quantize_decoder(self.model.get_decoder(), fp8_weights)  # an fp8 checkpoint's own, where given
         self.merged_groups = merge_projections(self.model, self.context, bank) if config.merge_projections else []

@@ -51,7 +51,7 @@ def build_app(engine, tokenizer, model_name: str = "base", chat_template: str | 
         on_engine_dead: called once the engine process has died (after every open stream got its
             error event); `lorazor serve` stops the server and exits non-zero.
     """
-    from ..engine.engine import LoRazorEngine
+    from ..engine import LoRazorEngine
 
     if isinstance(engine, LoRazorEngine):
         engine = LocalEngine(engine, tokenizer)

@@ -251,7 +251,7 @@ def check_model(model: str) -> None:
     is read (and before the engine's process starts)."""
     from transformers import AutoConfig
 
-    from lorazor.engine.engine import check_engine_supports
+    from lorazor.engine import check_engine_supports
     from lorazor.model.build import check_before_loading
 
     try:
@@ -274,7 +274,7 @@ def build(args: argparse.Namespace, on_engine_dead=None):
     settings = settings_of(args)
     name = args.served_model_name or ("testbed" if args.testbed else args.model)
     if args.in_process:
-        from lorazor.adapters.types import AdapterError
+        from lorazor.lora.types import AdapterError
 
         try:
             engine, tokenizer = build_engine(args)

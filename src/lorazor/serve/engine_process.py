@@ -31,8 +31,7 @@ import time
 import traceback
 
 from ..adapters.loader import read_adapter
-from ..engine.background import merge
-from ..engine.request import RequestOutput, TokenPrefix
+from ..engine import RequestOutput, TokenPrefix, merge
 from ..runner.grammar import grammar_cache
 from .engines import REQUEST_ERRORS, engine_info, engine_stats, register
 from .openai_sampling import engine_arguments

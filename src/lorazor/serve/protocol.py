@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from ..engine.blocks import MAX_CACHE_SALT_CHARS
+from ..engine import MAX_CACHE_SALT_CHARS
 from ..model.hf_generation import REPETITION_PENALTY_RANGE
 from ..policies.base import MAX_RELEASE
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runner.paged_graphs import PendingTokens
-from ..runner.release import decide_group
-from ..runner.sampling import finite_rows, sample
-from ..runner.uploads import to_device
+from .paged_graphs import PendingTokens
+from .release import decide_group
+from .sampling import finite_rows, sample
+from .uploads import to_device
 
 log = logging.getLogger("lorazor.engine")
 
