@@ -28,14 +28,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig
 
 from ..config import EngineConfig
-from ..model.hf_generation import ResolvedConfigs, plan_generation
-from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
-from ..runner import BlockTables, BoundPolicies, MaskBuffers, apply_masks, batchable, grammar_cache, launch_picks
+from ..model.hf_generation import ResolvedConfigs
+from ..runner import BlockTables, BoundPolicies, MaskBuffers, apply_masks, launch_picks
+from .admission import check_length, prepare_request
 from .background import BackgroundLoop
-from .blocks import BACKBONE, BlockPool, adapter_identity, check_cache_salt, salted
+from .blocks import BlockPool
 from .outputs import postprocess
 from .request import Request, RequestOutput, Status
 from .scheduler import Scheduler
@@ -50,8 +50,6 @@ DEFAULT_CPU_BLOCKS = 256
 DEFAULT_MAX_MODEL_LEN = 4096
 # GPU memory left outside the KV pool when it is sized automatically: activations, graphs, logits.
 GPU_HEADROOM_BYTES = 3 << 30
-# The most top log-probabilities a request may ask for per token (OpenAI allows 20 on chat).
-MAX_LOGPROBS = 20
 # Waiting requests whose adapters are loaded ahead, while the step before their admission runs.
 PREFETCH_LOOKAHEAD = 8
 
@@ -205,103 +203,13 @@ class LoRazorEngine:
 
     def prepare_request(self, prompt_ids, adapter: str | None = None, generation_config=None, release=None,
                         request_id: str | None = None, generator: torch.Generator | None = None, **kwargs) -> Request:
-        """Check a request and build it without queueing it (`add_request`'s checks, nothing changed)."""
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt = self._check_prompt(prompt_ids)
-        # The registry as its last change left it (this may run off the engine's thread); `queue_request`
-        # checks again, on the engine's thread, that the adapter still has this digest.
-        registered = self.model.registry.snapshot
-        if adapter is not None and adapter not in registered:
-            raise KeyError(f"unknown adapter {adapter!r}; registered adapters: {list(registered)}")
-        if adapter is not None:
-            self.model.registry.check_usable(adapter)
-        cache_salt = check_cache_salt(kwargs.pop("cache_salt", None))
-        structured_output = kwargs.pop("structured_output", None)
-        tokenizer = kwargs.pop("tokenizer", None)
-        logits_processor = kwargs.pop("logits_processor", None)
-        logprobs = kwargs.pop("logprobs", None)
-        policy = self._policy_of(adapter, release, kwargs.pop("release_policy", None))
-        vocab = self.runner.vocab_size
-        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
-                                     or not 0 <= logprobs <= min(vocab, MAX_LOGPROBS)):
-            raise ValueError(f"logprobs must be None or an int in [0, {min(vocab, MAX_LOGPROBS)}], got {logprobs!r}")
-        config, flags = self._configs.resolve(generation_config, kwargs)
-        if (config.num_return_sequences or 1) != 1:
-            raise ValueError(f"num_return_sequences={config.num_return_sequences}: add one request per sequence")
-        # Planned on the CPU first: building a plan for the device makes tensors there, which waits
-        # for the step in flight. Only a request the host samples needs its processors on the device.
-        ids = torch.tensor([prompt], dtype=torch.long)
-        plan = plan_generation(self.runner.hf_model, config, flags, ids, torch.ones_like(ids),
-                               logits_processor=logits_processor, tokenizer=tokenizer)
-        # Stop strings do not need the host to sample: they are checked on the tokens read back.
-        plain_greedy = (not plan.config.do_sample and len(plan.processors) == 0 and plan.stop_window is not None
-                        and logprobs is None)
-        sampling = batchable(plan, generator) if logprobs is None else None
-        if not plain_greedy and sampling is None and self.model.device.type != "cpu":
-            ids = ids.to(self.model.device)
-            plan = plan_generation(self.runner.hf_model, config, flags, ids, torch.ones_like(ids),
-                                   logits_processor=logits_processor, tokenizer=tokenizer)
-        if plan.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 for an engine request, got {plan.max_new_tokens}")
-        self.check_length(len(prompt), plan.max_new_tokens)
-        request = Request(request_id, prompt, adapter, plan, policy, release, generator)
-        if structured_output is not None:  # compiled once per spec (cached), checked before anything is queued
-            request.constraint = grammar_cache(tokenizer, self.runner.vocab_size).constraint(structured_output)
-        request.adapter_digest = None if adapter is None else registered[adapter]
-        request.cache_identity = salted(BACKBONE if adapter is None else adapter_identity(
-            adapter, request.adapter_digest), cache_salt)
-        request.logprobs = logprobs
-        request.logprob_processors = LogitsProcessorList(logits_processor or [])
-        # A request that reports log-probabilities is sampled on its own (`outputs.sample_on_host`).
-        request.plain_greedy = plain_greedy
-        request.sampling = sampling
-        return request
+        """Check a request and build it without queueing it (`add_request`'s checks, nothing changed):
+        `admission.prepare_request`."""
+        return prepare_request(self, prompt_ids, adapter, generation_config, release, request_id, generator, **kwargs)
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Raise ValueError when a request of this size can never run: the model's length limit
-        first (the one a user can act on), then the KV pool."""
-        self.runner.check_length(prompt_len, max_new_tokens, self.max_model_len, "max_model_len")
-        total = prompt_len + max_new_tokens
-        capacity = self.pool.num_blocks * self.pool.block_size
-        if total > capacity:
-            raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = {total} tokens "
-                             f"exceeds the KV pool ({self.pool.num_blocks} blocks x {self.pool.block_size})")
-
-    def _check_prompt(self, prompt_ids) -> list[int]:
-        if isinstance(prompt_ids, torch.Tensor):
-            if prompt_ids.dim() != 1 or prompt_ids.dtype.is_floating_point:
-                raise ValueError(f"prompt_ids must be a 1-D integer tensor, got shape {tuple(prompt_ids.shape)} "
-                                 f"dtype {prompt_ids.dtype}")
-            prompt_ids = prompt_ids.tolist()
-        # By the set of element types and min/max (C loops): a Python loop per token costs ~0.1 ms
-        # per 200 tokens, serial for every request of an offline batch.
-        if not isinstance(prompt_ids, (list, tuple)) or not all(
-                issubclass(kind, int) and not issubclass(kind, bool) for kind in set(map(type, prompt_ids))):
-            raise TypeError("prompt_ids must be a list of token ids (ints) or a 1-D integer tensor")
-        if not prompt_ids:
-            raise ValueError("empty prompt: prompt_ids has no tokens")
-        vocab = self.runner.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
-            raise ValueError(f"prompt_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
-        return list(prompt_ids)
-
-    def _policy_of(self, adapter: str | None, release, policy) -> ReleasePolicy | None:
-        """The request's release policy: its own `release_policy`, else the model's default
-        (`LoRazorConfig.release` with `load_release_policy`); checked against the model here."""
-        if release is not None and release != NEVER and (
-                not isinstance(release, int) or isinstance(release, bool) or not 0 <= release <= MAX_RELEASE):
-            raise ValueError(f"release must be None, 'never' or an int in [0, {MAX_RELEASE}], got {release!r}")
-        if policy is None and self.model.config.release != "none":
-            policy = self.model.release_policy
-        if policy is not None:
-            check_policy(policy, self.runner.hidden_size, self.model.adapter_names)
-        return None if adapter is None else policy
+        """Raise ValueError when a request of this size can never run (`admission.check_length`)."""
+        check_length(self, prompt_len, max_new_tokens)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request and free its KV blocks; returns its final output."""
