@@ -4,7 +4,7 @@ Why: in one process, the event loop (parsing requests, detokenizing, writing ser
 and the engine's scheduling share the interpreter lock; each slows the other, and an H200 run
 served 0.55x the in-process rate. vLLM runs its engine core in its own process for that reason.
 
-How (two one-way pipes, pickled tuples):
+How (two one-way pipes, pickled tuples of messages; outputs as rows of named fields):
 - the server sends ("add", id, kwargs, arrival), ("abort", id), ("call", n, method, args), ("stop",);
 - the engine process takes every waiting message between two steps (blocking only when it has
   nothing to run), runs the step, and sends ("out", rows): one message per step with one row per
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -32,7 +33,7 @@ import traceback
 
 from ..adapters.loader import read_adapter
 from ..engine import RequestOutput, TokenPrefix, merge
-from ..runner.grammar import grammar_cache
+from ..runner import grammar_cache
 from .engines import REQUEST_ERRORS, engine_info, engine_stats, register
 from .openai_sampling import engine_arguments
 
@@ -43,17 +44,20 @@ class EngineDeadError(RuntimeError):
     """The engine process has exited: nothing more can be served."""
 
 
-def pack(out: RequestOutput) -> tuple:
-    """A step's output for the pipe: without `token_ids`, which the receiver rebuilds."""
-    return (out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.release_step, out.decode_steps,
-            out.lora_decode_steps, out.arrival_time, out.first_token_time, out.finish_time, out.error, out.new_logprobs,
-            out.scheduled_time, out.num_cached_tokens)
+# What a row carries across the pipe, by name: every field of RequestOutput but `tokens`, which the
+# receiver rebuilds from the new tokens (a field added to RequestOutput travels without a change here).
+PIPE_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput) if f.name != "tokens")
 
 
-def unpack(row: tuple, tokens: list[int]) -> RequestOutput:
+def pack(out: RequestOutput) -> dict:
+    """A step's output for the pipe, as named fields (pickle writes each field name once a message)."""
+    return {name: getattr(out, name) for name in PIPE_FIELDS}
+
+
+def unpack(row: dict, tokens: list[int]) -> RequestOutput:
     """The output a row stands for; `tokens` (this request's tokens so far) grows by its new ones."""
-    tokens.extend(row[1])
-    return RequestOutput(row[0], row[1], TokenPrefix(tokens), *row[2:])
+    tokens.extend(row["new_token_ids"])
+    return RequestOutput(tokens=TokenPrefix(tokens), **row)
 
 
 def _picklable(err: BaseException) -> BaseException:
@@ -241,7 +245,7 @@ class EngineProcess:
         kind = message[0]
         if kind == "out":
             for row in message[1]:
-                queue = self._streams.get(row[0])
+                queue = self._streams.get(row["request_id"])
                 if queue is not None:
                     queue.put_nowait(row)
         elif kind == "error":
