@@ -101,7 +101,7 @@ def main(args) -> list[dict]:
     from concurrent.futures import ProcessPoolExecutor
 
     import engine_workload as wl
-    from bench_serving import http_open_loop
+    from http_load import http_open_loop
 
     from lorazor.testbed import load_tokenizer, make_tasks
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 
 import torch
 
@@ -90,22 +89,16 @@ def sample_on_host(request: Request, logits: torch.Tensor) -> int:
     return token
 
 
-# Per stop-string vocabulary embedding (HF's, shared by requests with the same strings): whether each
-# token id can end a stop string. HF's criterion matches only when the last token can, so the others
-# need no call at all. The few most recent sets of strings are kept (each holds HF's embedding).
-_CAN_END: OrderedDict = OrderedDict()
-_CAN_END_KEPT = 32
-
-
 def _can_end(criterion) -> list[bool]:
+    """Whether each token id can end one of the criterion's stop strings (HF's criterion matches only
+    when the last token can, so the others need no call at all). Computed once per embedding, which
+    HF shares between requests with the same strings, and kept on that tensor: it goes with it."""
     vec = criterion.embedding_vec
-    entry = _CAN_END.get(id(vec))
-    if entry is None or entry[0] is not vec:  # kept by id, with the tensor itself to rule out a reused id
+    flags = getattr(vec, "_lorazor_can_end", None)
+    if flags is None:
         start = criterion.max_valid_positions * criterion.num_stop_strings
-        entry = _CAN_END[id(vec)] = (vec, (vec[:, start:-1] > 0).any(1).tolist())
-        if len(_CAN_END) > _CAN_END_KEPT:
-            _CAN_END.popitem(last=False)
-    return entry[1]
+        flags = vec._lorazor_can_end = (vec[:, start:-1] > 0).any(1).tolist()
+    return flags
 
 
 def stop_reasons(appended: list) -> list[str | None]:

@@ -155,7 +155,7 @@ class Request:
     # Greedy with no logits processor and no stopping criterion but EOS and length: sampled with the
     # whole step's other such rows in one argmax.
     plain_greedy: bool = False
-    sampling: object = None  # `sampler.SamplingParams` when sampled in a batch with other requests
+    sampling: object = None  # `runner.sampling.SamplingParams` when sampled in a batch with other requests
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None

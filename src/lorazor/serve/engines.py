@@ -8,7 +8,7 @@
   runs; the default of `lorazor serve`.
 
 Both take requests as plain `add_request` keyword arguments (a `seed` instead of a generator, no
-tokenizer), so they can cross a pipe; `sampling.engine_arguments` turns them back where the engine
+tokenizer), so they can cross a pipe; `openai_sampling.engine_arguments` turns them back where the engine
 runs.
 """
 

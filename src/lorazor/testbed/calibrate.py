@@ -18,7 +18,7 @@ from pathlib import Path
 from ..calibration.cli import CalibrationError, Source
 
 
-def _task_set(task, split: str, limit: int | None, tokenizer):
+def task_set(task, split: str, limit: int | None, tokenizer):
     from lorazor.calibration import ValidationSet
 
     examples = task.split(split)[:limit]

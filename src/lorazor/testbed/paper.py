@@ -63,11 +63,11 @@ def choose(curve, **criterion):
 def run_task(model, tokenizer, name, task, args, timings: dict) -> dict:
     from lorazor.calibration import ReleasePoint, calibrate_learned, policy_outcomes
     from lorazor.policies import LearnedRelease, ProfiledRelease
-    from lorazor.testbed.calibrate import _task_set
+    from lorazor.testbed.calibrate import task_set
 
-    val = _task_set(task, "validation", args.limit, tokenizer)
-    test = _task_set(task, "test", args.limit, tokenizer)
-    train = _task_set(task, "train", args.train_limit, tokenizer)
+    val = task_set(task, "validation", args.limit, tokenizer)
+    test = task_set(task, "test", args.limit, tokenizer)
+    train = task_set(task, "train", args.train_limit, tokenizer)
     b = args.batch
     with torch.inference_mode():
         t = time.time()
