@@ -19,3 +19,21 @@ def test_a_row_carries_every_output_field_by_name_and_the_tokens_are_rebuilt():
     out = unpack(row, received)
     assert out.token_ids == [5, 6, 7, 8] and received == [5, 6, 7, 8]
     assert {k: getattr(out, k) for k in values} == values
+
+
+def test_both_engine_kinds_implement_the_engine_client_the_routes_use():
+    """`ServerState.engine` is an `EngineClient`: the in-process engine and the engine process both
+    provide each of its members (a member one of them lacks fails here, not in a route)."""
+    import inspect
+
+    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.serve.engines import EngineClient, LocalEngine
+
+    members = [n for n in dir(EngineClient) if not n.startswith("_")] + list(EngineClient.__annotations__)
+    for kind in (LocalEngine, EngineProcess):
+        source = inspect.getsource(kind)  # members set on the instance (`self.info = ...`) count too
+        missing = [n for n in members if not hasattr(kind, n) and f"self.{n}" not in source]
+        assert not missing, (kind, missing)
+        for name in ("generate", "register_adapter", "unregister_adapter", "stats", "shutdown"):
+            assert list(inspect.signature(getattr(kind, name)).parameters)[:2] == \
+                list(inspect.signature(getattr(EngineClient, name)).parameters)[:2], (kind, name)

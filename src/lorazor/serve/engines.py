@@ -14,6 +14,8 @@ runs.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from ..adapters import AdapterError
 from .openai_sampling import engine_arguments
 
@@ -53,6 +55,34 @@ def register(model, name: str, path: str, replace: bool = False, source=None) ->
     one). `source`: the folder as `registry.read` read it off the engine's thread. A client's path
     is never fetched from the Hub."""
     model.register_adapter(name, path, allow_hub=False, replace=replace, source=source)
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the server's routes use of an engine, whichever runs it: `LocalEngine` (a thread of this
+    process) or `EngineProcess` (a process of its own)."""
+
+    info: dict  # vocab_size, max_model_len, ... (`engine_info`)
+    on_dead: list  # callbacks run once if the engine dies
+
+    @property
+    def adapter_names(self) -> list[str]: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def generate(self, request_id: str, kwargs: dict, arrival_time: float | None = None):
+        """An async iterator of the request's `RequestOutput`s (its first awaited: a bad request raises)."""
+
+    async def register_adapter(self, name: str, path: str, replace: bool = False, root=None) -> None: ...
+
+    async def unregister_adapter(self, name: str) -> None: ...
+
+    async def stats(self) -> dict: ...
+
+    async def shutdown(self) -> int: ...
 
 
 class LocalEngine:

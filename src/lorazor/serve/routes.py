@@ -24,6 +24,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from .. import __version__
 from ..adapters import AdapterError
+from .engines import EngineClient
 from .guards import check_runtime_load
 from .settings import ServerSettings
 from .metrics import ServerMetrics
@@ -51,7 +52,7 @@ class ServerState:
     """What the routes share: the engine (`LocalEngine` or `EngineProcess`), the tokenizer, the
     operator's settings, the metrics, the served name and chat template."""
 
-    engine: object
+    engine: EngineClient
     tokenizer: object
     settings: ServerSettings
     metrics: ServerMetrics
