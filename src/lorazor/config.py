@@ -18,6 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
+def int_in_range(value, low: int | None = None, high: int | None = None) -> bool:
+    """Whether `value` is an int within [low, high] (a None bound is open). A bool is not an int
+    here, though Python says it is: `max_tokens=True` is a mistake, not a 1."""
+    return (isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+            and (high is None or value <= high))
+
+
 BACKENDS = ("auto", "triton", "reference")
 RELEASE_MODES = ("none", "profiled", "learned", "custom")
 if TYPE_CHECKING:
@@ -135,12 +142,12 @@ class LoRazorConfig:
             raise ValueError(f"max_cpu_loras must be an int >= 0 or None, got {self.max_cpu_loras!r}")
         for name in ("max_batch_size", "max_loras", "max_lora_rank", "max_cache_len"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and not int_in_range(value, 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         sizes = tuple(self.capture_batch_sizes)
         object.__setattr__(self, "capture_batch_sizes", sizes)  # a JSON list comes back as a tuple
         for size in sizes:
-            if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= self.max_batch_size:
+            if not int_in_range(size, 1, self.max_batch_size):
                 raise ValueError(f"capture_batch_sizes entries must be ints in [1, max_batch_size="
                                  f"{self.max_batch_size}], got {size!r}")
         if sizes and self.max_cache_len is None:
@@ -220,7 +227,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is None and name in ("num_kv_blocks", "max_model_len"):
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not int_in_range(value, 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:

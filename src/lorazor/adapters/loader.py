@@ -25,6 +25,7 @@ from .files import FILE_OVERHEAD_BYTES, check_archive, check_inside_root, check_
     open_file, weights_bound
 from .names import ADAPTER_NAME, CONFIG_FILE, LEGACY_FILE, SAFE_FILE, adapter_name_problem  # noqa: F401 (re-exported)
 from ..lora.types import AdapterError, AdapterWeights
+from ..config import int_in_range
 
 PEFT_PREFIX = "base_model.model."
 # The largest `adapter_config.json` read (PEFT's are a few KiB); larger ones are refused unread.
@@ -154,13 +155,13 @@ def _read_config(name: str, folder: Path, raw: bytes) -> dict:
         raise AdapterError(f"adapter {name!r}: {path} must hold a JSON object, got a {type(cfg).__name__}")
     check_lora_config(name, cfg)
     rank = cfg.get("r")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    if not int_in_range(rank, 1):
         raise AdapterError(f"adapter {name!r}: {path} has r={rank!r}, expected a positive int")
     patterns = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     if not all(isinstance(p, dict) for p in patterns):
         raise AdapterError(f"adapter {name!r}: {path} has a rank_pattern or alpha_pattern that is not an object")
     for key, value in patterns[0].items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not int_in_range(value, 1):
             raise AdapterError(f"adapter {name!r}: {path} has rank_pattern[{key!r}]={value!r}, expected a positive int")
     for key, value in [("lora_alpha", cfg.get("lora_alpha", 8)), *patterns[1].items()]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:

@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..policies import ProfiledRelease, ReleasePolicy
 from .runs import run_cases
+from ..config import int_in_range
 
 if TYPE_CHECKING:
     from ..model import LoRazorModel
@@ -161,7 +162,7 @@ def profile_curves(
         if adapter not in model.adapter_names:
             raise KeyError(f"unknown adapter {adapter!r}; loaded adapters: {model.adapter_names}")
     for k in lengths:
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        if not int_in_range(k, 0):
             raise ValueError(f"release lengths must be ints >= 0, got {k!r}")
     settings = [(adapter, k) for adapter in validation for k in (None, *lengths)]
     # Explicit even for k=None ("never"), so a default policy of the model does not apply.

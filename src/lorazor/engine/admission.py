@@ -9,10 +9,11 @@ import torch
 from transformers import LogitsProcessorList
 
 from ..model.hf_generation import plan_generation
-from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy
+from ..policies.base import MAX_RELEASE, NEVER, ReleasePolicy, check_policy, is_release_step
 from ..runner import batchable, grammar_cache
 from .blocks import BACKBONE, adapter_identity, check_cache_salt, salted
 from .request import Request
+from ..config import int_in_range
 
 # The most log-probabilities a request may ask for per token (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
@@ -44,8 +45,7 @@ def prepare_request(engine, prompt_ids, adapter: str | None = None, generation_c
     logprobs = kwargs.pop("logprobs", None)
     policy = policy_of(engine, adapter, release, kwargs.pop("release_policy", None))
     vocab = engine.runner.vocab_size
-    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
-                                 or not 0 <= logprobs <= min(vocab, MAX_LOGPROBS)):
+    if logprobs is not None and not int_in_range(logprobs, 0, min(vocab, MAX_LOGPROBS)):
         raise ValueError(f"logprobs must be None or an int in [0, {min(vocab, MAX_LOGPROBS)}], got {logprobs!r}")
     config, flags = engine._configs.resolve(generation_config, kwargs)
     if (config.num_return_sequences or 1) != 1:
@@ -111,8 +111,7 @@ def check_prompt(prompt_ids, vocab: int) -> list[int]:
 def policy_of(engine, adapter: str | None, release, policy) -> ReleasePolicy | None:
     """The request's release policy: its own `release_policy`, else the model's default
     (`LoRazorConfig.release` with `load_release_policy`); checked against the model here."""
-    if release is not None and release != NEVER and (
-            not isinstance(release, int) or isinstance(release, bool) or not 0 <= release <= MAX_RELEASE):
+    if release is not None and release != NEVER and not is_release_step(release):
         raise ValueError(f"release must be None, 'never' or an int in [0, {MAX_RELEASE}], got {release!r}")
     if policy is None and engine.model.config.release != "none":
         policy = engine.model.release_policy

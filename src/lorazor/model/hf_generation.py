@@ -25,6 +25,8 @@ from transformers.generation.logits_process import MinLengthLogitsProcessor, Min
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StopStringCriteria)
 
+from ..config import int_in_range
+
 # Criteria that read at most a tail of the tokens and never the scores (a stop string reads its
 # `maximum_token_len` last tokens): the engine checks them on the host from that tail, so a request
 # with stop strings can still be sampled on the device.
@@ -81,14 +83,14 @@ def guard_sampling(config: GenerationConfig, vocab_size: int | None) -> None:
     eos = config.eos_token_id
     for token in ([] if eos is None else torch.as_tensor(eos).flatten().tolist()
                   if isinstance(eos, torch.Tensor) else [eos] if isinstance(eos, int) else list(eos)):
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (vocab_size and token >= vocab_size):
+        if not int_in_range(token, 0, vocab_size - 1 if vocab_size else None):
             raise ValueError(f"eos_token_id holds {token!r}, not a token id in [0, {vocab_size or 'vocab'})")
     stops = config.stop_strings
     stops = [stops] if isinstance(stops, str) else stops
     if stops is not None and any(not isinstance(s, str) or not s for s in stops):
         raise ValueError(f"stop_strings must be non-empty strings, got {stops!r}")
     top_k = config.top_k
-    if vocab_size and isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > vocab_size:
+    if vocab_size and int_in_range(top_k, vocab_size + 1):
         config.top_k = vocab_size
 
 
@@ -203,7 +205,7 @@ def _drop_redundant_min_length(processors: LogitsProcessorList, prompt_len: int)
 
 
 def check_max_new_tokens(value) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+    if value is not None and not int_in_range(value, 0):
         raise ValueError(f"max_new_tokens must be an int >= 0, got {value!r}")
 
 

@@ -19,12 +19,19 @@ from functools import lru_cache
 
 import torch
 
+from ..config import int_in_range
+
 NEVER = "never"
 # The longest fixed release length a request may name (int32 on the device; longer is "never" in
 # practice).
 MAX_RELEASE = 2**31 - 1
 # A release step no generation reaches: "keep the adapter to the end".
 NEVER_STEP = 2**62
+
+
+def is_release_step(value) -> bool:
+    """The release rule, in one place: a release step is an int in [0, MAX_RELEASE]."""
+    return int_in_range(value, 0, MAX_RELEASE)
 
 
 @dataclass
@@ -59,7 +66,7 @@ class ReleaseState:
                     continue
                 if o == NEVER:
                     use_override[i] = True
-                elif isinstance(o, int) and not isinstance(o, bool) and 0 <= o <= MAX_RELEASE:
+                elif is_release_step(o):
                     use_override[i], override_k[i] = True, o
                 else:
                     raise ValueError(f"release[{i}] must be None, 'never' or an int in [0, {MAX_RELEASE}], got {o!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import MAX_RELEASE, NEVER_STEP, ReleasePolicy, ReleaseState
+from .base import MAX_RELEASE, NEVER_STEP, ReleasePolicy, ReleaseState, is_release_step
 
 
 class ProfiledRelease(ReleasePolicy):
@@ -30,7 +30,7 @@ class ProfiledRelease(ReleasePolicy):
                 f"lengths must be a dict adapter name -> k (e.g. {{'math': 8}}), got {type(lengths).__name__}"
             )
         for name, k in lengths.items():
-            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_RELEASE):
+            if k is not None and not is_release_step(k):
                 raise ValueError(f"release length for adapter {name!r} must be None or an int in [0, {MAX_RELEASE}], "
                                  f"got {k!r}")
         self.lengths = dict(lengths)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from ..config import int_in_range
 
 # Tool-call formats `--tool-call-parser` takes (`serve/tools.py`; a literal here: the command line
 # reads this module without importing the server).
@@ -71,7 +72,7 @@ class ServerSettings:
             value = getattr(self, name)
             if value is None and name in ("max_request_bytes", "limit_concurrency"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "port" else 1):
+            if not int_in_range(value, 0 if name == "port" else 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name in ("header_timeout", "body_timeout", "shutdown_timeout"):
             value = getattr(self, name)
