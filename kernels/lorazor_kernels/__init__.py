@@ -1,6 +1,15 @@
-"""lorazor_kernels: grouped LoRA shrink/expand kernels (GridTrim) and their pure-torch reference.
+"""lorazor_kernels: the Triton kernels of a LoRazor step, each beside its pure-torch reference.
 
-This package takes tensors and step metadata; it knows nothing about models.
+- LoRA (GridTrim): grouped shrink and expand over the rows that still need an adapter
+  (`lora_kernels.py`, launched by `lora_launch.py`; `ops.py`: the base GEMM plus the batched delta as
+  one op), their grid built from each step's row -> slot map (`meta.py`, on the device: `meta_kernel.py`);
+- attention: decode attention over a contiguous cache (`decode_attention.py`) and paged attention
+  with the pool writes (`paged_attention.py`);
+- fp8 weights: per-channel quantization and the weight-only fp8 GEMM (`fp8.py`);
+- the engine's asynchronous step: the next step's input tokens filled on the device (`token_fill.py`);
+- launch settings per GPU (`kernel_config.py`, `configs/`); `reference.py`: the pure-torch LoRA delta.
+
+The package takes tensors and step metadata; it imports no lorazor, transformers or peft.
 """
 
 from .decode_attention import decode_attention, decode_attention_op, decode_attention_reference
