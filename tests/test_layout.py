@@ -113,3 +113,16 @@ def test_file_names_have_one_meaning():
         if path.name not in ("__init__.py", "cli.py", "__main__.py") and "v1" not in path.relative_to(SRC).parts:
             seen.setdefault(path.name, []).append(str(path.relative_to(SRC)))
     assert not {name: where for name, where in seen.items() if len(where) > 1}
+
+
+def test_comments_cite_only_files_in_the_tree():
+    """A path into the repository named in a comment or docstring (`tests/...`, `benchmarks/...`) exists."""
+    import re
+
+    cited = re.compile(r"(?<![\w/.])((?:src|tests|benchmarks|docs|kernels|examples)/[\w./-]+\.(?:py|md|json|jsonl|sh))")
+    missing = []
+    for path in [*SRC.rglob("*.py"), *KERNELS.rglob("*.py")]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            missing += [f"{path.relative_to(ROOT)}:{number} {name}" for name in cited.findall(line)
+                        if not (ROOT / name).exists()]
+    assert not missing, missing

@@ -45,7 +45,8 @@ class KernelConfig:
             Needs the metadata written before the kernel ahead was launched (true in the model,
             which builds it at the start of the step, and in `batched_lora`). Ignored elsewhere.
             On in the H200 file: compiled decode of Llama-3.2-3B at 128 adapters went from
-            33.4k to 34.7k tok/s (benchmarks/results/e2e_llama-3.2-3b_exact_pdl.md).
+            33.4k to 34.7k tok/s (a bench_e2e.py A/B on the H200; its result file is in the
+            history of benchmarks/results/, not in the tree).
         one_program_meta: build the `exact`/`full` step metadata in one Triton program
             (`meta_kernel.py`) instead of about 25 small torch kernels. On in the H200 file: about
             0.06 ms less per compiled decode step in one-run A/Bs

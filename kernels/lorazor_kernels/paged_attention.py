@@ -200,7 +200,7 @@ def write_pool(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> N
 # inductor kernel that mutates the pool, and inductor's autotuning saves and restores every argument a
 # kernel mutates while it benchmarks configs: a copy of the whole KV pool (tens of GB at the default
 # `gpu_memory_utilization`) -> out of memory. Inductor never compiles or autotunes a custom op, and
-# re-inplaces its mutation (no functional copy of the pool: `tests/runner/test_layer_stack.py`).
+# re-inplaces its mutation (no functional copy of the pool: `tests/model/test_compile.py`).
 write_pool_op = torch.library.custom_op("lorazor::write_pool", mutates_args=("pool",))(write_pool)
 
 
