@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent / "probes")]
 import engine_workload as wl  # noqa: E402
 from bench_engine import offline_requests, setup  # noqa: E402
-from common import environment  # noqa: E402
+from common import environment, mask_timer  # noqa: E402
 
 ITEM = {"type": "object", "properties": {"name": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1},
                                           "unit": {"enum": ["kg", "box", "piece"]}},
@@ -62,23 +62,6 @@ def printable_info(size: int):
 
     vocab = [bytes([32 + i]) for i in range(size)]
     return xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=size, stop_token_ids=[size - 1])
-
-
-def timed_masks():
-    """(list of host ms per mask fill, undo): wraps the engine's `apply_masks` (probes/step_roofline's way)."""
-    import lorazor.engine.engine as engine_module
-
-    original, spent = engine_module.apply_masks, []
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            spent.append((time.perf_counter() - start) * 1e3)
-
-    engine_module.apply_masks = timed
-    return spent, lambda: setattr(engine_module, "apply_masks", original)
 
 
 def valid_fraction(outs, specs, vocab_bytes, stop_ids) -> tuple[int, int]:
@@ -146,12 +129,11 @@ def main() -> None:
             return step()
 
         engine.step = counted  # the engine's generate() loop calls self.step()
-        spent, undo = timed_masks()
         start = time.perf_counter()
         try:
-            outs = engine.generate(requests)
+            with mask_timer() as spent:
+                outs = engine.generate(requests)
         finally:
-            undo()
             del engine.step
         seconds = time.perf_counter() - start
         steps = steps[0]

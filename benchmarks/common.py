@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -103,3 +104,30 @@ def write_results(out_dir: Path, name: str, rows: list[dict], meta: dict, table:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     (out_dir / f"{name}.md").write_text(table)
+
+
+@contextlib.contextmanager
+def mask_timer():
+    """Host ms of each grammar-mask fill and upload (`runner.grammar.apply_masks` as the engine calls
+    it), appended to the yielded list while the block runs (empty for a build without structured
+    outputs: an A/B against an older commit)."""
+    import lorazor.engine.engine as engine_module
+
+    original, spent = getattr(engine_module, "apply_masks", None), []
+    if original is None:
+        yield spent
+        return
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent.append((time.perf_counter() - start) * 1e3)
+
+    engine_module.apply_masks = timed
+    try:
+        yield spent
+    finally:
+        engine_module.apply_masks = original
+

@@ -30,7 +30,6 @@ Writes `step_roofline{tag}.json` and prints each row as it is measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import statistics
@@ -43,7 +42,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).parent.parent)]  # benchmarks/
 import engine_workload as wl  # noqa: E402
 from bench_e2e import TARGETS, build_base, fill_random_adapters  # noqa: E402
-from common import copy_bandwidth, environment, time_graph  # noqa: E402
+from common import copy_bandwidth, environment, mask_timer, time_graph  # noqa: E402
 
 PROMPT = 64
 ADAPTERS = 128
@@ -75,31 +74,6 @@ def gpu_state() -> dict:
         except Exception as err:  # pynvml missing: say so
             state[name] = f"n/a ({type(err).__name__})"
     return state
-
-
-@contextlib.contextmanager
-def mask_timer():
-    """Host ms of each grammar-mask fill and upload (`runner.grammar.apply_masks` as the engine calls
-    it), appended to the yielded list while the block runs."""
-    import lorazor.engine.engine as engine_module
-
-    original, spent = getattr(engine_module, "apply_masks", None), []
-    if original is None:  # a build without structured outputs (an A/B against an older commit)
-        yield spent
-        return
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            spent.append((time.perf_counter() - start) * 1e3)
-
-    engine_module.apply_masks = timed
-    try:
-        yield spent
-    finally:
-        engine_module.apply_masks = original
 
 
 def profile_steps(engine, steps: int = 5, cpu: bool = True) -> dict:

@@ -29,8 +29,13 @@ class Task:
         if name not in self._cache:
             seed, size = self.splits[name]
             rng = random.Random(f"{self.seed_tag}{self.name}-{seed}")
-            self._cache[name] = [self.make(rng) for _ in range(size)]
+            make = self.maker(name)
+            self._cache[name] = [make(rng) for _ in range(size)]
         return self._cache[name]
+
+    def maker(self, split: str) -> Callable[[random.Random], dict]:
+        """What draws one example of `split` (the same for every split unless a task says otherwise)."""
+        return self.make
 
     def score(self, prediction: str, example: dict) -> bool:
         """Whether a model's continuation of `example["prompt"]` is correct."""

@@ -194,15 +194,8 @@ def score(prediction: str, example: dict) -> bool:
 class ToolTask(Task):
     """`Task` whose examples depend on the split (held-out phrasing/value pairs)."""
 
-    def split(self, name: str) -> list[dict]:
-        if name not in self.splits:
-            raise KeyError(f"unknown split {name!r}; splits: {sorted(self.splits)}")
-        if name not in self._cache:
-            seed, size = self.splits[name]
-            rng = random.Random(f"{self.seed_tag}{self.name}-{seed}")
-            make = _maker(name)
-            self._cache[name] = [make(rng) for _ in range(size)]
-        return self._cache[name]
+    def maker(self, split: str):
+        return _maker(split)
 
 
 def tool_task() -> Task:
