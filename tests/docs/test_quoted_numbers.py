@@ -17,6 +17,19 @@ def page(name: str) -> str:
     return (ROOT / name).read_text()
 
 
+def read(path: Path) -> str:
+    """A result file's text. A folder whose raw results were merged keeps them in `data.json` (file
+    name -> content) and `rows.jsonl` (each row with its `source` file): the file is rebuilt from there."""
+    if path.exists():
+        return path.read_text()
+    merged = path.parent / ("rows.jsonl" if path.suffix == ".jsonl" else "data.json")
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in merged.read_text().splitlines()]
+        return "".join(json.dumps({k: v for k, v in r.items() if k != "source"}) + "\n" for r in rows
+                       if r["source"] == path.name)
+    return json.dumps(json.loads(merged.read_text())[path.name])
+
+
 def k(tok_s: float) -> str:
     return f"{tok_s / 1000:.1f}k"
 
@@ -37,7 +50,7 @@ def test_readme_headline_equals_its_results_file():
 
 
 def test_engine_numbers_equal_the_engine_benchmark():
-    rows = [json.loads(line) for line in (RESULTS / "engine" / "rows_exact.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in read(RESULTS / "engine" / "rows_exact.jsonl").splitlines()]
     offline = {r["system"]: r for r in rows if r["stage"] in ("offline", "backbone")}
     lorazor, backbone = offline["lorazor"]["req_s"], offline["backbone"]["req_s"]
     for name in ("README.md", "docs/engine.md", "docs/performance.md"):
@@ -48,7 +61,7 @@ def test_engine_numbers_equal_the_engine_benchmark():
 
 
 def test_this_rounds_numbers_equal_their_results():
-    calibration = json.loads((RESULTS / "calibration_h200" / "calibration_h200.json").read_text())
+    calibration = json.loads(read(RESULTS / "calibration_h200" / "calibration_h200.json"))
     seconds = calibration["profiled"]["seconds"]
     assert f"takes {round(seconds)} s" in page("docs/performance.md")
     assert f"take {round(seconds)} s" in page("CHANGELOG.md")
@@ -60,9 +73,9 @@ def test_this_rounds_numbers_equal_their_results():
         assert row in table, row
     assert f"mean {sum(drops) / len(drops):.2f}" in table
     ab = RESULTS / "runner_ab_h200"
-    old, new = (json.loads((ab / f"e2e_{tag}.json").read_text())["rows"] for tag in ("old_bbb9a20", "new_54806af"))
+    old, new = (json.loads(read(ab / f"e2e_{tag}.json"))["rows"] for tag in ("old_bbb9a20", "new_54806af"))
     step = lambda rows: next(r["step_ms"] for r in rows if r["L"] == 128)  # noqa: E731
-    engine_old, engine_new = (json.loads((ab / f"engine_decode_step_{tag}.json").read_text())["step_ms_median"]
+    engine_old, engine_new = (json.loads(read(ab / f"engine_decode_step_{tag}.json"))["step_ms_median"]
                               for tag in ("old_bbb9a20", "new_54806af"))
     readme = page("benchmarks/results/runner_ab_h200/README.md")
     assert f"| {step(old):.3f} ms | {step(new):.3f} ms | {step(new) / step(old):.3f} |" in readme
@@ -71,7 +84,7 @@ def test_this_rounds_numbers_equal_their_results():
 
 def test_compiled_engine_numbers_equal_the_roofline_run():
     folder = RESULTS / "step_roofline_h200"
-    runs = {tag: json.loads((folder / f"step_roofline_{tag}_47fbe2b.json").read_text())
+    runs = {tag: json.loads(read(folder / f"step_roofline_{tag}_47fbe2b.json"))
             for tag in ("eager", "compiled")}
     step = {tag: {(r["batch"], r["kind"]): r for r in rows if r["phase"] == "decode"} for tag, rows in runs.items()}
     warm = next(r for r in runs["compiled"] if r["phase"] == "warmup")
@@ -88,7 +101,7 @@ def test_compiled_engine_numbers_equal_the_roofline_run():
 
 
 def test_async_scheduling_numbers_equal_their_run():
-    rows = json.loads((RESULTS / "step_roofline_h200" / "step_roofline_async_compiled_0141323.json").read_text())
+    rows = json.loads(read(RESULTS / "step_roofline_h200" / "step_roofline_async_compiled_0141323.json"))
     step = {(r["kind"], r["scheduling"]): r for r in rows if r["phase"] == "decode" and r["batch"] == 256}
     engine, changelog = page("docs/engine.md"), page("CHANGELOG.md")
     backbone, lora = step[("backbone", "async")], step[("lora", "async")]
@@ -102,8 +115,8 @@ def test_async_scheduling_numbers_equal_their_run():
 
 def rows_of(path: Path) -> list[dict]:
     if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines()]
-    return json.loads(path.read_text())["rows"]
+        return [json.loads(line) for line in read(path).splitlines()]
+    return json.loads(read(path))["rows"]
 
 
 def table_row(text: str, label: str) -> list[str]:
@@ -196,7 +209,7 @@ def test_gridtrim_kernel_table_equals_the_kernel_benchmark():
 
 def test_regional_compile_numbers_equal_their_runs():
     # The step roofline, warm-up and engine runs of the one-compiled-layer round, as the docs quote them.
-    rows = json.loads((RESULTS / "step_roofline_h200" / "step_roofline_regional_compiled_bd5e01c.json").read_text())
+    rows = json.loads(read(RESULTS / "step_roofline_h200" / "step_roofline_regional_compiled_bd5e01c.json"))
     decode = {(r["batch"], r["kind"]): r for r in rows if r["phase"] == "decode"}
     prefill = {r["kind"]: r for r in rows if r["phase"] == "prefill"}
     drift = next(r for r in rows if r["phase"] == "drift")
@@ -210,7 +223,7 @@ def test_regional_compile_numbers_equal_their_runs():
     assert f"takes {prefill['backbone']['step_ms']:.3f} ms, {prefill['backbone']['vs_floor']:.2f}x its" in engine
     assert f"**{prefill['backbone']['vs_floor']:.2f}x / {prefill['lora']['vs_floor']:.2f}x**" in table
     assert ", ".join(f"{x:.1f}" for x in drift["trace_req_s"]) + " req/s" in table
-    warm = {tag: json.loads((RESULTS / "warmup_profile_h200" / f"warmup_profile_{tag}_bd5e01c.json").read_text())
+    warm = {tag: json.loads(read(RESULTS / "warmup_profile_h200" / f"warmup_profile_{tag}_bd5e01c.json"))
             for tag in ("eager", "compiled", "compiled_restart")}
     warm_table = page("benchmarks/results/warmup_profile_h200/README.md")
     for tag in warm:
@@ -218,7 +231,7 @@ def test_regional_compile_numbers_equal_their_runs():
         assert f"{seconds:.1f} s" in engine and f"{seconds:.1f} s" in warm_table, tag
         assert f"| {warm[tag]['graphs']} | {warm[tag]['packed_step_gpu_ms']:.1f} ms |" in warm_table, tag
     eager_engine = [json.loads(line) for line in
-                    (RESULTS / "engine" / "eager_189be60" / "rows_exact_eager.jsonl").read_text().splitlines()]
+                    read(RESULTS / "engine" / "eager_189be60" / "rows_exact_eager.jsonl").splitlines()]
     offline = {r["system"]: r for r in eager_engine if r["stage"] == "offline"}
     performance = page("docs/performance.md")
     for system in ("lorazor", "exact"):
@@ -231,7 +244,7 @@ def test_seats_and_compile_numbers_equal_their_runs():
     folder = RESULTS / "engine" / "shapes_h100"
 
     def req_s(mode, seats, system="lorazor"):
-        rows = [json.loads(line) for line in (folder / f"rows_exact_{mode}_{seats}.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in read(folder / f"rows_exact_{mode}_{seats}.jsonl").splitlines()]
         return next(r["req_s"] for r in rows if r["system"] == system)
 
     engine, performance = page("docs/engine.md"), page("docs/performance.md")
@@ -257,7 +270,7 @@ def test_decode_heavy_and_adapter_floor_numbers_equal_their_runs():
     folder = RESULTS / "engine" / "decode_heavy_h100"
 
     def rows(mode):
-        lines = (folder / f"rows_exact_decode_heavy_{mode}.jsonl").read_text().splitlines()
+        lines = read(folder / f"rows_exact_decode_heavy_{mode}.jsonl").splitlines()
         return [json.loads(line) for line in lines]
 
     summaries = {}
@@ -269,7 +282,7 @@ def test_decode_heavy_and_adapter_floor_numbers_equal_their_runs():
                 f"{summary['vs_backbone']:.2f}x | {summary['gap_closed']:.0%} |") in performance, mode
     measured = {"mixed": measured_mixed_ratio(), "decode-heavy": summaries["compiled"]["vs_backbone"]}
     for workload, label in (("mixed", "mixed (4,096 requests)"), ("decode-heavy", "decode-heavy")):
-        floors = json.loads((RESULTS / "adapter_bytes_cpu" / f"adapter_bytes_{workload}.json").read_text())
+        floors = json.loads(read(RESULTS / "adapter_bytes_cpu" / f"adapter_bytes_{workload}.json"))
         vs = floors["floor_vs_backbone"]
         assert (f"| {label} | {vs['adapter_bytes']['lorazor']:.2f}x | {vs['with_lora_activations']['lorazor']:.2f}x | "
                 f"{measured[workload]:.2f}x |") in performance, workload
@@ -278,13 +291,13 @@ def test_decode_heavy_and_adapter_floor_numbers_equal_their_runs():
 
 def measured_mixed_ratio() -> float:
     """LoRazor / backbone, compiled, at the default 512 seats (`engine/shapes_h100/`)."""
-    rows = (RESULTS / "engine" / "shapes_h100" / "rows_exact_compiled_512.jsonl").read_text().splitlines()
+    rows = read(RESULTS / "engine" / "shapes_h100" / "rows_exact_compiled_512.jsonl").splitlines()
     req = {r["system"]: r["req_s"] for r in map(json.loads, rows) if "req_s" in r}
     return req["lorazor"] / req["backbone"]
 
 
 def test_default_engine_numbers_equal_the_defaults_run():
-    runs = json.loads((RESULTS / "defaults_h100" / "runs.json").read_text())
+    runs = json.loads(read(RESULTS / "defaults_h100" / "runs.json"))
     step = {(tag, r["batch"], r["kind"]): r["step_ms"] for tag in ("compiled_cold", "eager")
             for r in runs[tag] if r["phase"] == "decode"}
     prefill = {tag: next(r["step_ms"] for r in runs[tag] if r["phase"] == "prefill" and r["kind"] == "backbone")
@@ -303,15 +316,15 @@ def test_default_engine_numbers_equal_the_defaults_run():
 
 
 def test_fp8_and_adapter_load_numbers_equal_their_runs():
-    runs = json.loads((RESULTS / "defaults_h100" / "runs.json").read_text())
+    runs = json.loads(read(RESULTS / "defaults_h100" / "runs.json"))
     step = {(tag, r["batch"], r["kind"]): r["step_ms"] for tag in runs for r in runs[tag] if r["phase"] == "decode"}
     models = page("docs/models.md")
     for name, shape in (("llama", "Llama-3.2-3B"), ("mistral", "Mistral-7B")):
         ratio = [step[(f"{name}_fp8_943e0b3", batch, kind)] / step[(f"{name}_bf16_943e0b3", batch, kind)]
                  for batch, kind in ((1, "backbone"), (256, "backbone"), (256, "lora"))]
         assert f"| {shape} | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |" in models
-    trace = {tag: {r["system"]: r["req_s"] for r in map(json.loads, (
-        RESULTS / "engine" / "mixed_defaults_h100" / f"rows_exact_{tag}.jsonl").read_text().splitlines())}
+    trace = {tag: {r["system"]: r["req_s"] for r in map(json.loads, read(
+        RESULTS / "engine" / "mixed_defaults_h100" / f"rows_exact_{tag}.jsonl").splitlines())}
         for tag in ("defaults_eager", "defaults_compiled", "fp8_trace_fp8")}
     assert f"serves {trace['fp8_trace_fp8']['lorazor'] / trace['defaults_compiled']['lorazor']:.2f}x the requests" \
         in models
@@ -328,7 +341,7 @@ def test_fp8_and_adapter_load_numbers_equal_their_runs():
                        ("fp8_trace_fp8", "compiled, fp8 base weights")):
         lora, backbone = trace[tag]["lorazor"], trace[tag]["backbone"]
         assert f"| {label} | {lora:.1f} | {backbone:.1f} | {lora / backbone:.2f}x |" in table
-    load = json.loads((RESULTS / "adapters" / "adapter_load_h100_8259ecf.json").read_text())
+    load = json.loads(read(RESULTS / "adapters" / "adapter_load_h100_8259ecf.json"))
     floor_ms = load["copy_floor_s"] / load["loads"] * 1e3
     for text in (page("docs/adapters.md"), page("benchmarks/results/adapters/README.md")):
         assert f"{load['per_load_ms']} ms" in text and f"{load['vs_floor']}x" in text and f"{floor_ms:.3f} ms" in text
