@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .tool_task import tool_task
 
 BACKBONE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
                 num_key_value_heads=2, max_position_embeddings=512)
@@ -181,8 +182,7 @@ def train_adapter(base, name: str, task, tokenizer, steps: int, batch: int, devi
 # Adapters trained on a finished backbone, beside the four task adapters (`--only NAME`): the task,
 # and its LoRA settings (the tool task's answers start far from the backbone's text, loss ~12: at the
 # four tasks' lr 3e-3 without clipping it diverged to NaN; rank 16 also puts two ranks in the testbed).
-EXTRA_ADAPTERS = {"tools": (lambda: __import__("lorazor.testbed.tool_task", fromlist=["tool_task"]).tool_task(),
-                            dict(rank=16, lr=1e-3, clip=1.0, fp32=True))}
+EXTRA_ADAPTERS = {"tools": (tool_task, dict(rank=16, lr=1e-3, clip=1.0, fp32=True))}
 
 
 def save_adapter(model, out: Path, name: str) -> None:
