@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -183,38 +182,22 @@ class GrammarCache:
         return self._no_control
 
 
-# GrammarCaches per tokenizer object (a server has one tokenizer; tests a few) and vocabulary size.
-# Keyed by the object's id with a weak reference beside it, since xgrammar's TokenizerInfo cannot be
-# hashed: a tokenizer that is gone takes its compiled grammars with it, and an id a new object reuses
-# is told apart by the dead reference.
-_CACHES: dict[int, tuple[weakref.ref, dict]] = {}
-_CACHES_LOCK = threading.RLock()  # re-entrant: a weakref callback may run inside it (GC)
+_CACHES_LOCK = threading.Lock()
 
 
 def grammar_cache(tokenizer, vocab_size: int) -> GrammarCache:
     """The shared `GrammarCache` of `tokenizer` (a Hugging Face tokenizer or an xgrammar
-    `TokenizerInfo`) for a model of `vocab_size` logits."""
+    `TokenizerInfo`) for a model of `vocab_size` logits. It is kept on the tokenizer object itself
+    (a server has one tokenizer; tests a few), so its compiled grammars live and die with it; no
+    global map by identity (xgrammar's TokenizerInfo cannot be hashed)."""
     if tokenizer is None:
         raise StructuredOutputError("structured_output needs the tokenizer (pass tokenizer=...): the grammar is "
                                     "compiled against its vocabulary")
-    key = id(tokenizer)
     with _CACHES_LOCK:
-        entry = _CACHES.get(key)
-        if entry is None or entry[0]() is not tokenizer:
-            entry = _CACHES[key] = (weakref.ref(tokenizer, _forget(key)), {})
-        by_size = entry[1]
+        by_size = tokenizer.__dict__.setdefault("_lorazor_grammar_caches", {})
         if vocab_size not in by_size:
             by_size[vocab_size] = GrammarCache(tokenizer, vocab_size)
         return by_size[vocab_size]
-
-
-def _forget(key: int):
-    def forget(ref: weakref.ref) -> None:
-        with _CACHES_LOCK:
-            if _CACHES.get(key, (None,))[0] is ref:
-                del _CACHES[key]
-
-    return forget
 
 
 class Constraint:
