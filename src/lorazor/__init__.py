@@ -43,12 +43,22 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
-        globals()[name] = value  # once: later lookups find it directly
-        return value
-    raise AttributeError(f"module 'lorazor' has no attribute {name!r}")
+def _lazy_getattr(module: str, public: dict):
+    """A PEP 562 `__getattr__` for package `module` that imports each of its `public` names (name ->
+    the submodule defining it) on first use and keeps it in the package (later lookups find it
+    directly). `lorazor`, `lorazor.adapters` and `lorazor.engine` use it."""
+    namespace = importlib.import_module(module).__dict__
+
+    def __getattr__(name):
+        if name in public:
+            value = namespace[name] = getattr(importlib.import_module(public[name], module), name)
+            return value
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+__getattr__ = _lazy_getattr(__name__, _PUBLIC)
 
 
 def __dir__():

@@ -6,8 +6,9 @@ layers read (`peft_layers`); `names` holds the folder's file names and the name 
 The public names are imported on first use (PEP 562), so `names` can be read without torch (the
 command line checks adapter folders before anything heavy loads)."""
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .. import _lazy_getattr
 
 if TYPE_CHECKING:  # what type checkers and the API docs (static analysis) read as the public names
     from ..lora.bank import NO_ADAPTER, AdapterBank, ModuleLoRA, SlotImage
@@ -44,9 +45,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _lazy_getattr(__name__, _PUBLIC)

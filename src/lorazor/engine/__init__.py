@@ -4,8 +4,9 @@ The server and the scripts take the engine's names from here, never from its mod
 imported on first use (PEP 562): a request body's schema can name `MAX_CACHE_SALT_CHARS` without
 torch loading."""
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .. import _lazy_getattr
 
 if TYPE_CHECKING:  # what type checkers and the API docs read as the public names
     from .background import merge
@@ -20,9 +21,4 @@ _PUBLIC = {"LoRazorEngine": ".engine", "check_engine_supports": ".engine", "Requ
 __all__ = ["LoRazorEngine", "MAX_CACHE_SALT_CHARS", "RequestOutput", "TokenPrefix", "check_engine_supports", "merge"]
 
 
-def __getattr__(name):
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _lazy_getattr(__name__, _PUBLIC)
