@@ -92,9 +92,11 @@ def serving_engine(engine, args):
         return engine
     import functools
 
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
 
-    return EngineProcess(functools.partial(engine_factory, argparse.Namespace(
+    from lorazor.serve.engines import process_hooks
+
+    return EngineProcess(functools.partial(process_hooks, engine_factory, argparse.Namespace(
         testbed=args.testbed, tiny=args.tiny, kv_gb=args.kv_gb, workload=args.workload,
         prefix_caching=args.prefix_caching)))
 

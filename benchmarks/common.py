@@ -108,11 +108,15 @@ def write_results(out_dir: Path, name: str, rows: list[dict], meta: dict, table:
 
 @contextlib.contextmanager
 def mask_timer():
-    """Host ms of each grammar-mask fill and upload (`runner.grammar.apply_masks` as the engine calls
-    it), appended to the yielded list while the block runs (empty for a build without structured
-    outputs: an A/B against an older commit)."""
-    import lorazor.engine.engine as engine_module
+    """Host ms of each grammar-mask fill and upload (`runner.grammar.apply_masks` as the engine's
+    steps call it), appended to the yielded list while the block runs (empty for a build without
+    structured outputs: an A/B against an older commit)."""
+    import importlib
 
+    try:  # where the engine's steps call it (older trees: the engine module)
+        engine_module = importlib.import_module("lorazor.runner.paged_steps")
+    except ImportError:
+        engine_module = importlib.import_module("lorazor.engine.engine")
     original, spent = getattr(engine_module, "apply_masks", None), []
     if original is None:
         yield spent

@@ -90,9 +90,11 @@ def main() -> None:
     if args.engine == "process":
         import functools
 
-        from lorazor.serve.engine_process import EngineProcess
+        from lorazor.engine import EngineProcess
 
-        served = EngineProcess(functools.partial(synthetic_engine, args))
+        from lorazor.serve.engines import process_hooks
+
+        served = EngineProcess(functools.partial(process_hooks, synthetic_engine, args))
     server, thread, url = bs.start_server(served, tokenizer, **app_kwargs)
     pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     list(pool.map(time.sleep, [0.0] * args.clients))

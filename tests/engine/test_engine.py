@@ -73,7 +73,7 @@ def test_preemption_and_recompute_give_the_same_tokens(pair):
         # Block-table rows belong to running requests only: a preempted request gives its row back.
         held = [r for r in eng.requests.values() if r.table_row is not None]
         assert {id(r) for r in held} <= {id(r) for r in eng.scheduler.running}
-        assert len(eng.tables._free) + len(held) == eng.scheduler.max_num_seqs
+        assert len(eng.table_rows._free) + len(held) == eng.scheduler.max_num_seqs
     assert eng.scheduler.num_preemptions > 0
     assert [done[i].token_ids for i in ids] == [peft_tokens(oracle, p, a, 10) for p, a in zip(ps, ADAPTERS)]
     assert eng.pool.num_free == eng.pool.num_blocks
@@ -138,7 +138,7 @@ def test_abort_frees_blocks_and_a_random_trace_never_leaks(pair):
     while eng.has_unfinished():
         finished.update({o.request_id: o for o in eng.step() if o.finished})
     assert eng.pool.num_free == eng.pool.num_blocks and not eng.scheduler.running and not eng.scheduler.waiting
-    assert len(eng.tables._free) == eng.scheduler.max_num_seqs  # every block-table row came back
+    assert len(eng.table_rows._free) == eng.scheduler.max_num_seqs  # every block-table row came back
     for rid, out in finished.items():
         if rid in kept:
             p, a, n = kept[rid]
@@ -402,7 +402,7 @@ def test_padded_packed_steps_equal_static_generate(compile):
         def serves(self, batch):
             return False
 
-    eng.graphs = PaddedOnly()
+    eng.steps.graphs = PaddedOnly()
     eng.graphs.grid = model.context.grid
 
     def compiles():  # dynamo's compiled decoder layers (its code object's: every runner's so far)
@@ -442,7 +442,7 @@ def test_bucketed_steps_async_equal_static_generate(compile, monkeypatch):
     model, _ = build_pair("llama", LoRazorConfig(cuda_graphs=False, backend="triton", attention="triton",
                                                  compile=compile))
     eng = engine(model, max_num_batched_tokens=44, num_kv_blocks=60, async_scheduling=True)
-    eng.graphs = PagedDecodeGraphs(model.runner, eng.cache, 8, 44, capture=False)
+    eng.steps.graphs = PagedDecodeGraphs(model.runner, eng.cache, 8, 44, capture=False)
     def compiles():  # dynamo's compiled decoder layers (its code object's: every runner's so far)
         return model.runner.compiled_layers.compiles()["LlamaDecoderLayer"] if compile else 0
 
@@ -481,7 +481,7 @@ def test_every_bucket_writes_one_shared_output_buffer_and_host_sampled_rows_read
 
     model, _ = build_pair("llama", LoRazorConfig(cuda_graphs=False, backend="triton", attention="triton"))
     eng = engine(model, max_num_batched_tokens=44, num_kv_blocks=60, async_scheduling=True)
-    eng.graphs = PagedDecodeGraphs(model.runner, eng.cache, 8, 44, capture=False)
+    eng.steps.graphs = PagedDecodeGraphs(model.runner, eng.cache, 8, 44, capture=False)
     ps = prompts(5, seed=41)
     adapters = ["med", None, "math", "sql", "math"]
     host = [dict(repetition_penalty=1.5), {}, dict(logprobs=2), {}, dict(repetition_penalty=1.3)]

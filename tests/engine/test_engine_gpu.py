@@ -119,7 +119,7 @@ def pad_packed_steps(engine):
         def serves(self, batch):
             return False
 
-    engine.graphs = PaddedPacked()
+    engine.steps.graphs = PaddedPacked()
 
 
 def test_fp32_engine_with_graphs_equals_peft():

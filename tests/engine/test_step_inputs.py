@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 from lorazor.engine.request import Request
 from lorazor.engine.scheduler import Chunk
-from lorazor.engine.step_inputs import BlockTables, prepare
+from lorazor.engine.step_inputs import TableRows, prepare
+from lorazor.runner.block_tables import BlockTables
 
 PAGE = 16
 
@@ -31,7 +32,7 @@ def test_prepared_lists_equal_their_token_by_token_definitions(seed):
     names = ["a", "b", "c"]
     registry = SimpleNamespace(make_resident=lambda distinct: None,
                                bank=SimpleNamespace(slot_of={"a": 0, "b": 3, "c": 5}))
-    tables = BlockTables(8, 64, 999, "cpu")
+    tables = TableRows(8)
     free_blocks = list(range(500))
     rng.shuffle(free_blocks)
     chunks, expected = [], []
@@ -57,3 +58,15 @@ def test_prepared_lists_equal_their_token_by_token_definitions(seed):
     ends = [sum(c.num_tokens for c in chunks[:k + 1]) - 1 for k in range(len(chunks))]
     assert inputs.last == ends
     assert [c[1:] for c in inputs.chunks] == [(c.start, c.num_tokens) for c in chunks]
+    assert inputs.decode_only == all(c.num_tokens == 1 for c in chunks)
+    # The table cells the step hands the runner give each request's row exactly its block table.
+    device_tables = BlockTables(8, 64, 999, "cpu")
+    device_tables.write(inputs.table_writes)
+    for chunk, (row, _, _) in zip(chunks, inputs.chunks):
+        table = chunk.request.block_table
+        assert device_tables.upload()[row, :len(table)].tolist() == table
+    # A request that gains a block hands over that cell alone.
+    request = chunks[0].request
+    request.block_table.append(free_blocks.pop())
+    again = prepare(registry, PAGE, tables, [Chunk(request, request.num_tokens - 1, 1)])
+    assert again.table_writes == [(request.table_row, len(request.block_table) - 1, request.block_table[-1:])]

@@ -4,7 +4,7 @@ import dataclasses
 import pickle
 
 from lorazor.engine import RequestOutput, TokenPrefix
-from lorazor.serve.engine_process import pack, unpack
+from lorazor.engine.process import pack, unpack
 
 
 def test_a_row_carries_every_output_field_by_name_and_the_tokens_are_rebuilt():
@@ -26,7 +26,8 @@ def test_both_engine_kinds_implement_the_engine_client_the_routes_use():
     provide each of its members (a member one of them lacks fails here, not in a route)."""
     import inspect
 
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+
     from lorazor.serve.engines import EngineClient, LocalEngine
 
     members = [n for n in dir(EngineClient) if not n.startswith("_")] + list(EngineClient.__annotations__)

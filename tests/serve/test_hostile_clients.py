@@ -36,13 +36,14 @@ def server(tmp_path_factory):
     from lorazor import LoRazorModel
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+    from lorazor.serve.engines import process_hooks
     from lorazor.serve.settings import ServerSettings
     from lorazor.testbed import load
 
     root = copy_testbed_lora_root(tmp_path_factory)
     peft_model, tokenizer, tasks = load()
-    engine = EngineProcess(functools.partial(build_engine, serve_args()))
+    engine = EngineProcess(functools.partial(process_hooks, build_engine, serve_args()))
     settings = ServerSettings(enable_runtime_lora=True, lora_root=root, body_timeout=1.0)
     url, stop = run_uvicorn(build_app(engine, tokenizer, model_name="testbed", settings=settings))
     yield dict(url=url, root=root, model=LoRazorModel.from_peft(peft_model), tokenizer=tokenizer, tasks=tasks)
@@ -282,10 +283,11 @@ def test_health_is_503_from_the_moment_the_engine_loop_fails():
     from fastapi.testclient import TestClient
 
     from lorazor.serve import build_app
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+    from lorazor.serve.engines import process_hooks
     from lorazor.testbed import load_tokenizer
 
-    engine = EngineProcess(functools.partial(faulty_engine, [7, 7, 7]))
+    engine = EngineProcess(functools.partial(process_hooks, faulty_engine, [7, 7, 7]))
     with TestClient(build_app(engine, load_tokenizer(), model_name="testbed")) as http:
         assert http.get("/health").status_code == 200
         r = http.post("/v1/completions", json={"model": "testbed", "prompt": [7, 7, 7], "max_tokens": 4})

@@ -42,7 +42,8 @@ def served(request):
     from lorazor import LoRazorModel
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+    from lorazor.serve.engines import process_hooks
     from lorazor.serve.settings import ServerSettings
     from lorazor.testbed import load
 
@@ -50,7 +51,7 @@ def served(request):
     if request.param == "thread":
         engine, _ = build_engine(serve_args())
     else:
-        engine = EngineProcess(functools.partial(build_engine, serve_args()))
+        engine = EngineProcess(functools.partial(process_hooks, build_engine, serve_args()))
     app = build_app(engine, tokenizer, model_name="testbed", chat_template=TEMPLATE,
                     settings=ServerSettings(enable_runtime_lora=True))
     port = free_port()
@@ -200,11 +201,12 @@ def test_an_async_engine_process_serves_concurrent_streams_and_stops():
     from lorazor import LoRazorModel
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+    from lorazor.serve.engines import process_hooks
     from lorazor.testbed import load
 
     peft_model, tokenizer, tasks = load()
-    engine = EngineProcess(functools.partial(build_engine, serve_args("--async-scheduling")))
+    engine = EngineProcess(functools.partial(process_hooks, build_engine, serve_args("--async-scheduling")))
     assert engine.info["async_scheduling"] is True
     # The spawned engine takes this process's torch threads (the test run's 1), not one per core.
     assert engine.info["torch_threads"] == torch.get_num_threads()
@@ -331,10 +333,12 @@ def test_an_engine_process_that_fails_to_start_says_why():
     import functools
 
     from lorazor.serve.cli import build_engine
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+    from lorazor.serve.engines import process_hooks
 
     with pytest.raises(RuntimeError, match="no_such_adapter_dir"):
-        EngineProcess(functools.partial(build_engine, serve_args("--adapter", "x=/tmp/no_such_adapter_dir")))
+        EngineProcess(functools.partial(process_hooks, build_engine,
+                                        serve_args("--adapter", "x=/tmp/no_such_adapter_dir")))
 
 
 def test_a_dead_engine_process_gets_503_and_health_says_so():
@@ -346,10 +350,11 @@ def test_a_dead_engine_process_gets_503_and_health_says_so():
 
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+    from lorazor.serve.engines import process_hooks
     from lorazor.testbed import load_tokenizer
 
-    engine = EngineProcess(functools.partial(build_engine, serve_args()))
+    engine = EngineProcess(functools.partial(process_hooks, build_engine, serve_args()))
     body = {"model": "testbed", "prompt": "The", "max_tokens": 2, "temperature": 0}
     with TestClient(build_app(engine, load_tokenizer(), model_name="testbed")) as http:
         assert http.post("/v1/completions", json=body).status_code == 200

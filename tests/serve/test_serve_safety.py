@@ -36,13 +36,14 @@ def server(tmp_path_factory):
     from lorazor import LoRazorModel
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+    from lorazor.serve.engines import process_hooks
     from lorazor.serve.settings import ServerSettings
     from lorazor.testbed import load
 
     root = copy_testbed_lora_root(tmp_path_factory)
     peft_model, tokenizer, tasks = load()
-    engine = EngineProcess(functools.partial(build_engine, serve_args()))
+    engine = EngineProcess(functools.partial(process_hooks, build_engine, serve_args()))
     settings = ServerSettings(api_key=KEY, enable_runtime_lora=True, lora_root=root, max_registered_loras=7,
                               max_prompt_bytes=100_000)
     app = build_app(engine, tokenizer, model_name="testbed", chat_template=TEMPLATE, settings=settings)
@@ -362,10 +363,11 @@ def test_every_route_answers_503_once_the_engine_is_gone():
 
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+    from lorazor.serve.engines import process_hooks
     from lorazor.testbed import load_tokenizer
 
-    engine = EngineProcess(functools.partial(build_engine, serve_args()))
+    engine = EngineProcess(functools.partial(process_hooks, build_engine, serve_args()))
     dead = []
     with TestClient(build_app(engine, load_tokenizer(), model_name="testbed",
                               on_engine_dead=lambda: dead.append(1))) as http:

@@ -349,12 +349,13 @@ def test_the_engine_process_compiles_off_its_loop_and_serves_the_same_constraint
 
     from lorazor.serve import build_app
     from lorazor.serve.cli import build_engine
-    from lorazor.serve.engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+    from lorazor.serve.engines import process_hooks
     from lorazor.serve.settings import ServerSettings
     from lorazor.testbed import load_tokenizer
 
     tokenizer = load_tokenizer()
-    engine = EngineProcess(functools.partial(build_engine, serve_args()))
+    engine = EngineProcess(functools.partial(process_hooks, build_engine, serve_args()))
     url, stop = run_uvicorn(build_app(engine, tokenizer, model_name="testbed", settings=ServerSettings()))
     local_engine, local_tok = build_engine(serve_args())
     local_url, local_stop = run_uvicorn(build_app(local_engine, local_tok, model_name="testbed",

@@ -278,7 +278,7 @@ class AdapterRegistry:
             raise AdapterError(f"this batch uses {len(wanted)} distinct adapters but there are only "
                                f"max_loras={self.bank.num_slots} GPU slots: split the batch or raise max_loras")
         self.prefetch(wanted, protected=wanted)
-        self.bank.wait_ready(self.bank.slot_of[name] for name in wanted)
+        self.bank.wait_ready([self.bank.slot_of[name] for name in wanted])
 
     def prefetch(self, names, protected=()) -> None:
         """Start loading `names` into slots without making the compute stream wait (on the GPU the

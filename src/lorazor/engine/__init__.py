@@ -12,13 +12,16 @@ if TYPE_CHECKING:  # what type checkers and the API docs read as the public name
     from .background import merge
     from .blocks import MAX_CACHE_SALT_CHARS
     from .engine import LoRazorEngine, check_engine_supports
+    from .process import EngineDeadError, EngineProcess, ProcessHooks
     from .request import RequestOutput, TokenPrefix
 
 # Public name -> the submodule that defines it.
 _PUBLIC = {"LoRazorEngine": ".engine", "check_engine_supports": ".engine", "RequestOutput": ".request",
-           "TokenPrefix": ".request", "merge": ".background", "MAX_CACHE_SALT_CHARS": ".blocks"}
+           "TokenPrefix": ".request", "merge": ".background", "MAX_CACHE_SALT_CHARS": ".blocks",
+           "EngineProcess": ".process", "EngineDeadError": ".process", "ProcessHooks": ".process"}
 
-__all__ = ["LoRazorEngine", "MAX_CACHE_SALT_CHARS", "RequestOutput", "TokenPrefix", "check_engine_supports", "merge"]
+__all__ = ["EngineDeadError", "EngineProcess", "LoRazorEngine", "MAX_CACHE_SALT_CHARS", "ProcessHooks", "RequestOutput",
+           "TokenPrefix", "check_engine_supports", "merge"]
 
 
 __getattr__ = _lazy_getattr(__name__, _PUBLIC)

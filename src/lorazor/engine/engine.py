@@ -8,19 +8,18 @@
     outputs = engine.generate([{"prompt_ids": ids, "adapter": "sql"}, ...])   # offline
 
 Requests join and leave at every step: a step packs the running requests' decode tokens and the
-next prefill chunks of new ones into one forward: `schedule -> runner.run_paged_step ->
-device picks -> read back` (`scheduler.py`, `step_inputs.py`, the model's `ModelRunner`, the runner
-`generate()` uses, then `launched.py`). With async scheduling (the default on a GPU) the engine queues step
-n+1 before it reads step n back, so the host's work overlaps the GPU's. Each request keeps its own
-sampling settings (HF's semantics, as in `LoRazorModel.generate`) and its own StepTrim policy,
-decided on the device as `generate()` decides.
+next prefill chunks of new ones into one forward: `schedule -> load -> forward -> device picks ->
+read back` (`scheduler.py`, `step_inputs.py`, then the runner's `PagedSteps`: the device side of
+every step, on the same `ModelRunner` `generate()` uses). With async scheduling (the default on a
+GPU) the engine queues step n+1 before it reads step n back, so the host's work overlaps the GPU's.
+Each request keeps its own sampling settings (HF's semantics, as in `LoRazorModel.generate`) and its
+own StepTrim policy, decided on the device as `generate()` decides.
 On the GPU the attention reads the paged pool with a Triton kernel and every step replays a CUDA
 graph (`runner/paged_graphs.py`); on the CPU everything runs the pure-torch reference.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -32,14 +31,13 @@ from transformers import GenerationConfig
 
 from ..config import EngineConfig
 from ..model.hf_generation import ResolvedConfigs
-from ..runner import BlockTables, BoundPolicies, MaskBuffers, apply_masks, launch_picks
 from .admission import check_length, prepare_request
 from .background import BackgroundLoop
 from .blocks import BlockPool
 from .outputs import postprocess
 from .request import Request, RequestOutput, Status
 from .scheduler import Scheduler
-from .step_inputs import prepare
+from .step_inputs import TableRows, picks_of, prepare
 
 # The engine's defaults live in one place: `EngineConfig` (these names stay for callers of old).
 DEFAULT_MAX_NUM_SEQS = EngineConfig.max_num_seqs
@@ -114,12 +112,11 @@ class LoRazorEngine:
         self.max_model_len = max_model_len
         seats, tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.pool = BlockPool(num_kv_blocks, block_size, enable_caching=config.enable_prefix_caching)
-        self.cache = runner.new_paged_cache(num_kv_blocks, block_size)
-        self.tables = BlockTables(seats, -(-max_model_len // block_size), num_kv_blocks, model.device)
-        self.graphs = runner.paged_graphs(self.cache, seats, tokens)
-        # Each release policy in use, bound to the adapters in the bank's slots.
-        self.policies = BoundPolicies(model.bank, model.device)
-        self.scheduler = Scheduler(self.pool, seats, tokens, model.bank.num_slots, on_free=self.tables.release,
+        # The device side of every step (KV pool, block tables, graphs, bound policies): the runner's.
+        self.steps = runner.paged_steps(model.bank, num_kv_blocks, block_size, seats, tokens,
+                                        -(-max_model_len // block_size))
+        self.table_rows = TableRows(seats)
+        self.scheduler = Scheduler(self.pool, seats, tokens, model.bank.num_slots, on_free=self.table_rows.release,
                                    adapter_ready=model.registry.host_ready)
         self.requests: dict[str, Request] = {}
         self._configs = ResolvedConfigs(runner.hf_model)  # HF's settings resolution, once per distinct settings
@@ -131,14 +128,24 @@ class LoRazorEngine:
             else config.async_scheduling
         self._in_flight = None  # the launched step not read back yet (async scheduling)
         self._early: list[RequestOutput] = []  # outputs of a step read back inside `_launch`
-        self._masks = MaskBuffers()  # host bitmasks of constrained rows (`runner/grammar.py`)
+
+    @property
+    def cache(self):
+        """The paged KV pool (`runner.PagedKVCache`)."""
+        return self.steps.cache
+
+    @property
+    def graphs(self):
+        """The step graphs (`runner.PagedDecodeGraphs`), or None where steps run eagerly."""
+        return self.steps.graphs
 
     def warm_up(self, batch_sizes=None) -> int:
         """Capture the step CUDA graphs now (every batch bucket up to `max_num_seqs`, or those of
         `batch_sizes`, and every token bucket of steps with prefill chunks), so no step captures
         later; returns how many were captured (0 without graphs: on the CPU, or with the
         `active_rows` / `two_class` grids, steps run eagerly)."""
-        if self.graphs is None:
+        graphs = self.steps.graphs
+        if graphs is None:
             return 0
         start = time.perf_counter()
         if self.model.config.compile:  # say it before the wait, not after: a cold start looks hung
@@ -146,8 +153,7 @@ class LoRazorEngine:
             log.info("warm-up: compiling the step graphs; with empty compile caches this takes minutes, with "
                      "those a run left (inductor: %s, triton: %s) seconds", dirs["inductor"], dirs["triton"])
         with self.model.guard.hold("capture the engine's graphs"):
-            captured = self.graphs.capture_all(self.tables.upload(), batch_sizes)
-        graphs = self.graphs
+            captured = self.steps.warm_up(batch_sizes)
         log.info("warm-up: captured %d step graphs in %.1f s (decode steps, %s: %.1f s; steps with prefill: %.1f s)",
                  captured, time.perf_counter() - start, "compiled" if self.model.config.compile else "eager",
                  graphs.capture_seconds, graphs.packed.capture_seconds)
@@ -329,27 +335,21 @@ class LoRazorEngine:
         flight, whose tokens some decode rows take as input. The requests' state changes only once
         everything is queued, so a launch that raises can be retried (its forward rewrites the same
         KV positions with the same values)."""
-        if self.graphs is not None and self.graphs.grid != self.runner.context.grid:
-            # `model.reconfigure(grid=...)` since the capture: the old graphs run the old kernels.
-            self.graphs = self.runner.paged_graphs(self.cache, self.scheduler.max_num_seqs,
-                                                   self.scheduler.max_num_batched_tokens)
-        inputs = prepare(self.model.registry, self.cache.block_size, self.tables, chunks)
-        pending = None if previous is None else previous.pending_for(inputs)
-        logits, hidden = self.runner.run_paged_step(self.cache, inputs, self.tables.upload(), self.graphs, pending)
-        rows = [i for i, c in enumerate(chunks) if c.request.status is Status.RUNNING
-                and c.start + c.num_tokens >= c.request.num_tokens]
-        constrained = [i for i in rows if chunks[i].request.constraint is not None]
-        mask = None
+        inputs = prepare(self.model.registry, self.steps.block_size, self.table_rows, chunks)
+        logits, hidden = self.steps.forward(inputs, previous)
+        picks = picks_of(chunks, self.model.bank.slot_of)
+        constrained = [i for i in picks.rows if chunks[i].request.constraint is not None]
         if constrained:
             if previous is not None:
                 # A grammar's mask for this token needs the request's last token: read the step before
                 # back now, while the GPU runs this step's forward (the other rows keep the overlap).
                 self._early += self._postprocess(previous)
-            live = [i for i in constrained if chunks[i].request.status is Status.RUNNING
-                    and not chunks[i].request.constraint.done]
-            mask = functools.partial(apply_masks, constraints=[chunks[i].request.constraint for i in live], rows=live,
-                                     buffers=self._masks)
-        launched = launch_picks(chunks, rows, logits, hidden, self.model.bank.slot_of, self.policies, mask)
+            picks.constrained_rows = [i for i in constrained if chunks[i].request.status is Status.RUNNING
+                                      and not chunks[i].request.constraint.done]
+            picks.constraints = [chunks[i].request.constraint for i in picks.constrained_rows]
+        launched = self.steps.pick(picks, logits, hidden)
+        for request, where, err in launched.failures:
+            request.fail(where, err)
         for chunk in chunks:
             if chunk.request.status is Status.FINISHED:  # ended by the step read back early: its blocks are freed
                 continue

@@ -117,7 +117,7 @@ def decode_loop(
 
     cache = runner.cache_for(B, cache_len or T + max_new_tokens, device)
     state = runner.begin_release(state, policy, cache)
-    hidden, logits = runner.prefill(input_ids, attention_mask, cache, row_slot)
+    logits, hidden = runner.prefill(input_ids, attention_mask, cache, row_slot)
     for t in range(max_new_tokens):
         # Processors, sampling and criteria see the real rows only, never the bucket padding.
         raw = float_scores(logits[:real_rows])
@@ -147,7 +147,7 @@ def decode_loop(
             if not any_active:
                 runner.context.enabled = False
         write_pos = torch.full((B,), T + t, dtype=torch.long, device=device)
-        hidden, logits, _ = runner.run_decode_step(tok, next_pos, write_pos, cache, state, policy, t, hidden)
+        logits, hidden, _ = runner.run_decode_step(tok, next_pos, write_pos, cache, state, policy, t, hidden)
         next_pos = next_pos + 1
     if streamer is not None:
         streamer.end()

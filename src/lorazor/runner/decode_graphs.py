@@ -120,7 +120,7 @@ class DecodeGraphs(StepGraphs):
         if bucket.logits_out is None:
             # Allocated outside the graph pool and counted once as graph memory.
             before = torch.cuda.memory_allocated()
-            bucket.hidden_out, bucket.logits_out = self.runner.new_step_outputs(bucket.tokens.shape[0])
+            bucket.logits_out, bucket.hidden_out = self.runner.new_step_outputs(bucket.tokens.shape[0])
             self.capture_bytes += torch.cuda.memory_allocated() - before
         policy, decide, meta = self._policy, self._decide, self._meta
         static_meta = None
@@ -146,7 +146,7 @@ class DecodeGraphs(StepGraphs):
                         policy.bound = saved
             else:
                 row_slot = bucket.row_slot
-            hidden, _ = self.runner.decode_step(bucket.tokens, bucket.positions, bucket.write_pos, bucket.cache,
+            _, hidden = self.runner.decode_step(bucket.tokens, bucket.positions, bucket.write_pos, bucket.cache,
                                                 row_slot, meta=static_meta, logits_out=bucket.logits_out)
             bucket.hidden_out.copy_(hidden)
             return row_slot
@@ -158,7 +158,7 @@ class DecodeGraphs(StepGraphs):
         """Decide the step's adapters and replay the decode step of `cache`'s bucket.
 
         `state` must be the static state `begin_call` returned; `hidden` `[B, H]` is the previous
-        step's final hidden state (the policy's input). Returns (hidden, logits, row -> slot map of the step), all
+        step's final hidden state (the policy's input). Returns (logits, hidden, row -> slot map of the step), all
         static buffers overwritten by the next replay.
         """
         bucket = self.buckets[(cache.batch_size, cache.max_len)]
@@ -187,7 +187,7 @@ class DecodeGraphs(StepGraphs):
                     getattr(static_meta, name).copy_(src)
         self._policy, self._decide, self._meta = policy, decide, meta
         row_slot = self._replay(bucket, key)
-        return bucket.hidden_out, bucket.logits_out, row_slot
+        return bucket.logits_out, bucket.hidden_out, row_slot
 
     def clear(self) -> None:
         """Drop every captured graph (the KV caches stay); the next step recaptures."""

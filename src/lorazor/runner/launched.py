@@ -18,7 +18,7 @@ step overwrites.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,18 +30,48 @@ from .uploads import to_device
 log = logging.getLogger("lorazor.engine")
 
 
+@dataclass
+class Picks:
+    """What a step's producing rows need picked, as plain lists (built by the engine from its requests).
+
+    Attributes:
+        rows: the index, among the step's chunks, of each row that produces a token.
+        owners: the caller's object for each row (the engine's requests): keys of the launched
+            step's maps, never called here.
+        greedy: positions (in `rows`) of plain greedy rows; `sampled`: of rows sampled on the
+            device, with their `sampling` settings (`sampling.SamplingParams`). Rows in neither are
+            sampled on the host after the read-back.
+        decisions: release policy (None: fixed lengths only) -> per row that needs a decision for its
+            next decode forward: (position in `rows`, its slot, the forward d decided, its override).
+        constraints, constrained_rows: grammar matchers and the chunk index of the row each masks.
+    """
+
+    rows: list[int]
+    owners: list
+    greedy: list[int]
+    sampled: list[int]
+    sampling: list
+    decisions: dict
+    constraints: list = field(default_factory=list)
+    constrained_rows: list[int] = field(default_factory=list)
+
+
 @dataclass(eq=False)
 class LaunchedStep:
     """One step whose forward and picks are queued.
 
     Attributes:
         rows: indices of the step's chunks that produce a token (a prefill chunk short of its
-            prompt's end produces none); `requests`: their requests.
+            prompt's end produces none); `requests`: their owners (`Picks.owners`).
         values: device `[m]` long: the picked tokens, the release decisions (1: keep), then one flag
             per row (1: its logits are finite).
-        token_at: request -> index of its token in `values` (rows the host samples are absent).
-        decision_at: request -> (index of its decision in `values`, the decode forward it decides).
+        token_at: owner -> index of its token in `values` (rows the host samples are absent).
+        decision_at: owner -> (index of its decision in `values`, the decode forward it decides).
         logits, hidden: the step's outputs per chunk (graph buffers: valid until the next step runs).
+        overlappable: whether the next step may run before this one is read back (every token is on
+            the device).
+        failures: (owner, what failed, the exception) of rows whose release policy raised: their
+            owners end after this token.
     """
 
     rows: list[int]
@@ -51,16 +81,13 @@ class LaunchedStep:
     decision_at: dict
     logits: torch.Tensor
     hidden: torch.Tensor
+    overlappable: bool = False
+    failures: list = field(default_factory=list)
     host: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
 
     finite: list | None = None  # per row, after `read`: whether its logits were finite
     values_host: list | None = None  # `values` on the host, after `read`
-
-    @property
-    def overlappable(self) -> bool:
-        """Whether the next step may run before this one is read back: every token is on the device."""
-        return len(self.token_at) == len(self.requests)
 
     def pending_for(self, inputs) -> PendingTokens | None:
         """Where the next step's `inputs.pending` tokens are in `values` (None: it has none)."""
@@ -85,53 +112,43 @@ class LaunchedStep:
         return [None if r not in self.token_at else values[self.token_at[r]] for r in self.requests]
 
 
-def launch_picks(chunks, rows: list[int], logits: torch.Tensor, hidden: torch.Tensor, slot_of,
-                 policies, mask=None) -> LaunchedStep:
+def launch_picks(picks: Picks, logits: torch.Tensor, hidden: torch.Tensor, policies, mask=None) -> LaunchedStep:
     """Queue the step's device picks (see the module docstring) and their copy to the host.
     `mask(logits)`: applies the constrained rows' grammar bitmasks in place, after the finite check
     (a masked logit is -inf on purpose) and before any pick.
 
-    A release policy that raises ends only its own requests (after this token: `Request.error`)."""
-    requests = [chunks[i].request for i in rows]
+    A release policy that raises fails only its own rows (`LaunchedStep.failures`)."""
+    rows, owners = picks.rows, picks.owners
     device = logits.device
     finite = finite_rows(logits).index_select(0, to_device(rows, device)).long() if rows else None
     if mask is not None:
         mask(logits)
-    plain = [j for j, r in enumerate(requests) if r.plain_greedy]
-    sampled = [j for j, r in enumerate(requests) if r.sampling is not None]
-    # Grouped by policy (None: fixed lengths only); the forward decided is d = tokens generated so
-    # far, those still on the device included.
-    groups: dict = {}
-    for j, r in enumerate(requests):
-        if r.needs_decisions:
-            policy = None if r.release is not None else r.policy
-            d = len(r.output) + r.pending
-            groups.setdefault(policy, []).append((r, (rows[j], slot_of[r.adapter], d, r.release)))
     pick = lambda tensor, js: tensor.index_select(0, to_device([rows[j] for j in js], device))  # noqa: E731
     parts = []
-    if plain:
-        parts.append(pick(logits, plain).argmax(-1))
-    if sampled:
-        parts.append(sample(pick(logits, sampled), [requests[j].sampling for j in sampled]))
-    token_at = {requests[j]: i for i, j in enumerate(plain + sampled)}
-    decision_at = {}
+    if picks.greedy:
+        parts.append(pick(logits, picks.greedy).argmax(-1))
+    if picks.sampled:
+        parts.append(sample(pick(logits, picks.sampled), picks.sampling))
+    token_at = {owners[j]: i for i, j in enumerate(picks.greedy + picks.sampled)}
+    decision_at, failures = {}, []
     offset = len(token_at)
-    for policy, members in groups.items():
+    for policy, members in picks.decisions.items():
         try:
-            parts.append(decide_group(policy, [m for _, m in members], hidden, policies))
+            parts.append(decide_group(policy, [(rows[j], slot, d, release) for j, slot, d, release in members],
+                                      hidden, policies))
         except Exception as err:
             log.error("release policy %s failed: %s; ending its %d requests", type(policy).__name__, err,
                       len(members))
-            for request, _ in members:
-                request.fail(f"release policy {type(policy).__name__}", err)
+            failures += [(owners[j], f"release policy {type(policy).__name__}", err) for j, *_ in members]
             continue
-        for request, member in members:
-            decision_at[request] = (offset, member[2])
+        for j, _, d, _ in members:
+            decision_at[owners[j]] = (offset, d)
             offset += 1
     if finite is not None:
         parts.append(finite)
     values = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
-    launched = LaunchedStep(rows, requests, values, token_at, decision_at, logits, hidden)
+    launched = LaunchedStep(rows, owners, values, token_at, decision_at, logits, hidden,
+                            overlappable=len(token_at) == len(owners), failures=failures)
     if values.is_cuda:
         launched.host = values.to("cpu", non_blocking=True)
         launched.done = torch.cuda.Event()

@@ -47,8 +47,8 @@ class SharedOutputs:
             raise ValueError(f"{n} rows exceed the shared step outputs' {self.rows}")
         if self._pair is None:
             self._pair = self.runner.new_step_outputs(self.rows)
-        hidden, logits = self._pair
-        return hidden[:n], logits[:n]
+        logits, hidden = self._pair
+        return logits[:n], hidden[:n]
 
 
 def decode_bucket(batch: int) -> int:
@@ -225,7 +225,7 @@ class PackedStepGraphs(StepGraphs):
     def _step_function(self, bucket: _PackedBucket, key):
         """The step a graph of `bucket` holds: the runner's packed forward on the bucket's buffers."""
         if bucket.logits is None:
-            bucket.hidden, bucket.logits = self.outputs.views(self.max_rows)
+            bucket.logits, bucket.hidden = self.outputs.views(self.max_rows)
 
         # Token counts here are padded to buckets: the compiled step (if any) serves them all.
         return paged_step(self.cache, bucket, lambda: self.runner.packed_forward(
@@ -276,7 +276,7 @@ class PagedDecodeGraphs(StepGraphs):
             ones = torch.ones(size, dtype=torch.int32, device=device)
             empty = tuple(torch.zeros(0, dtype=torch.int32, device=device) for _ in range(4))
             step = PagedStep(slot_mapping, block_tables, (rows, q_index, pos, ones), empty, self.cache.block_q)
-            hidden, logits = self.outputs.views(size)
+            logits, hidden = self.outputs.views(size)
             self.buckets[size] = _DecodeBucket(inputs, inputs32, tokens, positions, slot_mapping, row_slot, step,
                                                hidden, logits)
         return self.buckets[size]
@@ -342,7 +342,7 @@ class PagedDecodeGraphs(StepGraphs):
     def _step_function(self, bucket: _DecodeBucket, key):
         return paged_step(self.cache, bucket, lambda: self.runner.decode_step(
             bucket.tokens, bucket.positions, bucket.slot_mapping, self.cache, bucket.row_slot,
-            logits_out=bucket.logits)[0])
+            logits_out=bucket.logits)[1])
 
     def num_graphs(self) -> int:
         return super().num_graphs() + self.packed.num_graphs()

@@ -22,6 +22,7 @@ from .kv_cache import KVCache
 from ..lora.context import StepContext
 from .paged_cache import PAGED_KWARG, PagedKVCache, PagedStep
 from .paged_graphs import PagedDecodeGraphs, PendingTokens
+from .paged_steps import PagedSteps
 from .release import decide_release
 from .uploads import to_device
 
@@ -171,10 +172,10 @@ class ModelRunner:
         return self.forward_tokens(input_ids, position_ids, mask4d, cache, row_slot, input_ids.shape[1])
 
     def prefill(self, input_ids, attention_mask, cache: KVCache, row_slot):
-        """Prompt forward with adapters. Returns (last hidden `[B, H]`, last logits `[B, V]`)."""
+        """Prompt forward with adapters. Returns (last logits `[B, V]`, last hidden `[B, H]`)."""
         last = self.prefill_hidden(input_ids, attention_mask, cache, row_slot)[:, -1]
         with torch.inference_mode():
-            return last, self.logits(last)
+            return self.logits(last), last
 
     @property
     def compiled_layers(self) -> CompiledLayers:
@@ -195,10 +196,10 @@ class ModelRunner:
         return out.last_hidden_state[:, -1]
 
     def new_step_outputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Empty (hidden `[B, H]`, logits `[B, V]`) buffers for `decode_step(..., logits_out=)`."""
+        """Empty (logits `[B, V]`, hidden `[B, H]`) buffers for `decode_step(..., logits_out=)`."""
         weight = self.lm_head.weight
         hidden = torch.empty(batch_size, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        return hidden, torch.empty(batch_size, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        return torch.empty(batch_size, weight.shape[0], dtype=weight.dtype, device=weight.device), hidden
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head on `[n, H]` hidden states, into `out` when given (graphs share one buffer),
@@ -219,8 +220,8 @@ class ModelRunner:
         (a contiguous cache position, or a paged pool position with the cache's `step` set).
 
         With `LoRazorConfig(compile=True)` the decoder's layers run compiled (`compiled_layers.py`:
-        elementwise ops fused; the LoRA and attention kernels stay opaque custom ops). Returns (last
-        hidden `[B, H]`, logits `[B, V]`); the logits are written into `logits_out` when given (CUDA
+        elementwise ops fused; the LoRA and attention kernels stay opaque custom ops). Returns (logits
+        `[B, V]`, last hidden `[B, H]`); the logits are written into `logits_out` when given (CUDA
         graphs share one buffer).
         """
         with torch.inference_mode():
@@ -244,7 +245,7 @@ class ModelRunner:
                 last = self._decode_core(tokens, positions, write_pos, cache, row_slot, meta)
             # The LM head stays outside the compiled function: it is one GEMM either way, and here
             # it can write into a caller's buffer.
-            return last, self.logits(last, logits_out)
+            return self.logits(last, logits_out), last
 
     def _packed_core(self, ids, positions, cache, token_slot, meta=None):
         self.context.begin(token_slot, 1, meta)
@@ -301,7 +302,7 @@ class ModelRunner:
         """StepTrim decision for decode step `step` from the previous `hidden`, then the decode forward.
 
         With CUDA graphs both run in one replayed graph (`exact`/`full` grids and graph-safe
-        policies). Returns (hidden `[B, H]`, logits `[B, V]`, the step's row -> slot map `[B]`).
+        policies). Returns (logits `[B, V]`, hidden `[B, H]`, the step's row -> slot map `[B]`).
         """
         if self.graphs is not None and self.uses_graphs:
             return self.graphs.step(tokens, positions, write_pos, cache, state, policy, step, hidden)
@@ -309,8 +310,8 @@ class ModelRunner:
             row_slot = decide_release(policy, step, hidden, state, compiled=self.config.compile)
         else:
             row_slot = torch.full_like(state.slot, -1)
-        hidden, logits = self.decode_step(tokens, positions, write_pos, cache, row_slot)
-        return hidden, logits, row_slot
+        logits, hidden = self.decode_step(tokens, positions, write_pos, cache, row_slot)
+        return logits, hidden, row_slot
 
     def capture(self, batch_sizes, policy: ReleasePolicy | None, bank) -> int:
         """Capture `generate()`'s decode graphs of these batch sizes (see `LoRazorModel.capture`)."""
@@ -342,6 +343,11 @@ class ModelRunner:
         return self.graphs.num_graphs() - before
 
     # ---- the engine: paged steps ---------------------------------------------------------------
+    def paged_steps(self, bank, num_blocks: int, block_size: int, max_rows: int, max_tokens: int,
+                    max_blocks_per_row: int) -> PagedSteps:
+        """The device side of an engine's steps (`paged_steps.py`): its KV pool, block tables and graphs."""
+        return PagedSteps(self, bank, num_blocks, block_size, max_rows, max_tokens, max_blocks_per_row)
+
     def paged_graphs(self, cache: PagedKVCache, max_batch: int, max_tokens: int) -> PagedDecodeGraphs | None:
         """The engine's step graphs, or None where its steps run eagerly: graphs need device-built
         LoRA metadata and the Triton attention (the reference reads the tiles on the host)."""
@@ -351,7 +357,7 @@ class ModelRunner:
 
     def run_paged_step(self, cache: PagedKVCache, inputs, block_tables: torch.Tensor,
                        graphs: PagedDecodeGraphs | None = None, pending: PendingTokens | None = None):
-        """Forward one engine step (`inputs`: the engine's `StepInputs`, adapters already in slots;
+        """Forward one engine step (`inputs`: a `StepInputs`, adapters already in slots;
         `pending`: its input tokens that the step before left on the device). Returns `[chunks, V]`
         logits and `[chunks, H]` final hidden states at each chunk's last token (views of static
         buffers after a graph replay: read them, or queue what reads them, before the next step).
@@ -374,8 +380,7 @@ class ModelRunner:
         try:
             if inputs.decode_only:
                 # The decode step `generate()` runs: one token per row.
-                hidden, logits = self.decode_step(ids, positions, step.slot_mapping, cache, token_slot)
-                return logits, hidden
+                return self.decode_step(ids, positions, step.slot_mapping, cache, token_slot)
             last = to_device(inputs.last, device)
             return self.packed_forward(cache, ids, positions, token_slot, last)
         finally:

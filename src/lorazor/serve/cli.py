@@ -264,7 +264,9 @@ def check_model(model: str) -> None:
 def build(args: argparse.Namespace, on_engine_dead=None):
     """(app, served model name) for parsed arguments."""
     from .app import build_app
-    from .engine_process import EngineProcess
+    from lorazor.engine import EngineProcess
+
+    from .engines import process_hooks
 
     check_args(args)  # a malformed --adapter, a missing folder or --device stops here, before any model loads
     serving_device(args)
@@ -281,7 +283,7 @@ def build(args: argparse.Namespace, on_engine_dead=None):
         except (AdapterError, NotImplementedError) as err:  # one line, as without --in-process
             refuse(str(err))
     else:
-        engine, tokenizer = EngineProcess(functools.partial(build_engine, args)), load_tokenizer(args)
+        engine, tokenizer = EngineProcess(functools.partial(process_hooks, build_engine, args)), load_tokenizer(args)
     template = args.chat_template.read_text() if args.chat_template else None
     app = build_app(engine, tokenizer, model_name=name, chat_template=template, settings=settings,
                     on_engine_dead=on_engine_dead)

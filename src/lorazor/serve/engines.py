@@ -4,8 +4,8 @@
   Simple, and what tests and notebooks use; but the event loop (HTTP, detokenizing, streaming)
   and the engine's Python share one interpreter lock, and an H200 run served at half the
   in-process rate that way.
-- `EngineProcess` (`engine_process.py`): the engine in a process of its own, as vLLM's engine core
-  runs; the default of `lorazor serve`.
+- `EngineProcess` (`lorazor.engine.process`): the engine in a process of its own, as vLLM's engine
+  core runs; the default of `lorazor serve`. What the server adds there comes in `process_hooks`.
 
 Both take requests as plain `add_request` keyword arguments (a `seed` instead of a generator, no
 tokenizer), so they can cross a pipe; `openai_sampling.engine_arguments` turns them back where the engine
@@ -14,9 +14,12 @@ runs.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, runtime_checkable
 
 from ..adapters import AdapterError
+from ..engine import ProcessHooks
+from ..runner import grammar_cache
 from .openai_sampling import engine_arguments
 
 # What a bad request raises from `prepare_request`; the app answers them with 400.
@@ -55,6 +58,27 @@ def register(model, name: str, path: str, replace: bool = False, source=None) ->
     one). `source`: the folder as `registry.read` read it off the engine's thread. A client's path
     is never fetched from the Hub."""
     model.register_adapter(name, path, allow_hub=False, replace=replace, source=source)
+
+
+def process_hooks(build, *args) -> ProcessHooks:
+    """The factory `EngineProcess` runs in the engine's process: `build(*args) -> (engine,
+    tokenizer)`, and what the server adds there (its request conversion, grammar compiles off the
+    engine's loop, adapter and stats calls)."""
+    engine, tokenizer = build(*args)
+    model = engine.model
+
+    def prepare(request_id: str, kwargs: dict):
+        return engine.prepare_request(request_id=request_id, **engine_arguments(kwargs, engine, tokenizer))
+
+    def compile_job(kwargs: dict):
+        spec = kwargs.get("structured_output")
+        if spec is None:
+            return None
+        return functools.partial(grammar_cache(tokenizer, engine.runner.vocab_size).compile, spec)
+
+    calls = {"register_adapter": lambda *a: register(model, *a), "unregister_adapter": model.unregister_adapter,
+             "stats": lambda: engine_stats(engine)}
+    return ProcessHooks(engine, prepare, compile_job, calls, engine_info(engine), REQUEST_ERRORS)
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .engine_process import EngineDeadError
+from ..engine import EngineDeadError
 from .protocol import ApiError, FieldError, error_kind
 
 log = logging.getLogger("lorazor.serve")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
 
-from .engine_process import EngineDeadError
+from ..engine import EngineDeadError
 from .engines import REQUEST_ERRORS
 from .protocol import ApiError
 from .text import FINISH_REASONS, IncrementalText, visible_text

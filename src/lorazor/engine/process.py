@@ -1,4 +1,5 @@
-"""The served engine in a process of its own, so its steps never wait on the server's Python.
+"""An engine in a process of its own, so its steps never wait on the server's Python: the process's
+loop (`engine_main`) and the client the server holds (`EngineProcess`).
 
 Why: in one process, the event loop (parsing requests, detokenizing, writing server-sent events)
 and the engine's scheduling share the interpreter lock; each slows the other, and an H200 run
@@ -15,6 +16,10 @@ How (two one-way pipes, pickled tuples of messages; outputs as rows of named fie
 - an engine loop that raises sends ("fatal", traceback) before its process ends, so the server
   answers 503 from that moment, not only once the process is gone.
 `time.monotonic()` is the same clock in both processes on Linux, so TTFT and TPOT stay right.
+
+The engine knows nothing of HTTP: what the front end adds (turning a request's plain arguments into
+an engine request, compiling its grammar, the calls it may make) comes in `ProcessHooks`, which the
+factory builds in the engine's process (`lorazor.serve.engines.process_hooks` for `lorazor serve`).
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ import threading
 import time
 import traceback
 
-from ..adapters.loader import read_adapter
-from ..engine import RequestOutput, TokenPrefix, merge
-from ..runner import grammar_cache
-from .engines import REQUEST_ERRORS, engine_info, engine_stats, register
-from .openai_sampling import engine_arguments
+from collections.abc import Callable
+from dataclasses import dataclass
 
-log = logging.getLogger("lorazor.serve")
+from ..adapters.loader import read_adapter
+from .background import merge
+from .request import RequestOutput, TokenPrefix
+
+log = logging.getLogger("lorazor.engine")
 
 
 class EngineDeadError(RuntimeError):
@@ -60,6 +66,28 @@ def unpack(row: dict, tokens: list[int]) -> RequestOutput:
     return RequestOutput(tokens=TokenPrefix(tokens), **row)
 
 
+@dataclass
+class ProcessHooks:
+    """What the engine's process takes from its front end.
+
+    Attributes:
+        engine: the `LoRazorEngine` to run.
+        prepare: (request id, the request's plain arguments) -> a checked `Request` (not queued).
+        compile: the request's plain arguments -> a job to run off the engine's loop before
+            `prepare` (a grammar to compile: a new schema can take a second), or None.
+        calls: the methods the client may `call` by name (adapters, stats).
+        info: the engine's fixed settings the client needs (`EngineProcess.info`).
+        request_errors: what `prepare` raises for a bad request (sent back to its stream alone).
+    """
+
+    engine: object
+    prepare: Callable
+    compile: Callable
+    calls: dict
+    info: dict
+    request_errors: tuple = (ValueError,)
+
+
 def _picklable(err: BaseException) -> BaseException:
     try:
         pickle.dumps(err)
@@ -70,7 +98,7 @@ def _picklable(err: BaseException) -> BaseException:
 
 # ---- the engine's side ------------------------------------------------------------------------------
 def engine_main(factory, inbox, outbox, threads: int | None = None) -> None:
-    """The engine process: build the engine with `factory() -> (engine, tokenizer)`, then serve
+    """The engine process: build the engine with `factory() -> ProcessHooks`, then serve
     messages and run steps until told to stop or the server goes away. `threads`: torch's
     intra-op threads (the server process's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
@@ -81,7 +109,8 @@ def engine_main(factory, inbox, outbox, threads: int | None = None) -> None:
             # A spawned process starts with one thread per core, whatever the server set: several
             # servers on one machine (or a test run) would each take every core.
             torch.set_num_threads(threads)
-        engine, tokenizer = factory()
+        hooks = factory()
+        engine = hooks.engine
         model = engine.model
         if model.device.type == "cuda":
             import torch
@@ -90,14 +119,13 @@ def engine_main(factory, inbox, outbox, threads: int | None = None) -> None:
     except BaseException:
         outbox.send(("failed", traceback.format_exc()))
         return
-    outbox.send(("ready", list(model.adapter_names), engine_info(engine)))
-    calls = {"register_adapter": lambda *args: register(model, *args), "unregister_adapter": model.unregister_adapter,
-             "stats": lambda: engine_stats(engine)}
+    outbox.send(("ready", list(model.adapter_names), hooks.info))
+    calls = hooks.calls
+
     def add(rid, kwargs, arrival):
         try:
-            request = engine.prepare_request(request_id=rid, **engine_arguments(kwargs, engine, tokenizer))
-            engine.queue_request(request, arrival)
-        except REQUEST_ERRORS as err:
+            engine.queue_request(hooks.prepare(rid, kwargs), arrival)
+        except hooks.request_errors as err:
             outbox.send(("error", rid, str(err).strip('"')))
 
     # Requests whose grammar compiles on a worker thread (never on this loop: a new schema can take
@@ -117,14 +145,13 @@ def engine_main(factory, inbox, outbox, threads: int | None = None) -> None:
                 kind = message[0]
                 if kind == "add":
                     _, rid, kwargs, arrival = message
-                    spec = kwargs.get("structured_output")
-                    if spec is None:
+                    job = hooks.compile(kwargs)
+                    if job is None:
                         add(rid, kwargs, arrival)
                         continue
                     if compiler is None:
                         compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorazor-grammar")
-                    cache = grammar_cache(tokenizer, engine.runner.vocab_size)
-                    compiling[rid] = (compiler.submit(cache.compile, spec), kwargs, arrival)
+                    compiling[rid] = (compiler.submit(job), kwargs, arrival)
                 elif kind == "abort":
                     compiling.pop(message[1], None)
                     if message[1] in engine.requests:
@@ -156,7 +183,7 @@ def engine_main(factory, inbox, outbox, threads: int | None = None) -> None:
 
 # ---- the server's side ------------------------------------------------------------------------------
 class EngineProcess:
-    """Starts `factory` (a picklable callable returning `(engine, tokenizer)`) in a spawned process
+    """Starts `factory` (a picklable callable returning `ProcessHooks`) in a spawned process
     and waits until the engine is built (model loaded, graphs captured).
 
     Raises:
