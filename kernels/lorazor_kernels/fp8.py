@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernel_config import get_kernel_config
 from .lora_launch import _cuda_index, _sm_count
 
 FP8 = torch.float8_e4m3fn
@@ -154,24 +155,19 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, coun
             _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS)
 
 
-# A GEMM with fewer column blocks than the GPU has multiprocessors splits K until it launches about
-# this many programs per multiprocessor. The H100 sweep (`probes/fp8_gemm.py --sweep`, 844ba1d): down
-# (8,192 x 3,072: 96 blocks of 32 channels on 132 multiprocessors) took 0.026 ms unsplit and 0.018 ms
-# in 4 splits; gate/up (512 blocks) was slower split in two (0.034 against 0.027 ms).
-PROGRAMS_PER_SM = 3
 # The arrival counters of split-K launches, per device: zeroed once, and each launch leaves them zeroed
 # (kernels on one stream run one after another, so launches never share them at once).
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_COLUMN_BLOCKS = 4096
 
 
-def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device) -> int:
+def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device, programs_per_sm: int) -> int:
     """Splits of K for a launch of `column_blocks` column blocks: none if they fill the multiprocessors,
-    else enough for PROGRAMS_PER_SM programs per multiprocessor, at most one BLOCK_K per split."""
+    else enough for `programs_per_sm` programs per multiprocessor, at most one BLOCK_K per split."""
     sms = _sm_count(_cuda_index(device)) if device.type == "cuda" else 1
     if column_blocks >= sms:
         return 1
-    return min(triton.cdiv(PROGRAMS_PER_SM * sms, column_blocks), triton.cdiv(K, block_k))
+    return min(triton.cdiv(programs_per_sm * sms, column_blocks), triton.cdiv(K, block_k))
 
 
 def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -179,22 +175,24 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     """`fp8_linear` for a few rows (at most `WEIGHT_ONLY_ROWS`) with x unquantized, in one kernel launch:
     a decode step of a few rows is bound by reading the weights, and cuBLASLt's fp8 GEMM runs a
     128x128 tile over them (on the H100 it read the fp8 weights no faster than bf16 ones). Narrow
-    GEMMs split K across programs so the whole GPU reads (see `PROGRAMS_PER_SM`).
+    GEMMs split K across programs so the whole GPU reads (`KernelConfig.fp8_programs_per_sm`).
     `launch`: (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]), for the probe's sweep; None: the
-    default; split_k 0 or absent: chosen by `_split_k`."""
+    device's kernel config (`KernelConfig.fp8_*`); split_k 0 or absent: chosen by `_split_k`."""
     M, K = x.shape
     N = weight.shape[0]
     if M > WEIGHT_ONLY_ROWS:
         raise ValueError(f"fp8_weight_only takes at most {WEIGHT_ONLY_ROWS} rows, got {M}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    # The H100 sweep's best for 3 of the 4 Llama-3.2-3B GEMMs unsplit (`probes/fp8_gemm.py --sweep`, 995d0e0).
-    block_n, block_k, warps, stages, *split = launch or (32, 512, 4, 3)
+    config = get_kernel_config(x.device)
+    block_n, block_k, warps, stages, *split = launch or (config.fp8_block_n, config.fp8_block_k, config.fp8_num_warps,
+                                                         config.fp8_num_stages)
     if len(split) > 1 or (split and split[0] < 0):
         raise ValueError(f"fp8_weight_only launch takes (BLOCK_N, BLOCK_K, warps, stages[, split_k >= 0]), "
                          f"got {launch}")
     column_blocks = triton.cdiv(N, block_n)
-    split_k = split[0] if split and split[0] else _split_k(column_blocks, K, block_k, x.device)
+    split_k = split[0] if split and split[0] else _split_k(column_blocks, K, block_k, x.device,
+                                                           config.fp8_programs_per_sm)
     k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole BLOCK_Ks per split
     split_k = triton.cdiv(K, k_split)
     if split_k > 1:

@@ -59,6 +59,14 @@ class KernelConfig:
             read of y (benchmarks/results/archive/expand_probe_b946ee5/). On in the H200 file since
             1a153d7: compiled decode of Llama-3.2-3B at 128 adapters 7.20-7.24 ms per step
             against 7.37-7.43 without it (benchmarks/results/archive/e2e_ab_gemm_adds_lora_1a153d7/).
+        fp8_block_n / fp8_block_k / fp8_num_warps / fp8_num_stages: the launch of the fp8
+            weight-only GEMM (`fp8.fp8_weight_only`, decode steps of a few rows). The H100 sweep's
+            best for 3 of the 4 Llama-3.2-3B GEMMs unsplit (`probes/fp8_gemm.py --sweep`, 995d0e0).
+        fp8_programs_per_sm: a weight-only GEMM with fewer column blocks than the GPU has
+            multiprocessors splits K until it launches about this many programs per
+            multiprocessor. The H100 sweep (844ba1d): down (8,192 x 3,072: 96 blocks of 32 channels
+            on 132 multiprocessors) took 0.026 ms unsplit and 0.018 ms in 4 splits; gate/up (512
+            blocks) was slower split in two (0.034 against 0.027 ms).
     """
 
     shrink_block_k: int = 128
@@ -81,6 +89,11 @@ class KernelConfig:
     pdl: bool = False
     one_program_meta: bool = False
     gemm_adds_lora: bool = False
+    fp8_block_n: int = 32
+    fp8_block_k: int = 512
+    fp8_num_warps: int = 4
+    fp8_num_stages: int = 3
+    fp8_programs_per_sm: int = 3
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":
