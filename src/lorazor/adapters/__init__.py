@@ -13,7 +13,7 @@ from .. import _lazy_getattr
 if TYPE_CHECKING:  # what type checkers and the API docs (static analysis) read as the public names
     from ..lora.bank import NO_ADAPTER, AdapterBank, ModuleLoRA, SlotImage
     from .loader import AdapterSource, check_adapter_name, check_lora_config, read_adapter
-    from .peft_layers import check_lora_layer, find_lora_layers, peft_adapter_weights
+    from .peft_layers import check_lora_layer, find_expert_wrappers, find_lora_layers, peft_adapter_weights
     from .registry import AdapterRegistry, AdapterStatus
     from ..lora.types import AdapterError, AdapterWeights
 
@@ -23,6 +23,7 @@ _PUBLIC = {
     "AdapterSource": ".loader", "check_adapter_name": ".loader", "check_lora_config": ".loader",
     "read_adapter": ".loader", "AdapterError": "..lora.types", "AdapterWeights": "..lora.types",
     "check_lora_layer": ".peft_layers", "find_lora_layers": ".peft_layers", "peft_adapter_weights": ".peft_layers",
+    "find_expert_wrappers": ".peft_layers",
     "AdapterRegistry": ".registry", "AdapterStatus": ".registry",
 }
 
@@ -39,6 +40,7 @@ __all__ = [
     "check_adapter_name",
     "check_lora_config",
     "check_lora_layer",
+    "find_expert_wrappers",
     "find_lora_layers",
     "peft_adapter_weights",
     "read_adapter",

@@ -42,8 +42,9 @@ REFUSED_FEATURES = (
     ("trainable_token_indices", bool, "trainable tokens (an embedding target), which LoRazor does not support"),
     ("alora_invocation_tokens", bool, "activated LoRA (aLoRA), which LoRazor does not support"),
     ("layer_replication", bool, "layer_replication, which LoRazor does not support"),
-    ("target_parameters", bool, "target_parameters (non-Linear targets), which LoRazor does not support"),
 )
+# `target_parameters` LoRazor serves: the fused experts of MoE layers (`lora/experts.py`).
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def check_adapter_name(name) -> str:
@@ -63,6 +64,52 @@ def check_lora_config(name: str, cfg) -> None:
     for key, is_set, why in REFUSED_FEATURES:
         if is_set(get(key)):
             raise AdapterError(f"adapter {name!r} uses {why} ({key}={get(key)!r})")
+    for parameter in get("target_parameters") or ():
+        if not str(parameter).endswith(EXPERT_PARAMETERS):
+            raise AdapterError(f"adapter {name!r} targets parameter {parameter!r} (target_parameters): LoRazor serves "
+                               f"target_parameters only on MoE experts ({', '.join(EXPERT_PARAMETERS)})")
+
+
+def per_expert_tensors(name: str, cfg: dict, tensors: dict[str, torch.Tensor],
+                       module_sizes: dict | None = None) -> dict[str, torch.Tensor]:
+    """`tensors` with MoE expert LoRA under the bank's per-expert module names (`lora/experts.py`):
+    PEFT's fused `target_parameters` pairs split per expert (which parameter a pair is follows from
+    its shapes and the model's: without `module_sizes` they stay as they are), older per-expert
+    names (Mixtral's `block_sparse_moe.experts.<e>.w1`) renamed; every other tensor as it is."""
+    from ..lora.experts import canonical_module, fused_prefix, split_fused_pair
+
+    out, fused = {}, {}
+    for key, tensor in tensors.items():
+        module, kind = module_of_key(key)
+        prefix = fused_prefix(module) if module else None
+        if prefix is None or module_sizes is None:
+            out[key if not module else f"{PEFT_PREFIX}{canonical_module(module)}.lora_{kind}.weight"] = tensor
+        else:
+            fused.setdefault(module, {})[kind] = tensor
+    for module, pair in fused.items():
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"adapter {name!r} has lora_{'A' if 'A' not in pair else 'B'} missing for {module}")
+        prefix = fused_prefix(module)
+        a, b = pair["A"], pair["B"]
+        gate = module_sizes.get(f"{prefix}.0.gate_proj")
+        if gate is None:
+            raise AdapterError(f"adapter {name!r} puts LoRA on {module}, which is not an MoE experts module of this "
+                               "model that takes adapters")
+        hidden, inter = gate  # which parameter, from the shapes: gate_up is H -> 2I, down I -> H
+        projection = ("gate_up_proj" if (a.shape[1], b.shape[0]) == (hidden, 2 * inter) else
+                      "down_proj" if (a.shape[1], b.shape[0]) == (inter, hidden) else None)
+        if projection is None:
+            raise AdapterError(f"adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
+                               f"{tuple(b.shape)}, which fit neither experts.gate_up_proj ({hidden} -> "
+                               f"{2 * inter}) nor experts.down_proj ({inter} -> {hidden}) of this model")
+        experts = sum(1 for m in module_sizes if m.startswith(f"{prefix}.") and m.endswith(".gate_proj"))
+        if a.shape[0] % experts or b.shape[1] != a.shape[0]:
+            raise AdapterError(f"adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                               f"not rank x {experts} experts")
+        for expert_module, a_e, b_e in split_fused_pair(a, b, experts, prefix, projection):
+            out[f"{PEFT_PREFIX}{expert_module}.lora_A.weight"] = a_e
+            out[f"{PEFT_PREFIX}{expert_module}.lora_B.weight"] = b_e
+    return out
 
 
 def module_rank_alpha(cfg: dict, module: str) -> tuple[int, float]:
@@ -269,6 +316,7 @@ def read_adapter(name: str, path, allow_hub: bool = False, root: Path | None = N
     source = AdapterSource(name, folder, cfg, None, cfg["r"], root=root)
     bound = None if module_sizes is None else weights_bound(module_sizes, max_rank or cfg["r"])
     tensors, digest = read_tensors(source, bound, raw)
+    tensors = per_expert_tensors(name, cfg, tensors, module_sizes)
     shapes = _pair_shapes(name, {key: tuple(t.shape) for key, t in tensors.items()})
     ranks = ([module_rank_alpha(cfg, module)[0] for module in shapes]
              or [cfg["r"], *(cfg.get("rank_pattern") or {}).values()])
@@ -396,6 +444,7 @@ def adapter_weights(source: AdapterSource, tensors: dict[str, torch.Tensor],
                     module_sizes: dict[str, tuple[int, int]]) -> AdapterWeights:
     """`tensors` (the folder's, read) checked against the bank's modules and paired per module."""
     check_finite(source.name, tensors)  # the file may have changed since registration
+    tensors = per_expert_tensors(source.name, source.config, tensors, module_sizes)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         module, kind = module_of_key(key)

@@ -15,9 +15,29 @@ def _lora_layer_types():
 
 
 def find_lora_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Qualified name -> PEFT LoraLayer, for every LoRA-wrapped module of `model`."""
+    """Qualified name -> PEFT LoraLayer, for every LoRA-wrapped module of `model` but the wrappers
+    of parameters (`target_parameters`: MoE experts, `find_expert_wrappers`)."""
     lora_layer, _ = _lora_layer_types()
-    return {name: m for name, m in model.named_modules() if isinstance(m, lora_layer)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, lora_layer) and not is_param_wrapper(m)}
+
+
+def is_param_wrapper(layer: nn.Module) -> bool:
+    """PEFT's LoRA on a parameter (`target_parameters`), not on a module."""
+    return type(layer).__name__ == "ParamWrapper" and hasattr(layer, "parameter_name")
+
+
+def find_expert_wrappers(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name -> PEFT ParamWrapper, for every `target_parameters` LoRA of `model` (nested
+    wrappers of one experts module each appear under their own names). A wrapper of anything but a
+    fused experts module's `gate_up_proj` / `down_proj` is refused."""
+    from ..lora.experts import fused_prefix
+
+    found = {name: m for name, m in model.named_modules() if is_param_wrapper(m)}
+    for name, layer in found.items():
+        if fused_prefix(name) is None or layer.parameter_name not in ("gate_up_proj", "down_proj"):
+            raise AdapterError(f"{name}: LoRA on parameter {layer.parameter_name!r} (target_parameters) is served only "
+                               "on MoE experts' gate_up_proj and down_proj")
+    return found
 
 
 def check_lora_layer(module_name: str, layer: nn.Module, adapters: list[str]) -> None:
@@ -43,10 +63,19 @@ def check_lora_layer(module_name: str, layer: nn.Module, adapters: list[str]) ->
 
 
 def peft_adapter_weights(layers: dict[str, nn.Module], name: str) -> AdapterWeights:
-    """Adapter `name`'s weights from PEFT layers (module name -> LoraLayer), on their device."""
+    """Adapter `name`'s weights from PEFT layers (module name -> LoraLayer, or ParamWrapper of MoE
+    experts, split per expert: `lora/experts.py`), on their device."""
+    from ..lora.experts import fused_prefix, split_fused_pair
+
     weights = AdapterWeights()
     for module, layer in layers.items():
-        if name in layer.lora_A:
-            weights.modules[module] = (layer.lora_A[name].weight.detach(), layer.lora_B[name].weight.detach(),
-                                       float(layer.scaling[name]))
+        if name not in layer.lora_A:
+            continue
+        a, b, scale = layer.lora_A[name].weight.detach(), layer.lora_B[name].weight.detach(), float(layer.scaling[name])
+        if is_param_wrapper(layer):
+            for expert_module, a_e, b_e in split_fused_pair(a, b, layer.num_experts, fused_prefix(module),
+                                                            layer.parameter_name):
+                weights.modules[expert_module] = (a_e, b_e, scale)
+        else:
+            weights.modules[module] = (a, b, scale)
     return weights

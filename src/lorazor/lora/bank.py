@@ -12,7 +12,9 @@ row: an adapter packed in that row's layout on the host (a `SlotImage`) goes int
 copy (plus one for the scalings and one for the ranks), not one per module. The row holds, per
 group of modules that share an input and run merged (`lorazor.lora.merged`: q/k/v, gate/up), the
 group's A as one `[G * r_max, K]` block and its B as one `[r_max, sum N]` block, so the merged
-tensors are views of the storage too (`lay_out`); a module outside a group is a group of one. Slots
+tensors are views of the storage too (`lay_out`); a module outside a group is a group of one. The
+experts of one MoE projection are such a group too, always (`stacks`: `lora/experts.py` reads them
+as `[L, E, r, K]` / `[L, E, N, r]` through `stack`). Slots
 are written in place, so captured CUDA graphs stay valid; on the GPU the copy runs on a side
 stream that the compute stream waits for.
 """
@@ -100,10 +102,12 @@ class AdapterBank:
         r_max: the largest rank a slot holds.
         dtype: of the weights.
         device: where the slots live.
+        stacks: groups of modules (same sizes) laid out as one stacked block: an MoE projection's
+            experts, in expert order.
     """
 
     def __init__(self, sizes: dict[str, tuple[int, int]], num_slots: int, r_max: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, stacks=()):
         if not sizes:
             raise AdapterError("no LoRA target modules: nothing for adapters to apply to")
         self.num_slots, self.r_max, self.dtype, self.device = num_slots, r_max, dtype, torch.device(device)
@@ -114,17 +118,28 @@ class AdapterBank:
         self.slot_of: dict[str, int] = {}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pending: dict[int, torch.cuda.Event] = {}  # slot -> end of its last write
+        self._stacks = [tuple(group) for group in stacks]
+        self.stacked = {name for group in self._stacks for name in group}  # modules of stacks, not layers
+        self._stack_views: dict[tuple[str, ...], tuple] = {}
         self.lay_out([])
 
     @classmethod
     def empty(cls, layers: dict[str, nn.Linear], num_slots: int, r_max: int,
-              dtype: torch.dtype | None = None) -> "AdapterBank":
-        """Empty slots for these base linear layers (module name -> nn.Linear), on their device."""
-        first = next(iter(layers.values()), None)
-        if first is None:
+              dtype: torch.dtype | None = None, experts: dict[str, nn.Module] | None = None) -> "AdapterBank":
+        """Empty slots for these base linear layers (module name -> nn.Linear) and the experts of
+        these MoE experts modules (name -> fused experts module, `lora/experts.py`), on their device."""
+        from .experts import EXPERT_PROJECTIONS, expert_module_names, expert_sizes
+
+        experts = experts or {}
+        weights = [base.weight for base in layers.values()] + [m.gate_up_proj for m in experts.values()]
+        if not weights:
             raise AdapterError("no LoRA target modules: nothing for adapters to apply to")
-        return cls({name: (base.in_features, base.out_features) for name, base in layers.items()}, num_slots,
-                   r_max, dtype or first.weight.dtype, first.weight.device)
+        sizes = {name: (base.in_features, base.out_features) for name, base in layers.items()}
+        stacks = []
+        for prefix, module in experts.items():
+            sizes.update(expert_sizes(prefix, module))
+            stacks += [expert_module_names(prefix, module.num_experts, p) for p in EXPERT_PROJECTIONS]
+        return cls(sizes, num_slots, r_max, dtype or weights[0].dtype, weights[0].device, stacks=stacks)
 
     def lay_out(self, groups) -> dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(Re)allocate the storage with each group of module names (same K, run merged) adjacent:
@@ -133,6 +148,7 @@ class AdapterBank:
         objects the layers hold are updated in place). Only while every slot is empty."""
         if any(self.names):
             raise RuntimeError("the bank's layout changes only while its slots are empty")
+        groups = [*self._stacks, *groups]
         grouped = {name: tuple(group) for group in groups for name in group}
         blocks, placed = [], set()
         for name in self._sizes:
@@ -167,7 +183,16 @@ class AdapterBank:
                 lo, index = lo + n, index + 1
             views[block] = (a_block, b_store.transpose(1, 2), self.scaling[index - len(block):index])
             offset = b_offset + r * sum(widths)
+        self._stack_views = {}
+        for block in self._stacks:
+            a_block, b_block, scaling = views[block]
+            self._stack_views[block] = (a_block.unflatten(1, (len(block), r)),
+                                        b_block.unflatten(1, (len(block), b_block.shape[1] // len(block))), scaling)
         return views
+
+    def stack(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A stacked group's views (`stacks`): A `[L, G, r_max, K]`, B `[L, G, N, r_max]`, scaling `[G, L]`."""
+        return self._stack_views[names]
 
     @property
     def module_sizes(self) -> dict[str, tuple[int, int]]:

@@ -86,6 +86,8 @@ def patch_layers(root: nn.Module, bank: AdapterBank, context: StepContext,
     """
     replaced = []
     for name in [*bank.modules, *(n for n in peft_layers if n not in bank.modules)]:
+        if name in bank.stacked:
+            continue  # an expert's slot module: its layer is the experts module's (`experts.py`)
         parent, attr = _parent_and_attr(root, name)
         old = getattr(parent, attr)
         base = old.get_base_layer() if hasattr(old, "get_base_layer") else old

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..adapters import AdapterBank, AdapterError, check_adapter_name, check_lora_config, check_lora_layer
-from ..adapters import find_lora_layers, peft_adapter_weights, read_adapter
+from ..adapters import find_expert_wrappers, find_lora_layers, peft_adapter_weights, read_adapter
 from ..config import LoRazorConfig
 from ..quant.checkpoint import checkpoint_files, checkpoint_quantization, read_fp8_projections, without_quantization
 
@@ -47,7 +47,10 @@ def unexpected_scales_quiet(quiet: bool):
 
 
 # Hugging Face `model_type`s whose decoders run through LoRazor's runner (tested against PEFT).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+                           "qwen3_moe", "mixtral", "olmoe")
+# Of them, the mixtures of experts (LoRA on attention and on the experts, `lora/experts.py`).
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
 # Slot rank when nothing given at build time says otherwise (vLLM's default max_lora_rank).
 DEFAULT_MAX_LORA_RANK = 16
 
@@ -74,7 +77,8 @@ def check_config(config) -> LoRazorConfig:
 def check_model_type(model_type) -> None:
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise NotImplementedError(f"model_type {model_type!r} is not supported; supported: "
-                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                                  f"{', '.join(SUPPORTED_ARCHITECTURES)} (mixtures of experts: "
+                                  f"{', '.join(MOE_ARCHITECTURES)})")
 
 
 def check_architecture(hf_model: nn.Module) -> None:
@@ -121,6 +125,22 @@ def linear_targets(hf_model: nn.Module, patterns) -> dict[str, nn.Linear]:
     return found
 
 
+def expert_targets(hf_model: nn.Module, patterns, wanted: bool = False) -> dict[str, nn.Module]:
+    """The MoE experts modules whose experts get adapter slots: all of them when `wanted` (an
+    adapter targets experts), when `patterns` is None (every target) or names `experts`."""
+    from ..lora.experts import find_experts
+
+    if not (wanted or patterns is None or any("experts" in p for p in patterns)):
+        return {}
+    return find_experts(hf_model.get_decoder())
+
+
+def _under_decoder(hf_model: nn.Module, found: dict) -> dict:
+    decoder = hf_model.get_decoder()
+    prefix = next(name for name, m in hf_model.named_modules() if m is decoder)
+    return {f"{prefix}.{name}": module for name, module in found.items()}
+
+
 def build_from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None):
     config = check_config(config)
     if not hasattr(peft_model, "peft_config") or not hasattr(peft_model, "get_base_model"):
@@ -143,6 +163,8 @@ def build_from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None):
     for module, layer in layers.items():
         check_lora_layer(module, layer, names)
     check_architecture(hf_model)
+    wrappers = find_expert_wrappers(hf_model)
+    layers.update(wrappers)
     ranks = {a: max((layer.r[a] for layer in layers.values() if a in layer.lora_A), default=0) for a in names}
     for a, r in ranks.items():
         if config.max_lora_rank is not None and r > config.max_lora_rank:
@@ -153,8 +175,10 @@ def build_from_peft(cls, peft_model: nn.Module, config: LoRazorConfig | None):
     targets = {m: layer.get_base_layer() for m, layer in layers.items() if any(a in layer.lora_A for a in names)}
     if config.lora_target_modules is not None:
         targets.update(linear_targets(hf_model, config.lora_target_modules))
+    targets = {m: base for m, base in targets.items() if m not in wrappers}
+    experts = _under_decoder(hf_model, expert_targets(hf_model, config.lora_target_modules, bool(wrappers)))
     bank = AdapterBank.empty(targets, config.max_loras or len(names), config.max_lora_rank or max(ranks.values()),
-                             config.torch_dtype)
+                             config.torch_dtype, experts=experts)
     model = cls(hf_model, bank, config, peft_model=peft_model)
     for name in names:
         model.registry.add_loaded(name, peft_adapter_weights(layers, name))
@@ -197,9 +221,15 @@ def build_from_pretrained(cls, base, adapters: dict | None, config: LoRazorConfi
     targets = linear_targets(hf_model, config.lora_target_modules)
     if not targets:
         raise ValueError(f"no linear layer of the decoder matches lora_target_modules={config.lora_target_modules}")
-    bank = AdapterBank.empty(targets, config.max_loras or max(1, len(adapters)), max_rank, config.torch_dtype)
+    # Expert LoRA (`lora/experts.py`): PEFT's fused tensors are split per expert once the model's
+    # experts are known, so those folders are read again at registration.
+    fused = {name for name, s in sources.items() if s.config.get("target_parameters")}
+    wanted = bool(fused) or any(".experts." in module for s in sources.values() for module in s.shapes or {})
+    experts = _under_decoder(hf_model, expert_targets(hf_model, config.lora_target_modules, wanted))
+    bank = AdapterBank.empty(targets, config.max_loras or max(1, len(adapters)), max_rank, config.torch_dtype,
+                             experts=experts)
     model = cls(hf_model, bank, config, fp8_weights=fp8_weights)
     for name, source in sources.items():
-        model.registry.register(name, source.path, source=source)
+        model.registry.register(name, source.path, source=None if name in fused else source)
     model.registry.make_resident(list(adapters)[: bank.num_slots])
     return model

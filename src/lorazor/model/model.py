@@ -19,6 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 from ..adapters import AdapterBank, AdapterRegistry, AdapterStatus, find_lora_layers
 from ..config import RELEASE_MODES, LoRazorConfig
 from ..lora.context import StepContext
+from ..lora.experts import patch_experts
 from ..lora.layers import patch_layers, unpatch_layers
 from ..lora.merged import merge_projections
 from ..policies.base import ReleasePolicy, check_policy
@@ -85,6 +86,7 @@ class LoRazorModel(nn.Module):
         config = config.resolve_compile(self.device, backend)
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_layers(model, bank, self.context, find_lora_layers(model))
+        self._replaced += patch_experts(model, bank, self.context)  # MoE experts (`lora/experts.py`)
         if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
             quantize_decoder(self.model.get_decoder(), fp8_weights)  # an fp8 checkpoint's own, where given
         self.merged_groups = merge_projections(self.model, self.context, bank) if config.merge_projections else []

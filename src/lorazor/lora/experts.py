@@ -1,0 +1,214 @@
+"""LoRA on the experts of a mixture-of-experts layer (Qwen3-MoE, Mixtral, OLMoE in transformers 5).
+
+Their experts are fused parameters of one module (`mlp.experts`): `gate_up_proj` `[E, 2I, H]` (gate
+rows first) and `down_proj` `[E, H, I]`; the router (`mlp.gate`) picks each token's top-k experts
+and their weights, and the experts module is called as `experts(hidden [T, H], top_k_index [T, k],
+top_k_weights [T, k])`. LoRazor replaces that module with `BatchedLoRAExperts`, which runs the same
+computation with each token's adapter on each of its chosen experts.
+
+In the bank an expert projection is a module of its own, named as adapters trained against earlier
+transformers versions name it: `<layer>.mlp.experts.<e>.gate_proj` / `up_proj` (H -> I) and
+`down_proj` (I -> H). The E experts of one projection form one stacked block (`AdapterBank.stack`):
+A `[L, E, r, K]`, B `[L, E, N, r]`, scaling `[E, L]`. PEFT's `target_parameters` adapters (one A of
+rank r per expert for the fused gate_up, `lora_A` `[r * E, H]`, `lora_B` `[2I, r * E]`) are split
+into these modules when they are read (`split_fused_experts`): gate and up share their A.
+
+The step (reference, pure torch; the same on the CPU and the GPU, no host sync): the token-expert
+pairs sorted by expert, the base projections as grouped GEMMs over the sorted pairs (transformers'
+own), and each pair's LoRA delta from its token's slot and its expert (gathered A and B, batched
+matmuls); pairs of backbone or released tokens (slot -1) add nothing. A step without adapters runs
+the model's own experts forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .context import StepContext
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether `module` is a transformers-5 fused experts module LoRazor serves."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+            and down.dim() == 3 and hasattr(module, "num_experts"))
+
+
+def check_experts(name: str, module: nn.Module) -> None:
+    """Refuse an experts module whose layout the step does not compute (biases, transposed or
+    interleaved gate/up, no gate, a norm after each expert)."""
+    odd = [flag for flag, want in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True),
+                                   ("has_gate", True), ("has_post_expert_norm", False))
+           if getattr(module, flag, want) != want]
+    if odd:
+        raise NotImplementedError(f"{name}: experts with {', '.join(odd)} set are not supported")
+
+
+def find_experts(root: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name -> fused experts module, for every MoE layer under `root` (the innermost base
+    of a PEFT wrapper, under the wrapper's name)."""
+    found = {}
+    for name, module in root.named_modules():
+        if name.endswith(".base_layer"):
+            continue
+        base = module
+        while hasattr(base, "base_layer") and not is_fused_experts(base):
+            base = base.base_layer
+        if is_fused_experts(base):
+            check_experts(name, base)
+            found[name] = base
+    return found
+
+
+def expert_module_names(prefix: str, num_experts: int, projection: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}.{e}.{projection}" for e in range(num_experts))
+
+
+def expert_sizes(prefix: str, experts: nn.Module) -> dict[str, tuple[int, int]]:
+    """The bank modules of one experts module: name -> (in_features, out_features)."""
+    num, two_i, hidden = experts.gate_up_proj.shape
+    sizes = {}
+    for projection, size in (("gate_proj", (hidden, two_i // 2)), ("up_proj", (hidden, two_i // 2)),
+                             ("down_proj", (experts.down_proj.shape[2], experts.down_proj.shape[1]))):
+        sizes.update({n: size for n in expert_module_names(prefix, num, projection)})
+    return sizes
+
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, experts_g: torch.Tensor):
+    """`x[p] @ weight[e_p].T` for pairs sorted by expert (`offsets`: each expert's end)."""
+    try:
+        from transformers.integrations.moe import _grouped_linear
+    except ImportError:  # an older transformers: one matmul per expert of the gathered weights
+        return torch.bmm(weight[experts_g], x[:, :, None])[..., 0]
+    return _grouped_linear(x, weight, offsets)
+
+
+def _delta(stack, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Each pair's LoRA delta `scaling * B[slot, e] (A[slot, e] x)`; zero where not `active`."""
+    lora_a, lora_b, scaling = stack
+    a = lora_a[slot, expert]  # [P, r, K]
+    b = lora_b[slot, expert]  # [P, N, r]
+    shrunk = torch.bmm(a, x.to(a.dtype)[:, :, None])
+    delta = torch.bmm(b, shrunk)[..., 0]
+    scale = scaling[expert, slot] * active
+    return (delta * scale[:, None].to(delta.dtype)).to(x.dtype)
+
+
+class BatchedLoRAExperts(nn.Module):
+    """An MoE layer's experts with each token's adapter on each of its chosen experts.
+
+    Args:
+        base: the model's fused experts module (shared, not copied).
+        prefix: its module name (the bank's expert modules are named under it).
+        bank: the adapter bank holding the expert modules (`expert_sizes`).
+        context: the model's shared `StepContext`.
+    """
+
+    def __init__(self, base: nn.Module, prefix: str, bank, context: StepContext):
+        super().__init__()
+        self.base = base
+        self.prefix = prefix
+        self.bank = bank
+        self.context = context
+        self.num_experts = base.num_experts
+        self.blocks = {p: expert_module_names(prefix, base.num_experts, p) for p in EXPERT_PROJECTIONS}
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        meta = self.context.meta
+        if meta is None or meta.has_lora is False:
+            return self.base(hidden_states, top_k_index, top_k_weights)
+        tokens, top_k = top_k_index.shape
+        if tokens != meta.row_slot.shape[0]:
+            raise RuntimeError(f"experts got {tokens} tokens but the step has {meta.row_slot.shape[0]}")
+        base = self.base
+        experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+        token = perm // top_k
+        x = hidden_states[token]
+        slot = meta.row_slot.long()[token]
+        active = slot >= 0
+        slot = slot.clamp(min=0)
+        # histc, not bincount: no host sync, so the step stays capturable (transformers does the same).
+        counts = torch.histc(experts.float() if experts.device.type == "cpu" else experts.int(),
+                             bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        stacks = {p: self.bank.stack(names) for p, names in self.blocks.items()}
+        gate_up = _expert_linear(x, base.gate_up_proj, offsets, experts)
+        gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts, active),
+                                       _delta(stacks["up_proj"], x, slot, experts, active)], dim=-1)
+        hidden = base._apply_gate(gate_up) if hasattr(base, "_apply_gate") else _gated(base, gate_up)
+        out = _expert_linear(hidden, base.down_proj, offsets, experts)
+        out = out + _delta(stacks["down_proj"], hidden, slot, experts, active)
+        out = out * top_k_weights.reshape(-1)[perm, None].to(out.dtype)
+        pairs = torch.empty_like(out)
+        pairs[perm] = out
+        return pairs.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, slots={self.bank.num_slots}"
+
+
+def _gated(base: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return base.act_fn(gate) * up
+
+
+def patch_experts(root: nn.Module, bank, context: StepContext) -> list[tuple[str, nn.Module]]:
+    """Replace every experts module (or PEFT's wrapper of one) under `root` whose expert modules are
+    in the bank by a `BatchedLoRAExperts`; returns `(name, old module)` pairs to put back."""
+    replaced = []
+    for name, base in find_experts(root).items():
+        if f"{name}.0.gate_proj" not in bank.modules:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = root.get_submodule(parent_name) if parent_name else root
+        replaced.append((name, getattr(parent, attr)))
+        setattr(parent, attr, BatchedLoRAExperts(base, name, bank, context))
+    return replaced
+
+
+# ---- adapters: PEFT's fused-expert tensors and older per-expert names --------------------------------------
+# Per-expert names of earlier transformers versions: Mixtral's `block_sparse_moe.experts.<e>.w1/w3/w2`.
+LEGACY_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def canonical_module(module: str) -> str:
+    """An adapter's module name in the bank's terms: Mixtral's older `block_sparse_moe.experts.<e>.w1`
+    is `mlp.experts.<e>.gate_proj` (w3: up_proj, w2: down_proj); other names are unchanged."""
+    parts = module.split(".")
+    if "experts" not in parts:
+        return module
+    i = parts.index("experts")
+    if i > 0 and parts[i - 1] == "block_sparse_moe":
+        parts[i - 1] = "mlp"
+    if len(parts) == i + 3 and parts[i + 1].isdigit() and parts[i + 2] in LEGACY_PROJECTIONS:
+        parts[i + 2] = LEGACY_PROJECTIONS[parts[i + 2]]
+    return ".".join(parts)
+
+
+def fused_prefix(module: str) -> str | None:
+    """`<layer>.mlp.experts` for a PEFT `target_parameters` module name (`...experts` or
+    `...experts.base_layer[.base_layer...]`), else None."""
+    while module.endswith(".base_layer"):
+        module = module[: -len(".base_layer")]
+    return module if module.endswith(".experts") else None
+
+
+def split_fused_pair(a: torch.Tensor, b: torch.Tensor, num_experts: int, prefix: str, projection: str):
+    """PEFT's LoRA of a fused expert parameter (`lora_A` `[r * E, in]`, `lora_B` `[out, r * E]`) as
+    per-expert (module name, A `[r, in]`, B `[out_e, r]`) triples: gate_up's B rows split into
+    gate_proj's and up_proj's, both with the expert's A."""
+    r = a.shape[0] // num_experts
+    a_e = a.reshape(num_experts, r, a.shape[-1])
+    b_e = b.reshape(b.shape[0], r, num_experts)
+    out = []
+    for e in range(num_experts):
+        a_i, b_i = a_e[e], b_e[:, :, e]
+        if projection == "gate_up_proj":
+            half = b_i.shape[0] // 2
+            out += [(f"{prefix}.{e}.gate_proj", a_i, b_i[:half]), (f"{prefix}.{e}.up_proj", a_i, b_i[half:])]
+        else:
+            out.append((f"{prefix}.{e}.down_proj", a_i, b_i))
+    return out
