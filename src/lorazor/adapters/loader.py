@@ -103,9 +103,12 @@ def per_expert_tensors(name: str, cfg: dict, tensors: dict[str, torch.Tensor],
                                f"{tuple(b.shape)}, which fit neither experts.gate_up_proj ({hidden} -> "
                                f"{2 * inter}) nor experts.down_proj ({inter} -> {hidden}) of this model")
         experts = sum(1 for m in module_sizes if m.startswith(f"{prefix}.") and m.endswith(".gate_proj"))
-        if a.shape[0] % experts or b.shape[1] != a.shape[0]:
-            raise AdapterError(f"adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
-                               f"not rank x {experts} experts")
+        rank = module_rank_alpha(cfg, f"{prefix}.{projection}")[0]
+        if a.shape[0] != rank * experts or b.shape[1] != a.shape[0]:
+            raise AdapterError(f"adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+                               f"this model's {experts} experts at r={rank} need lora_A [{rank * experts}, "
+                               f"{a.shape[1]}] and lora_B [{b.shape[0]}, {rank * experts}] (an adapter for another "
+                               "expert count?)")
         for expert_module, a_e, b_e in split_fused_pair(a, b, experts, prefix, projection):
             out[f"{PEFT_PREFIX}{expert_module}.lora_A.weight"] = a_e
             out[f"{PEFT_PREFIX}{expert_module}.lora_B.weight"] = b_e
@@ -408,7 +411,10 @@ def targeted_modules(cfg: dict, modules) -> set[str] | None:
     view = SimpleNamespace(target_modules=targets if isinstance(targets, str) else set(targets),
                            exclude_modules=cfg.get("exclude_modules"), modules_to_save=None, target_parameters=None,
                            layers_to_transform=cfg.get("layers_to_transform"), layers_pattern=cfg.get("layers_pattern"))
-    return {module for module in modules if check_target_module_exists(view, module)}
+    from ..lora.experts import legacy_name
+
+    return {module for module in modules if check_target_module_exists(view, module)
+            or (legacy_name(module) is not None and check_target_module_exists(view, legacy_name(module)))}
 
 
 def check_coverage(source: AdapterSource, module_sizes: dict) -> None:

@@ -188,6 +188,16 @@ def canonical_module(module: str) -> str:
     return ".".join(parts)
 
 
+def legacy_name(module: str) -> str | None:
+    """The older Mixtral name of an expert module (`mlp.experts.<e>.gate_proj` ->
+    `block_sparse_moe.experts.<e>.w1`), so configs that target `w1` select it; None for others."""
+    parts = module.split(".")
+    if len(parts) < 4 or parts[-4] != "mlp" or parts[-3] != "experts" or not parts[-2].isdigit():
+        return None
+    legacy = {v: k for k, v in LEGACY_PROJECTIONS.items()}.get(parts[-1])
+    return None if legacy is None else ".".join([*parts[:-4], "block_sparse_moe", "experts", parts[-2], legacy])
+
+
 def fused_prefix(module: str) -> str | None:
     """`<layer>.mlp.experts` for a PEFT `target_parameters` module name (`...experts` or
     `...experts.base_layer[.base_layer...]`), else None."""
