@@ -266,7 +266,8 @@ def test_an_adapter_for_other_experts_is_refused_naming_the_tensor(family, tmp_p
     get_peft_model(small, LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.down_proj"])
                    ).save_pretrained(tmp_path / "four")
     model = LoRazorModel.from_pretrained(base_folder, adapters={}, config=LoRazorConfig(lora_target_modules=None))
-    with pytest.raises(AdapterError, match=r"mlp\.experts has lora_A \(16, 24\).* 8 experts at r=4 need lora_A \[32, 24\]"):
+    expected = r"mlp\.experts has lora_A \(16, 24\).* 8 experts at r=4 need lora_A \[32, 24\]"
+    with pytest.raises(AdapterError, match=expected):
         model.register_adapter("four", tmp_path / "four")
 
 
