@@ -335,3 +335,9 @@ def test_lorazor_serve_answers_with_a_moe_adapters_text(tmp_path):
         log = stop_process_group(proc)
     assert "choices" in body, (body, log[-3000:])
     assert body["choices"][0]["text"] == expected
+
+
+def test_fp8_on_a_moe_model_is_refused(family):
+    _, _, _, oracles = family
+    with pytest.raises(NotImplementedError, match="MoE experts are fused parameters"):
+        LoRazorModel.from_pretrained(copy.deepcopy(oracles[None]), config=LoRazorConfig(quantization="fp8"))

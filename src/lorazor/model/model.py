@@ -19,7 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 from ..adapters import AdapterBank, AdapterRegistry, AdapterStatus, find_lora_layers
 from ..config import RELEASE_MODES, LoRazorConfig
 from ..lora.context import StepContext
-from ..lora.experts import patch_experts
+from ..lora.experts import find_experts, patch_experts
 from ..lora.layers import patch_layers, unpatch_layers
 from ..lora.merged import merge_projections
 from ..policies.base import ReleasePolicy, check_policy
@@ -87,6 +87,11 @@ class LoRazorModel(nn.Module):
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_layers(model, bank, self.context, find_lora_layers(model))
         self._replaced += patch_experts(model, bank, self.context)  # MoE experts (`lora/experts.py`)
+        if config.quantization == "fp8" and find_experts(model.get_decoder()):
+            unpatch_layers(model, self._replaced)
+            raise NotImplementedError("quantization='fp8' quantizes linear projections only, and this model's "
+                                      "MoE experts are fused parameters: serve it unquantized (fp8 experts are "
+                                      "not supported yet)")
         if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
             quantize_decoder(self.model.get_decoder(), fp8_weights)  # an fp8 checkpoint's own, where given
         self.merged_groups = merge_projections(self.model, self.context, bank) if config.merge_projections else []
