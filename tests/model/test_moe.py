@@ -1,4 +1,4 @@
-"""Mixture-of-experts backbones (Qwen3-MoE, Mixtral) under many adapters, against PEFT and HF.
+"""Mixture-of-experts backbones (Qwen3-MoE, Mixtral, OLMoE) under many adapters, against PEFT and HF.
 
 Tiny random models (8 experts, top-2, fp32). Adapters: attention only, experts only (PEFT's
 `target_parameters` on the fused `gate_up_proj` / `down_proj`), both (another rank, the parameters
@@ -26,13 +26,15 @@ LEFT_PAD = {1: 2, 4: 1}  # row -> left-padding tokens
 
 
 def tiny_moe(arch: str):
-    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=8, num_experts_per_tok=2, max_position_embeddings=128, eos_token_id=None, pad_token_id=PAD)
     if arch == "qwen3_moe":
         config = Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=24, num_experts=8, norm_topk_prob=True,
                                 **common)
+    elif arch == "olmoe":
+        config = OlmoeConfig(intermediate_size=24, num_experts=8, **common)
     else:
         config = MixtralConfig(intermediate_size=24, num_local_experts=8, **common)
     torch.manual_seed(0)
@@ -89,7 +91,7 @@ SPECS = {  # "experts" first: slot 0 holds expert weights, so a row wrongly read
 }
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "olmoe"])
 def family(request, tmp_path_factory):
     """(arch, base folder, adapter folders, oracle per adapter name)."""
     from peft import LoraConfig, get_peft_model
@@ -259,7 +261,7 @@ def test_an_adapter_for_other_experts_is_refused_naming_the_tensor(family, tmp_p
     # The same family with 4 experts instead of 8: its expert LoRA has half the rows.
     other = tiny_moe(arch)
     config = other.config
-    setattr(config, "num_experts" if arch == "qwen3_moe" else "num_local_experts", 4)
+    setattr(config, "num_local_experts" if arch == "mixtral" else "num_experts", 4)
     from transformers import AutoModelForCausalLM
 
     small = AutoModelForCausalLM.from_config(config)
