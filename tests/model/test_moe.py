@@ -239,7 +239,7 @@ def test_from_peft_serves_every_adapter_of_a_peft_model(family):
     assert [out.sequences[row, ids.shape[1]:].tolist() for row in range(3)] == expected
 
 
-def test_backbone_and_released_rows_run_the_models_own_experts(family, moe_model, monkeypatch):
+def test_a_step_without_adapters_computes_no_expert_lora(family, moe_model, monkeypatch):
     import lorazor.lora.experts as experts
 
     calls = []

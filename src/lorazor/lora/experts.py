@@ -16,8 +16,8 @@ into these modules when they are read (`split_fused_experts`): gate and up share
 The step (reference, pure torch; the same on the CPU and the GPU, no host sync): the token-expert
 pairs sorted by expert, the base projections as grouped GEMMs over the sorted pairs (transformers'
 own), and each pair's LoRA delta from its token's slot and its expert (gathered A and B, batched
-matmuls); pairs of backbone or released tokens (slot -1) add nothing. A step without adapters runs
-the model's own experts forward.
+matmuls); pairs of backbone or released tokens (slot -1) add nothing, and a step without adapters
+computes no delta at all.
 """
 
 from __future__ import annotations
@@ -78,12 +78,17 @@ def expert_sizes(prefix: str, experts: nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def _expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, experts_g: torch.Tensor):
-    """`x[p] @ weight[e_p].T` for pairs sorted by expert (`offsets`: each expert's end)."""
+    """`x[p] @ weight[e_p].T` for pairs sorted by expert (`offsets`: each expert's end): one grouped
+    GEMM (transformers' dispatch to torch's) in bf16 or on the CPU; otherwise (fp32 / fp16 on a GPU,
+    where transformers falls back to a loop that reads the offsets on the host, which a CUDA graph
+    cannot hold) a batched matmul over each pair's gathered expert weights."""
     try:
         from transformers.integrations.moe import _grouped_linear
-    except ImportError:  # an older transformers: one matmul per expert of the gathered weights
-        return torch.bmm(weight[experts_g], x[:, :, None])[..., 0]
-    return _grouped_linear(x, weight, offsets)
+    except ImportError:  # an older transformers
+        _grouped_linear = None
+    if _grouped_linear is not None and (weight.dtype == torch.bfloat16 or weight.device.type == "cpu"):
+        return _grouped_linear(x, weight, offsets)
+    return torch.bmm(weight[experts_g], x.to(weight.dtype)[:, :, None])[..., 0]
 
 
 def _delta(stack, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -118,29 +123,30 @@ class BatchedLoRAExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         meta = self.context.meta
-        if meta is None or meta.has_lora is False:
-            return self.base(hidden_states, top_k_index, top_k_weights)
+        lora = meta is not None and meta.has_lora is not False  # else no row has an adapter: no delta
         tokens, top_k = top_k_index.shape
-        if tokens != meta.row_slot.shape[0]:
+        if lora and tokens != meta.row_slot.shape[0]:
             raise RuntimeError(f"experts got {tokens} tokens but the step has {meta.row_slot.shape[0]}")
         base = self.base
         experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)
         token = perm // top_k
         x = hidden_states[token]
-        slot = meta.row_slot.long()[token]
-        active = slot >= 0
-        slot = slot.clamp(min=0)
         # histc, not bincount: no host sync, so the step stays capturable (transformers does the same).
         counts = torch.histc(experts.float() if experts.device.type == "cpu" else experts.int(),
                              bins=self.num_experts, min=0, max=self.num_experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        stacks = {p: self.bank.stack(names) for p, names in self.blocks.items()}
         gate_up = _expert_linear(x, base.gate_up_proj, offsets, experts)
-        gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts, active),
-                                       _delta(stacks["up_proj"], x, slot, experts, active)], dim=-1)
+        if lora:
+            slot = meta.row_slot.long()[token]
+            active = slot >= 0
+            slot = slot.clamp(min=0)
+            stacks = {p: self.bank.stack(names) for p, names in self.blocks.items()}
+            gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts, active),
+                                           _delta(stacks["up_proj"], x, slot, experts, active)], dim=-1)
         hidden = base._apply_gate(gate_up) if hasattr(base, "_apply_gate") else _gated(base, gate_up)
         out = _expert_linear(hidden, base.down_proj, offsets, experts)
-        out = out + _delta(stacks["down_proj"], hidden, slot, experts, active)
+        if lora:
+            out = out + _delta(stacks["down_proj"], hidden, slot, experts, active)
         out = out * top_k_weights.reshape(-1)[perm, None].to(out.dtype)
         pairs = torch.empty_like(out)
         pairs[perm] = out
