@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (a CPU check of the script)")
+    parser.add_argument("--warmup-sizes", default=None,
+                        help="decode batch sizes warm_up captures, e.g. 1,256 (default: all, as the engine does)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from lorazor import LoRazorEngine
@@ -188,7 +190,8 @@ def main() -> None:
     engine = LoRazorEngine(model)
     build_s = time.perf_counter() - start
     start = time.perf_counter()
-    graphs = engine.warm_up()
+    sizes = None if args.warmup_sizes is None else [int(b) for b in args.warmup_sizes.split(",")]
+    graphs = engine.warm_up(sizes)
     record(phase="setup", build_s=round(build_s, 1), warmup_s=round(time.perf_counter() - start, 1), graphs=graphs,
            compile=model.config.compile, layers=args.layers, adapters=args.adapters, rank=args.rank,
            bank_gb=round(model.bank.storage.nbytes / 1e9, 2), kv_blocks=engine.pool.num_blocks)
