@@ -343,3 +343,17 @@ def test_fp8_on_a_moe_model_is_refused(family):
     _, _, _, oracles = family
     with pytest.raises(NotImplementedError, match="MoE experts are fused parameters"):
         LoRazorModel.from_pretrained(copy.deepcopy(oracles[None]), config=LoRazorConfig(quantization="fp8"))
+
+
+def test_the_engine_leaves_room_for_the_experts_lora_workspace(moe_model):
+    # The KV pool is sized from what is left after this (on a GPU); a dense model needs none.
+    config = moe_model.model.config
+    layer = moe_model.model.get_decoder().layers[0].mlp.experts
+    hidden, inter, r = config.hidden_size, layer.base.gate_up_proj.shape[1] // 2, moe_model.bank.r_max
+    pairs = 4096 * config.num_experts_per_tok
+    element = layer.base.gate_up_proj.element_size()
+    assert moe_model.runner.step_workspace_bytes(4096) == 2 * pairs * (r * (hidden + inter) + 3 * (hidden + 2 * inter)
+                                                                       ) * element
+    from helpers import build_pair
+
+    assert build_pair("llama")[0].runner.step_workspace_bytes(4096) == 0

@@ -95,7 +95,8 @@ class LoRazorEngine:
         if num_kv_blocks is None:
             per_block = runner.kv_bytes_per_token() * block_size
             if model.device.type == "cuda":
-                free = torch.cuda.mem_get_info(model.device)[0] * config.gpu_memory_utilization - GPU_HEADROOM_BYTES
+                headroom = GPU_HEADROOM_BYTES + runner.step_workspace_bytes(config.max_num_batched_tokens)
+                free = torch.cuda.mem_get_info(model.device)[0] * config.gpu_memory_utilization - headroom
                 num_kv_blocks = max(int(free // per_block), 1)
             else:
                 num_kv_blocks = DEFAULT_CPU_BLOCKS

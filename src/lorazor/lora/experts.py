@@ -152,6 +152,16 @@ class BatchedLoRAExperts(nn.Module):
         pairs[perm] = out
         return pairs.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
+    def workspace_bytes(self, tokens: int) -> int:
+        """The memory a step of `tokens` tokens takes here at most: per token-expert pair its gathered
+        slot weights of one projection (`_delta`: A `[r, K]` and B `[N, r]`) beside the grouped
+        GEMMs' inputs and outputs, counted twice (a captured graph's pool keeps more than one alive).
+        The engine leaves this much GPU memory outside its KV pool."""
+        pairs = tokens * getattr(getattr(self.base, "config", None), "num_experts_per_tok", 1)
+        _, two_i, hidden = self.base.gate_up_proj.shape
+        per_pair = self.bank.r_max * (hidden + two_i // 2) + 3 * (hidden + two_i)
+        return 2 * pairs * per_pair * self.base.gate_up_proj.element_size()
+
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, slots={self.bank.num_slots}"
 

@@ -140,6 +140,12 @@ class ModelRunner:
                             self.hf_model.config.num_attention_heads, self.dtype, self.device,
                             use_kernel=self.triton_attention)
 
+    def step_workspace_bytes(self, tokens: int) -> int:
+        """Memory a step of `tokens` tokens needs beyond the usual activations: the largest of the
+        decoder modules' own estimates (`workspace_bytes`: the MoE experts' LoRA), 0 for dense models."""
+        return max((m.workspace_bytes(tokens) for m in self.decoder.modules() if hasattr(m, "workspace_bytes")),
+                   default=0)
+
     def cache_for(self, batch_size: int, max_len: int, device: torch.device) -> KVCache:
         """A fresh cache, or with CUDA graphs the persistent cache of the graph bucket."""
         if not self.uses_graphs:
