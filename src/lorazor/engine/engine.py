@@ -34,7 +34,6 @@ from ..model.hf_generation import ResolvedConfigs
 from .admission import check_length, prepare_request
 from .background import BackgroundLoop
 from .blocks import BlockPool
-from .outputs import postprocess
 from .request import Request, RequestOutput, Status
 from .scheduler import Scheduler
 from .step_inputs import TableRows, picks_of, prepare
@@ -323,9 +322,12 @@ class LoRazorEngine:
         return chunks, [request.report([]) for request in ended]
 
     def _postprocess(self, *steps) -> list[RequestOutput]:
-        """The outputs of launched steps, in order (None, or a step already read back: skipped)."""
-        return [out for step in steps if step is not None and step.values_host is None
-                for out in postprocess(step, self._finish)]
+        """The outputs of launched steps, in order (None, or a step already read back: skipped): the
+        scheduler finishes the requests that stop; the engine then forgets them."""
+        outputs = [out for step in steps if step is not None and step.values_host is None
+                   for out in self.scheduler.update_from_output(step)]
+        self._forget_finished()
+        return outputs
 
     def _take_early(self) -> list[RequestOutput]:
         outputs, self._early = self._early, []
@@ -412,13 +414,16 @@ class LoRazorEngine:
             registry.load_each(wanted, protected=busy)
 
     def _finish(self, request: Request, reason: str) -> None:
-        self.scheduler.remove(request)
-        request.status = Status.FINISHED
-        request.finish_reason = reason
-        request.finish_time = time.monotonic()
-        del self.requests[request.request_id]
-        if request.adapter is not None:
-            self.model.registry.release(request.adapter)
+        """End a request outside a step's read-back (abort, a failed load or launch)."""
+        self.scheduler.finish(request, reason)
+        self._forget_finished()
+
+    def _forget_finished(self) -> None:
+        """Drop the requests the scheduler finished and give their adapters back to the registry."""
+        for request in self.scheduler.take_finished():
+            del self.requests[request.request_id]
+            if request.adapter is not None:
+                self.model.registry.release(request.adapter)
 
     # ---- offline and streaming ------------------------------------------------------------------
     def generate(self, requests: list[dict], progress: bool = False) -> list[RequestOutput]:

@@ -21,12 +21,14 @@ Every step:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from ..adapters.read_ahead import READ_AHEAD
 from .blocks import BlockPool, block_hashes
-from .request import Request, Status
+from .outputs import postprocess
+from .request import Request, RequestOutput, Status
 
 
 @dataclass
@@ -56,9 +58,31 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.finished: list[Request] = []  # finished since the engine last took them (`take_finished`)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request ("stop", "length", "abort", "error", ...): out of the queues, its blocks
+        freed, its status and finish reason set; the engine takes it from `finished`."""
+        self.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.monotonic()
+        self.finished.append(request)
+
+    def take_finished(self) -> list[Request]:
+        """The requests finished since the last call (the engine forgets them and releases their
+        adapters)."""
+        finished, self.finished = self.finished, []
+        return finished
+
+    def update_from_output(self, step) -> list[RequestOutput]:
+        """A launched step read back (`outputs.postprocess`): each request's token appended and its
+        stop checks run; those that stop are finished here. Returns an output per request that got a
+        token or finished."""
+        return postprocess(step, self.finish)
 
     def remove(self, request: Request) -> None:
         """Take a request out (finished or aborted) and free its blocks (its full ones stay cached)."""

@@ -107,7 +107,7 @@ class AdapterBank:
     """
 
     def __init__(self, sizes: dict[str, tuple[int, int]], num_slots: int, r_max: int, dtype: torch.dtype,
-                 device: torch.device, stacks=()):
+                 device: torch.device, stacks: tuple[tuple[str, ...], ...] | list = ()):
         if not sizes:
             raise AdapterError("no LoRA target modules: nothing for adapters to apply to")
         self.num_slots, self.r_max, self.dtype, self.device = num_slots, r_max, dtype, torch.device(device)
