@@ -6,6 +6,7 @@
 - attention: decode attention over a contiguous cache (`decode_attention.py`) and paged attention
   with the pool writes (`paged_attention.py`);
 - fp8 weights: per-channel quantization and the weight-only fp8 GEMM (`fp8.py`);
+- MoE experts: each token-expert pair's LoRA delta from its own slot and expert (`expert_lora.py`);
 - the engine's asynchronous step: the next step's input tokens filled on the device (`token_fill.py`);
 - launch settings per GPU (`kernel_config.py`, `configs/`); `reference.py`: the pure-torch LoRA delta.
 
@@ -13,6 +14,7 @@ The package takes tensors and step metadata; it imports no lorazor, transformers
 """
 
 from .decode_attention import decode_attention, decode_attention_op, decode_attention_reference
+from .expert_lora import expert_lora, expert_lora_reference
 from .fp8 import dequantize, fp8_linear, fp8_linear_reference, quantize_rows
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
@@ -37,6 +39,8 @@ __all__ = [
     "decode_attention_op",
     "decode_attention_reference",
     "dequantize",
+    "expert_lora",
+    "expert_lora_reference",
     "fill_pending",
     "fill_pending_reference",
     "fp8_linear",

@@ -15,17 +15,25 @@ into these modules when they are read (`split_fused_experts`): gate and up share
 
 The step (reference, pure torch; the same on the CPU and the GPU, no host sync): the token-expert
 pairs sorted by expert, the base projections as grouped GEMMs over the sorted pairs (transformers'
-own), and each pair's LoRA delta from its token's slot and its expert (gathered A and B, batched
-matmuls); pairs of backbone or released tokens (slot -1) add nothing, and a step without adapters
-computes no delta at all.
+own), and each pair's LoRA delta from its token's slot and its expert (`lorazor_kernels.expert_lora`:
+gathered A and B and batched matmuls; with LORAZOR_EXPERT_KERNEL=1 a Triton shrink/expand that reads
+them in place); pairs of backbone or released tokens (slot -1) add nothing, and a step without
+adapters computes no delta at all.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+from lorazor_kernels import expert_lora, expert_lora_reference
 from torch import nn
 
 from .context import StepContext
+
+# The in-place Triton shrink/expand over pairs (`lorazor_kernels.expert_lora`): tested against the
+# torch path in Triton's interpreter, not yet measured on a GPU, so off unless this is "1".
+KERNEL_ENV = "LORAZOR_EXPERT_KERNEL"
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -91,15 +99,14 @@ def _expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     return torch.bmm(weight[experts_g], x.to(weight.dtype)[:, :, None])[..., 0]
 
 
-def _delta(stack, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """Each pair's LoRA delta `scaling * B[slot, e] (A[slot, e] x)`; zero where not `active`."""
+def _delta(stack, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """Each pair's LoRA delta `scaling * B[slot, e] (A[slot, e] x)`; zero where `slot` < 0."""
     lora_a, lora_b, scaling = stack
-    a = lora_a[slot, expert]  # [P, r, K]
-    b = lora_b[slot, expert]  # [P, N, r]
-    shrunk = torch.bmm(a, x.to(a.dtype)[:, :, None])
-    delta = torch.bmm(b, shrunk)[..., 0]
-    scale = scaling[expert, slot] * active
-    return (delta * scale[:, None].to(delta.dtype)).to(x.dtype)
+    r = lora_a.shape[2]
+    if (os.environ.get(KERNEL_ENV) == "1" and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+            and not r & (r - 1)):
+        return expert_lora(x, lora_a, lora_b, scaling, slot, expert)
+    return expert_lora_reference(x, lora_a, lora_b, scaling, slot, expert)
 
 
 class BatchedLoRAExperts(nn.Module):
@@ -138,15 +145,13 @@ class BatchedLoRAExperts(nn.Module):
         gate_up = _expert_linear(x, base.gate_up_proj, offsets, experts)
         if lora:
             slot = meta.row_slot.long()[token]
-            active = slot >= 0
-            slot = slot.clamp(min=0)
             stacks = {p: self.bank.stack(names) for p, names in self.blocks.items()}
-            gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts, active),
-                                           _delta(stacks["up_proj"], x, slot, experts, active)], dim=-1)
+            gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts),
+                                           _delta(stacks["up_proj"], x, slot, experts)], dim=-1)
         hidden = base._apply_gate(gate_up) if hasattr(base, "_apply_gate") else _gated(base, gate_up)
         out = _expert_linear(hidden, base.down_proj, offsets, experts)
         if lora:
-            out = out + _delta(stacks["down_proj"], hidden, slot, experts, active)
+            out = out + _delta(stacks["down_proj"], hidden, slot, experts)
         out = out * top_k_weights.reshape(-1)[perm, None].to(out.dtype)
         pairs = torch.empty_like(out)
         pairs[perm] = out

@@ -1,0 +1,75 @@
+"""`expert_lora`: each MoE token-expert pair's LoRA delta from its own slot and expert, read in place,
+against the gathering torch reference; on the bank's own strided views (B transposed inside a slot
+row), with pairs of no adapter (slot -1), a slot of a lower rank (zero past it), odd K, N and pair
+counts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CASES = [(3, 5, 16, 40, 70, 23), (2, 8, 8, 128, 33, 1), (4, 3, 32, 200, 129, 64), (1, 2, 16, 64, 64, 0)]
+
+SCRIPT = """
+import json, sys, torch
+from lorazor_kernels import expert_lora, expert_lora_reference
+
+def case(L, E, r, K, N, P, device):
+    g = torch.Generator().manual_seed(L * 1000 + E * 100 + P)
+    # The bank's layout: one storage row per slot, A blocks [E * r, K], then B stored [r, E * N].
+    row = E * r * K + r * E * N + 5
+    storage = torch.randn(L, row, generator=g).to(device)
+    lora_a = storage[:, :E * r * K].view(L, E, r, K)
+    lora_b = storage[:, E * r * K:E * r * K + r * E * N].view(L, r, E * N).transpose(1, 2).unflatten(1, (E, N))
+    lora_a[0, :, r // 2:] = 0
+    lora_b[0, :, :, r // 2:] = 0  # slot 0 holds an adapter of half the rank
+    scaling = torch.rand(E + 1, L, generator=g)[1:].to(device)
+    slot = torch.randint(-1, L, (P,), generator=g).to(device)
+    expert = torch.randint(0, E, (P,), generator=g).to(device)
+    x = torch.randn(P, K, generator=g).to(device)
+    got, ref = expert_lora(x, lora_a, lora_b, scaling, slot, expert), expert_lora_reference(
+        x, lora_a, lora_b, scaling, slot, expert)
+    scale = ref.abs().max().item() if P else 1.0
+    return dict(error=(got - ref).abs().max().item() / max(scale, 1e-6) if P else 0.0,
+                zero_where_no_adapter=bool((got[slot < 0] == 0).all()) if P else True, shape=list(got.shape))
+
+print(json.dumps([case(*c, sys.argv[2]) for c in json.loads(sys.argv[1])]))
+"""
+
+
+def run(device: str, interpret: bool) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"  # read when a kernel is defined: a fresh process
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES), device], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def check(results):
+    for (L, E, r, K, N, P), got in zip(CASES, results, strict=True):
+        assert got["shape"] == [P, N]
+        assert got["error"] < 1e-4 and got["zero_where_no_adapter"], ((L, E, r, K, N, P), got)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the GPU test below runs the compiled kernels")
+def test_expert_lora_equals_its_reference_in_the_interpreter():
+    check(run("cpu", interpret=True))
+
+
+@pytest.mark.gpu
+def test_expert_lora_equals_its_reference_on_the_gpu():
+    check(run("cuda", interpret=False))
+
+
+def test_expert_lora_refuses_a_rank_that_is_not_a_power_of_two():
+    from lorazor_kernels import expert_lora
+
+    a, b = torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 8, 6)
+    with pytest.raises(ValueError, match="power-of-two r_max, got 6"):
+        expert_lora(torch.zeros(3, 8), a, b, torch.ones(2, 1), torch.zeros(3, dtype=torch.long),
+                    torch.zeros(3, dtype=torch.long))
