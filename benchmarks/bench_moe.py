@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent / "probes")]
-from common import environment, time_graph  # noqa: E402
+from common import environment  # noqa: E402
+from step_roofline import matmul_tflops, read_bandwidth  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                      moe_intermediate_size=768, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
@@ -43,16 +44,6 @@ QWEN3_30B_A3B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_hea
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
             intermediate_size=96, num_experts=8, num_experts_per_tok=2, vocab_size=512)
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def read_bandwidth() -> float:
-    x = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda").uniform_()
-    return x.numel() * x.element_size() / (time_graph(lambda: x.sum(dtype=torch.float32), iters=20) * 1e-3)
-
-
-def matmul_tflops() -> float:
-    a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    return 2 * 8192**3 / (time_graph(lambda: a @ b, iters=20) * 1e-3) / 1e12
 
 
 def build(args):

@@ -102,7 +102,9 @@ def per_expert_tensors(name: str, cfg: dict, tensors: dict[str, torch.Tensor],
             raise AdapterError(f"adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
                                f"{tuple(b.shape)}, which fit neither experts.gate_up_proj ({hidden} -> "
                                f"{2 * inter}) nor experts.down_proj ({inter} -> {hidden}) of this model")
-        experts = sum(1 for m in module_sizes if m.startswith(f"{prefix}.") and m.endswith(".gate_proj"))
+        experts = 0
+        while f"{prefix}.{experts}.gate_proj" in module_sizes:
+            experts += 1
         rank = module_rank_alpha(cfg, f"{prefix}.{projection}")[0]
         if a.shape[0] != rank * experts or b.shape[1] != a.shape[0]:
             raise AdapterError(f"adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "

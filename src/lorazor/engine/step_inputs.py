@@ -89,8 +89,7 @@ def prepare(registry, block_size: int, tables: TableRows, chunks: list[Chunk]) -
     distinct = [n for n in dict.fromkeys(names) if n is not None]
     slot_of = registry.bank.slot_of
     slots = [-1 if n is None else slot_of[n] for n in names]
-    return StepInputs(ids, positions, slots, pool_positions, rows, last, len(distinct), pending, writes,
-                      decode_only=len(ids) == len(rows))
+    return StepInputs(ids, positions, slots, pool_positions, rows, last, len(distinct), pending, writes)
 
 
 def picks_of(chunks: list[Chunk], slot_of: dict) -> Picks:

@@ -120,7 +120,7 @@ class AdapterBank:
         self._pending: dict[int, torch.cuda.Event] = {}  # slot -> end of its last write
         self._stacks = [tuple(group) for group in stacks]
         self.stacked = {name for group in self._stacks for name in group}  # modules of stacks, not layers
-        self._stack_views: dict[tuple[str, ...], tuple] = {}
+        self._stack_views: dict[str, tuple] = {}  # a stack's first module name -> its views
         self.lay_out([])
 
     @classmethod
@@ -186,13 +186,14 @@ class AdapterBank:
         self._stack_views = {}
         for block in self._stacks:
             a_block, b_block, scaling = views[block]
-            self._stack_views[block] = (a_block.unflatten(1, (len(block), r)),
+            self._stack_views[block[0]] = (a_block.unflatten(1, (len(block), r)),
                                         b_block.unflatten(1, (len(block), b_block.shape[1] // len(block))), scaling)
         return views
 
-    def stack(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A stacked group's views (`stacks`): A `[L, G, r_max, K]`, B `[L, G, N, r_max]`, scaling `[G, L]`."""
-        return self._stack_views[names]
+    def stack(self, first: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The views of the stacked group (`stacks`) whose first module is `first`: A `[L, G, r_max, K]`,
+        B `[L, G, N, r_max]`, scaling `[G, L]`."""
+        return self._stack_views[first]
 
     @property
     def module_sizes(self) -> dict[str, tuple[int, int]]:

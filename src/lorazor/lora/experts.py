@@ -31,9 +31,17 @@ from torch import nn
 
 from .context import StepContext
 
+try:
+    from transformers.integrations.moe import _grouped_linear
+except ImportError:  # an older transformers
+    _grouped_linear = None
+
 # The in-place Triton shrink/expand over pairs (`lorazor_kernels.expert_lora`): tested against the
-# torch path in Triton's interpreter, not yet measured on a GPU, so off unless this is "1".
+# torch path in Triton's interpreter, not yet measured on a GPU, so off unless this is "1" (read once,
+# at import: not per layer and step, and not inside a compiled region).
 KERNEL_ENV = "LORAZOR_EXPERT_KERNEL"
+USE_KERNEL = os.environ.get(KERNEL_ENV) == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -90,10 +98,6 @@ def _expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     GEMM (transformers' dispatch to torch's) in bf16 or on the CPU; otherwise (fp32 / fp16 on a GPU,
     where transformers falls back to a loop that reads the offsets on the host, which a CUDA graph
     cannot hold) a batched matmul over each pair's gathered expert weights."""
-    try:
-        from transformers.integrations.moe import _grouped_linear
-    except ImportError:  # an older transformers
-        _grouped_linear = None
     if _grouped_linear is not None and (weight.dtype == torch.bfloat16 or weight.device.type == "cpu"):
         return _grouped_linear(x, weight, offsets)
     return torch.bmm(weight[experts_g], x.to(weight.dtype)[:, :, None])[..., 0]
@@ -103,8 +107,7 @@ def _delta(stack, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor) -> 
     """Each pair's LoRA delta `scaling * B[slot, e] (A[slot, e] x)`; zero where `slot` < 0."""
     lora_a, lora_b, scaling = stack
     r = lora_a.shape[2]
-    if (os.environ.get(KERNEL_ENV) == "1" and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-            and not r & (r - 1)):
+    if USE_KERNEL and (x.is_cuda or INTERPRETED) and not r & (r - 1):
         return expert_lora(x, lora_a, lora_b, scaling, slot, expert)
     return expert_lora_reference(x, lora_a, lora_b, scaling, slot, expert)
 
@@ -126,7 +129,8 @@ class BatchedLoRAExperts(nn.Module):
         self.bank = bank
         self.context = context
         self.num_experts = base.num_experts
-        self.blocks = {p: expert_module_names(prefix, base.num_experts, p) for p in EXPERT_PROJECTIONS}
+        # The bank's stacked blocks are found by their first module's name (a string, hashed once).
+        self.blocks = {p: expert_module_names(prefix, base.num_experts, p)[0] for p in EXPERT_PROJECTIONS}
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         meta = self.context.meta
@@ -145,7 +149,7 @@ class BatchedLoRAExperts(nn.Module):
         gate_up = _expert_linear(x, base.gate_up_proj, offsets, experts)
         if lora:
             slot = meta.row_slot.long()[token]
-            stacks = {p: self.bank.stack(names) for p, names in self.blocks.items()}
+            stacks = {p: self.bank.stack(first) for p, first in self.blocks.items()}
             gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts),
                                            _delta(stacks["up_proj"], x, slot, experts)], dim=-1)
         hidden = base._apply_gate(gate_up) if hasattr(base, "_apply_gate") else _gated(base, gate_up)

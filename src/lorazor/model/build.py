@@ -108,11 +108,16 @@ def check_before_loading(base, config: LoRazorConfig, load_kwargs: dict):
     return hf_config, scheme
 
 
+def decoder_prefix(hf_model: nn.Module) -> str:
+    """The decoder's module name in `hf_model` (`model` for most causal LMs)."""
+    decoder = hf_model.get_decoder()
+    return next(name for name, m in hf_model.named_modules() if m is decoder)
+
+
 def linear_targets(hf_model: nn.Module, patterns) -> dict[str, nn.Linear]:
     """The decoder's linear layers (PEFT-wrapped or plain) whose name is or ends with one of
     `patterns`; every one of them when `patterns` is None. Module name -> base nn.Linear."""
-    decoder = hf_model.get_decoder()
-    prefix = next(name for name, m in hf_model.named_modules() if m is decoder)
+    prefix = decoder_prefix(hf_model)
     found = {}
     for name, module in hf_model.named_modules():
         # A PEFT wrapper is taken under its own name; the linear inside it is its `.base_layer`.
@@ -136,8 +141,7 @@ def expert_targets(hf_model: nn.Module, patterns, wanted: bool = False) -> dict[
 
 
 def _under_decoder(hf_model: nn.Module, found: dict) -> dict:
-    decoder = hf_model.get_decoder()
-    prefix = next(name for name, m in hf_model.named_modules() if m is decoder)
+    prefix = decoder_prefix(hf_model)
     return {f"{prefix}.{name}": module for name, module in found.items()}
 
 

@@ -38,7 +38,11 @@ class StepInputs:
     # (token index, request) of each token still on the device: the output of the step in flight.
     pending: list = field(default_factory=list)
     table_writes: list = field(default_factory=list)
-    decode_only: bool = False  # one token per chunk (set by whoever builds it)
+
+    @property
+    def decode_only(self) -> bool:
+        """One token per chunk."""
+        return len(self.ids) == len(self.chunks)
 
 
 class PagedSteps:

@@ -60,15 +60,17 @@ def register(model, name: str, path: str, replace: bool = False, source=None) ->
     model.register_adapter(name, path, allow_hub=False, replace=replace, source=source)
 
 
+def prepare(engine, tokenizer, request_id: str, kwargs: dict):
+    """A request's plain arguments (what crosses the pipe) as a checked engine request, not queued."""
+    return engine.prepare_request(request_id=request_id, **engine_arguments(kwargs, engine, tokenizer))
+
+
 def process_hooks(build, *args) -> ProcessHooks:
     """The factory `EngineProcess` runs in the engine's process: `build(*args) -> (engine,
     tokenizer)`, and what the server adds there (its request conversion, grammar compiles off the
     engine's loop, adapter and stats calls)."""
     engine, tokenizer = build(*args)
     model = engine.model
-
-    def prepare(request_id: str, kwargs: dict):
-        return engine.prepare_request(request_id=request_id, **engine_arguments(kwargs, engine, tokenizer))
 
     def compile_job(kwargs: dict):
         spec = kwargs.get("structured_output")
@@ -78,7 +80,8 @@ def process_hooks(build, *args) -> ProcessHooks:
 
     calls = {"register_adapter": lambda *a: register(model, *a), "unregister_adapter": model.unregister_adapter,
              "stats": lambda: engine_stats(engine)}
-    return ProcessHooks(engine, prepare, compile_job, calls, engine_info(engine), REQUEST_ERRORS)
+    return ProcessHooks(engine, functools.partial(prepare, engine, tokenizer), compile_job, calls, engine_info(engine),
+                        REQUEST_ERRORS)
 
 
 @runtime_checkable
@@ -129,7 +132,7 @@ class LocalEngine:
     async def generate(self, request_id: str, kwargs: dict, arrival_time: float | None = None):
         """The request's outputs (an async iterator); a bad request raises here, before it is queued."""
         engine = self.engine
-        prepared = engine.prepare_request(request_id=request_id, **engine_arguments(kwargs, engine, self.tokenizer))
+        prepared = prepare(engine, self.tokenizer, request_id, kwargs)
         return await engine.background.open(prepared, arrival_time)
 
     async def register_adapter(self, name: str, path: str, replace: bool = False, root=None) -> None:
