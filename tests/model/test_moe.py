@@ -357,3 +357,16 @@ def test_the_engine_leaves_room_for_the_experts_lora_workspace(moe_model):
     from helpers import build_pair
 
     assert build_pair("llama")[0].runner.step_workspace_bytes(4096) == 0
+
+
+def test_the_expert_kernel_switch_is_refused_where_it_cannot_run(family, monkeypatch):
+    import lorazor.lora.experts as experts
+
+    _, _, _, oracles = family
+    monkeypatch.setattr(experts, "USE_KERNEL", True)
+    monkeypatch.setattr(experts, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="power-of-two max_lora_rank, got 6"):
+        LoRazorModel.from_pretrained(copy.deepcopy(oracles[None]), config=LoRazorConfig(max_lora_rank=6))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            LoRazorModel.from_pretrained(copy.deepcopy(oracles[None]), config=LoRazorConfig(max_lora_rank=8))

@@ -35,9 +35,7 @@ import signal
 import threading
 import time
 import traceback
-
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..adapters.loader import read_adapter
 from .background import merge
@@ -66,7 +64,7 @@ def unpack(row: dict, tokens: list[int]) -> RequestOutput:
     return RequestOutput(tokens=TokenPrefix(tokens), **row)
 
 
-@dataclass
+@dataclasses.dataclass
 class ProcessHooks:
     """What the engine's process takes from its front end.
 

@@ -103,13 +103,25 @@ def _expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     return torch.bmm(weight[experts_g], x.to(weight.dtype)[:, :, None])[..., 0]
 
 
-def _delta(stack, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+def _delta(stack, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor, kernel: bool) -> torch.Tensor:
     """Each pair's LoRA delta `scaling * B[slot, e] (A[slot, e] x)`; zero where `slot` < 0."""
     lora_a, lora_b, scaling = stack
-    r = lora_a.shape[2]
-    if USE_KERNEL and (x.is_cuda or INTERPRETED) and not r & (r - 1):
+    if kernel:
         return expert_lora(x, lora_a, lora_b, scaling, slot, expert)
     return expert_lora_reference(x, lora_a, lora_b, scaling, slot, expert)
+
+
+def use_kernel(bank) -> bool:
+    """Whether the experts' LoRA runs `expert_lora` (`LORAZOR_EXPERT_KERNEL=1`); a setting it cannot
+    honour is refused, not ignored."""
+    if not USE_KERNEL:
+        return False
+    r = bank.r_max
+    if r & (r - 1):
+        raise ValueError(f"{KERNEL_ENV}=1 needs a power-of-two max_lora_rank, got {r}")
+    if bank.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"{KERNEL_ENV}=1 needs a CUDA device (or TRITON_INTERPRET=1), the bank is on {bank.device}")
+    return True
 
 
 class BatchedLoRAExperts(nn.Module):
@@ -120,15 +132,17 @@ class BatchedLoRAExperts(nn.Module):
         prefix: its module name (the bank's expert modules are named under it).
         bank: the adapter bank holding the expert modules (`expert_sizes`).
         context: the model's shared `StepContext`.
+        kernel: run the deltas with `expert_lora` (`use_kernel`).
     """
 
-    def __init__(self, base: nn.Module, prefix: str, bank, context: StepContext):
+    def __init__(self, base: nn.Module, prefix: str, bank, context: StepContext, kernel: bool = False):
         super().__init__()
         self.base = base
         self.prefix = prefix
         self.bank = bank
         self.context = context
         self.num_experts = base.num_experts
+        self.kernel = kernel
         # The bank's stacked blocks are found by their first module's name (a string, hashed once).
         self.blocks = {p: expert_module_names(prefix, base.num_experts, p)[0] for p in EXPERT_PROJECTIONS}
 
@@ -150,12 +164,12 @@ class BatchedLoRAExperts(nn.Module):
         if lora:
             slot = meta.row_slot.long()[token]
             stacks = {p: self.bank.stack(first) for p, first in self.blocks.items()}
-            gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts),
-                                           _delta(stacks["up_proj"], x, slot, experts)], dim=-1)
+            gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts, self.kernel),
+                                           _delta(stacks["up_proj"], x, slot, experts, self.kernel)], dim=-1)
         hidden = base._apply_gate(gate_up) if hasattr(base, "_apply_gate") else _gated(base, gate_up)
         out = _expert_linear(hidden, base.down_proj, offsets, experts)
         if lora:
-            out = out + _delta(stacks["down_proj"], hidden, slot, experts)
+            out = out + _delta(stacks["down_proj"], hidden, slot, experts, self.kernel)
         out = out * top_k_weights.reshape(-1)[perm, None].to(out.dtype)
         pairs = torch.empty_like(out)
         pairs[perm] = out
@@ -184,13 +198,14 @@ def patch_experts(root: nn.Module, bank, context: StepContext) -> list[tuple[str
     """Replace every experts module (or PEFT's wrapper of one) under `root` whose expert modules are
     in the bank by a `BatchedLoRAExperts`; returns `(name, old module)` pairs to put back."""
     replaced = []
+    kernel = bool(bank.stacked) and use_kernel(bank)  # refused before any module is replaced
     for name, base in find_experts(root).items():
         if f"{name}.0.gate_proj" not in bank.modules:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         replaced.append((name, getattr(parent, attr)))
-        setattr(parent, attr, BatchedLoRAExperts(base, name, bank, context))
+        setattr(parent, attr, BatchedLoRAExperts(base, name, bank, context, kernel))
     return replaced
 
 
