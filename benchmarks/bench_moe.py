@@ -20,7 +20,9 @@ pool sized by `gpu_memory_utilization`).
   tokens plus the causal attention's FLOPs at the measured TFLOPS;
 - trace: 512 requests (128-token prompts, 64 tokens out, EOS ignored) all queued at once, for the
   backbone, LoRA kept (`exact`), and StepTrim (every request releases after 8 decode steps).
-Writes `moe.json` (rows with the environment) and `moe.md`.
+On a GPU each decode and prefill row carries a torch.profiler breakdown of its steps (kernels per
+step, GPU ms by category, the ten heaviest kernels). Writes `moe.json` (rows with the environment)
+and `moe.md`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent / "probes")]
 from common import environment  # noqa: E402
-from step_roofline import matmul_tflops, read_bandwidth  # noqa: E402
+from step_roofline import matmul_tflops, profile_steps, read_bandwidth  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                      moe_intermediate_size=768, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
@@ -118,8 +120,10 @@ def decode_ms(engine, batch: int, adapter_of, steps: int, vocab: int) -> float:
         start = time.perf_counter()
         engine.step()
         times.append((time.perf_counter() - start) * 1e3)
+    # Where the step's time goes: kernels by category and the ten heaviest (GPU only).
+    profile = profile_steps(engine, 5, cpu=False) if torch.cuda.is_available() else {}
     engine.abort_all()
-    return statistics.median(times)
+    return statistics.median(times), profile
 
 
 def prefill_ms(engine, vocab: int, prompts: int = 8, length: int = 512) -> float:
@@ -136,7 +140,14 @@ def prefill_ms(engine, vocab: int, prompts: int = 8, length: int = 512) -> float
         times.append((time.perf_counter() - start) * 1e3)
         while engine.has_unfinished():
             engine.step()
-    return min(times[1:])
+    profile = {}
+    if torch.cuda.is_available():  # one more prefill step, profiled
+        for _ in range(prompts):
+            engine.add_request(torch.randint(3, vocab, (length,), generator=g).tolist(), max_new_tokens=1)
+        profile = profile_steps(engine, 1, cpu=False)
+        while engine.has_unfinished():
+            engine.step()
+    return min(times[1:]), profile
 
 
 def trace(engine, vocab: int, adapters: int, system: str, requests: int) -> dict:
@@ -192,13 +203,14 @@ def main() -> None:
         kv = batch * (64 + 30) * per_token_kv
         base_floor = (weight_bytes(config, experts) + kv) / bandwidth * 1e3
         lora_floor = base_floor + adapter_bytes(config, args.rank, pairs, min(batch, args.adapters)) / bandwidth * 1e3
-        backbone = decode_ms(engine, batch, lambda i: None, 30, config.vocab_size)
-        lora = decode_ms(engine, batch, lambda i: f"a{i % args.adapters}", 30, config.vocab_size)
+        backbone, backbone_profile = decode_ms(engine, batch, lambda i: None, 30, config.vocab_size)
+        lora, lora_profile = decode_ms(engine, batch, lambda i: f"a{i % args.adapters}", 30, config.vocab_size)
         record(phase="decode", batch=batch, experts_per_layer=round(sum(experts) / len(experts), 1),
                adapter_expert_pairs_per_layer=round(sum(pairs) / len(pairs), 1), backbone_ms=round(backbone, 3),
                backbone_floor_ms=round(base_floor, 3), backbone_vs_floor=round(backbone / base_floor, 2),
                lora_ms=round(lora, 3), lora_floor_ms=round(lora_floor, 3), lora_vs_floor=round(lora / lora_floor, 2),
-               lora_vs_backbone=round(lora / backbone, 2))
+               lora_vs_backbone=round(lora / backbone, 2), backbone_profile=backbone_profile,
+               lora_profile=lora_profile)
     h, q = config.hidden_size, config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     active = config.num_hidden_layers * (h * q * 2 + 2 * h * kv + config.num_experts * h
@@ -206,10 +218,10 @@ def main() -> None:
     tokens, length = 8 * 512, 512
     attention = config.num_hidden_layers * 8 * 2 * length * length * q  # causal QK^T and PV: 4 T^2 d / 2 each
     flops = 2 * active * tokens + attention + 2 * 8 * h * config.vocab_size
-    measured = prefill_ms(engine, config.vocab_size)
+    measured, prefill_profile = prefill_ms(engine, config.vocab_size)
     floor = flops / (tflops * 1e12) * 1e3
     record(phase="prefill", tokens=tokens, ms=round(measured, 2), flops_floor_ms=round(floor, 2),
-           vs_floor=round(measured / floor, 2))
+           vs_floor=round(measured / floor, 2), profile=prefill_profile)
     requests = args.requests if cuda else 16
     for system in ("backbone", "exact", "steptrim"):
         record(phase="trace", system=system, requests=requests, **trace(engine, config.vocab_size, args.adapters,
@@ -218,7 +230,9 @@ def main() -> None:
     (args.out / "moe.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# MoE under adapters ({meta.get('gpu', 'cpu')}, {meta['commit']})", "", f"`{meta['command']}`", "",
              "| phase | row |", "|---|---|"]
-    lines += [f"| {r['phase']} | {', '.join(f'{k}={v}' for k, v in r.items() if k != 'phase')} |" for r in rows]
+    lines += [f"| {r['phase']} | {', '.join(f'{k}={v}' for k, v in r.items() if k != 'phase' and 'profile' not in k)} |"
+              for r in rows]
+    lines += ["", "Profiles (GPU ms per step by kernel category, the heaviest kernels): `moe.json`."]
     (args.out / "moe.md").write_text("\n".join(lines) + "\n")
 
 

@@ -359,14 +359,23 @@ def test_the_engine_leaves_room_for_the_experts_lora_workspace(moe_model):
     assert build_pair("llama")[0].runner.step_workspace_bytes(4096) == 0
 
 
-def test_the_expert_kernel_switch_is_refused_where_it_cannot_run(family, monkeypatch):
+def test_the_triton_backend_runs_the_expert_kernel_and_equals_peft(family):
+    # The GPU's default backend: the experts' deltas from `expert_lora` (on the CPU in Triton's
+    # interpreter), here with a max_lora_rank that is not a power of two.
     import lorazor.lora.experts as experts
+    from transformers import AutoModelForCausalLM
 
-    _, _, _, oracles = family
-    monkeypatch.setattr(experts, "USE_KERNEL", True)
-    monkeypatch.setattr(experts, "INTERPRETED", False)
-    with pytest.raises(ValueError, match="power-of-two max_lora_rank, got 6"):
-        LoRazorModel.from_pretrained(copy.deepcopy(oracles[None]), config=LoRazorConfig(max_lora_rank=6))
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="needs a CUDA device"):
-            LoRazorModel.from_pretrained(copy.deepcopy(oracles[None]), config=LoRazorConfig(max_lora_rank=8))
+    arch, base, folders, oracles = family
+    if arch != "qwen3_moe" and DEVICE == "cpu":
+        pytest.skip("the interpreter is slow: one family on the CPU")
+    hf_model = AutoModelForCausalLM.from_pretrained(base).to(DEVICE)
+    model = LoRazorModel.from_pretrained(hf_model, adapters=folders, config=LoRazorConfig(
+        max_loras=4, max_lora_rank=6, backend="triton"))
+    layer = model.model.get_decoder().layers[0].mlp.experts
+    assert isinstance(layer, experts.BatchedLoRAExperts) and layer.kernel
+    ids, mask = batch(seed=17, rows=4)
+    out = model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), adapter_ids=ADAPTERS[:4],
+                         max_new_tokens=4, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    for row, adapter in enumerate(ADAPTERS[:4]):
+        assert out.sequences[row, ids.shape[1]:].tolist() == oracle_row(oracles, adapter, ids, mask, row, new=4), (
+            row, adapter)

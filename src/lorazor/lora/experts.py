@@ -15,15 +15,15 @@ into these modules when they are read (`split_fused_experts`): gate and up share
 
 The step (reference, pure torch; the same on the CPU and the GPU, no host sync): the token-expert
 pairs sorted by expert, the base projections as grouped GEMMs over the sorted pairs (transformers'
-own), and each pair's LoRA delta from its token's slot and its expert (`lorazor_kernels.expert_lora`:
-gathered A and B and batched matmuls; with LORAZOR_EXPERT_KERNEL=1 a Triton shrink/expand that reads
-them in place); pairs of backbone or released tokens (slot -1) add nothing, and a step without
-adapters computes no delta at all.
+own), and each pair's LoRA delta from its token's slot and its expert, by the model's LoRA backend: with
+"triton" (the default on a GPU) a Triton shrink and expand over the pairs that read each pair's slot
+weights in place (`lorazor_kernels.expert_lora`); with "reference" (the CPU's) the same in torch ops,
+gathered A and B and batched matmuls (`expert_lora_reference`; in a 4,096-token step of a 30B MoE the
+gathered weights take ~1 GB a projection). Pairs of
+backbone or released tokens (slot -1) add nothing, and a step without adapters computes no delta.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from lorazor_kernels import expert_lora, expert_lora_reference
@@ -35,13 +35,6 @@ try:
     from transformers.integrations.moe import _grouped_linear
 except ImportError:  # an older transformers
     _grouped_linear = None
-
-# The in-place Triton shrink/expand over pairs (`lorazor_kernels.expert_lora`): tested against the
-# torch path in Triton's interpreter, not yet measured on a GPU, so off unless this is "1" (read once,
-# at import: not per layer and step, and not inside a compiled region).
-KERNEL_ENV = "LORAZOR_EXPERT_KERNEL"
-USE_KERNEL = os.environ.get(KERNEL_ENV) == "1"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -111,19 +104,6 @@ def _delta(stack, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor, ker
     return expert_lora_reference(x, lora_a, lora_b, scaling, slot, expert)
 
 
-def use_kernel(bank) -> bool:
-    """Whether the experts' LoRA runs `expert_lora` (`LORAZOR_EXPERT_KERNEL=1`); a setting it cannot
-    honour is refused, not ignored."""
-    if not USE_KERNEL:
-        return False
-    r = bank.r_max
-    if r & (r - 1):
-        raise ValueError(f"{KERNEL_ENV}=1 needs a power-of-two max_lora_rank, got {r}")
-    if bank.device.type != "cuda" and not INTERPRETED:
-        raise ValueError(f"{KERNEL_ENV}=1 needs a CUDA device (or TRITON_INTERPRET=1), the bank is on {bank.device}")
-    return True
-
-
 class BatchedLoRAExperts(nn.Module):
     """An MoE layer's experts with each token's adapter on each of its chosen experts.
 
@@ -132,7 +112,7 @@ class BatchedLoRAExperts(nn.Module):
         prefix: its module name (the bank's expert modules are named under it).
         bank: the adapter bank holding the expert modules (`expert_sizes`).
         context: the model's shared `StepContext`.
-        kernel: run the deltas with `expert_lora` (`use_kernel`).
+        kernel: run the deltas with `expert_lora` (the "triton" backend), else the torch reference.
     """
 
     def __init__(self, base: nn.Module, prefix: str, bank, context: StepContext, kernel: bool = False):
@@ -179,10 +159,12 @@ class BatchedLoRAExperts(nn.Module):
         """The memory a step of `tokens` tokens takes here at most: per token-expert pair its gathered
         slot weights of one projection (`_delta`: A `[r, K]` and B `[N, r]`) beside the grouped
         GEMMs' inputs and outputs, counted twice (a captured graph's pool keeps more than one alive).
-        The engine leaves this much GPU memory outside its KV pool."""
+        The engine leaves this much GPU memory outside its KV pool. (`expert_lora` gathers nothing: its
+        pairs need only the GEMMs' buffers and an fp32 rank vector.)"""
         pairs = tokens * getattr(getattr(self.base, "config", None), "num_experts_per_tok", 1)
         _, two_i, hidden = self.base.gate_up_proj.shape
-        per_pair = self.bank.r_max * (hidden + two_i // 2) + 3 * (hidden + two_i)
+        per_pair = 3 * (hidden + two_i) + (2 * self.bank.r_max if self.kernel else
+                                           self.bank.r_max * (hidden + two_i // 2))
         return 2 * pairs * per_pair * self.base.gate_up_proj.element_size()
 
     def extra_repr(self) -> str:
@@ -198,7 +180,7 @@ def patch_experts(root: nn.Module, bank, context: StepContext) -> list[tuple[str
     """Replace every experts module (or PEFT's wrapper of one) under `root` whose expert modules are
     in the bank by a `BatchedLoRAExperts`; returns `(name, old module)` pairs to put back."""
     replaced = []
-    kernel = bool(bank.stacked) and use_kernel(bank)  # refused before any module is replaced
+    kernel = context.backend == "triton"
     for name, base in find_experts(root).items():
         if f"{name}.0.gate_proj" not in bank.modules:
             continue
