@@ -15,6 +15,13 @@ to `_scaled_mm`'s multiple) and the product runs in `torch._scaled_mm` with both
 its epilogue.
 Elsewhere (the CPU) the weights are dequantized to x's dtype and the product is a plain linear: the
 same weights, activations unrounded.
+
+Block-scaled weights (an fp8 checkpoint's own, the Hugging Face "fp8" format with
+`weight_block_size` [128, 128]): `scale` is then `[ceil(N / 128), ceil(K / 128)]`, one multiplier
+per 128x128 block (`W[n, k] = W8[n, k] * scale[n // 128, k // 128]`), and the GEMM keeps them: on a
+GPU the weight-only kernel at every row count (each K tile lies in one scale block: its partial
+product takes the block's scales per column before it joins the fp32 sums), elsewhere the
+dequantized reference. x is never quantized on this path.
 `fp8_linear_reference` is the dequantized definition; `scaled=True` forces the `_scaled_mm` path
 (torch runs it on the CPU too, so tests check it there).
 """
@@ -37,6 +44,10 @@ MIN_SCALE = 1e-12
 # Up to this many rows (a decode step of a few requests) the GEMM reads the fp8 weights with x in its
 # own dtype (`fp8_weight_only`); more rows quantize x per token for the fp8 matrix units.
 WEIGHT_ONLY_ROWS = 16
+# The block of a block-scaled weight (a 2-D `scale`), and the weight-only launch for block-scaled
+# products of more rows: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
+SCALE_BLOCK = 128
+BLOCK_SCALED_LAUNCH = (64, 128, 128, 4, 3)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,8 +57,26 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def block_scaled(scale: torch.Tensor) -> bool:
+    """Whether `scale` holds 128x128 block scales (2-D) rather than one per output channel."""
+    return scale.dim() == 2
+
+
+def check_block_scales(weight: torch.Tensor, scale: torch.Tensor) -> None:
+    n, k = weight.shape
+    expected = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"block scales of shape {tuple(scale.shape)} for a {n}x{k} fp8 weight in "
+                         f"{SCALE_BLOCK}x{SCALE_BLOCK} blocks; expected {expected}")
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """W8 * scale[:, None] in `dtype` (the weights an fp8 layer computes with)."""
+    """W8 * scale in `dtype` (the weights an fp8 layer computes with): per output channel
+    (`scale[:, None]`), or per 128x128 block for a 2-D `scale`."""
+    if block_scaled(scale):
+        n, k = weight.shape
+        scale = scale.float().repeat_interleave(SCALE_BLOCK, 0)[:n].repeat_interleave(SCALE_BLOCK, 1)[:, :k]
+        return (weight.float() * scale).to(dtype)
     return (weight.float() * scale.float()[:, None]).to(dtype)
 
 
@@ -105,9 +134,12 @@ def scaled_mm_available(device: torch.device) -> bool:
 
 
 @triton.jit
-def _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS: tl.constexpr):
-    # Each channel's scale (and the bias) apply once, to the finished fp32 sums.
-    acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+def _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS: tl.constexpr,
+                          BLOCK_SCALED: tl.constexpr):
+    # Each channel's scale (and the bias) apply once, to the finished fp32 sums (block scales already
+    # applied per K tile).
+    if not BLOCK_SCALED:
+        acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -116,14 +148,16 @@ def _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows,
 
 @triton.jit
 def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, SPLIT_K,
-                        stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                        stride_x, stride_w, stride_y, stride_s, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                        BLOCK_SCALED: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Program (n, s): BLOCK_N output channels, all (at most BLOCK_M) rows, the s-th K_SPLIT columns of
-    # K. The fp8 weights are read once and widened in registers (every float8_e4m3fn value is exact in
-    # bf16 and fp16); the products accumulate in fp32.
+    # Program (n, s, m): BLOCK_N output channels, BLOCK_M rows from the m-th, the s-th K_SPLIT columns
+    # of K. The fp8 weights are read once per row block and widened in registers (every
+    # float8_e4m3fn value is exact in bf16 and fp16); the products accumulate in fp32. Block-scaled
+    # weights: BLOCK_K divides SCALE_BLOCK, so a K tile's columns share one scale per channel.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -134,9 +168,14 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, coun
                     other=0.0)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
                     mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        if BLOCK_SCALED:
+            block_scale = tl.load(scale_ptr + (cols // SCALE_BLOCK) * stride_s + (k_begin + k0) // SCALE_BLOCK,
+                                  mask=cols < N, other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype))) * block_scale[None, :]
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     if not SPLIT:
-        _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS)
+        _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS, BLOCK_SCALED)
     else:
         # Split K (SPLIT_K > 1 programs per column block; a runtime value, so the sweep's splits share
         # one compiled kernel): each program writes its partial sums, and the last of a column block's
@@ -152,7 +191,8 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, coun
             for s in range(SPLIT_K):  # .cg: read the partials from L2, where the other programs wrote them
                 acc += tl.load(part_ptr + (s * tl.num_programs(0) + pid_n) * block + tile, cache_modifier=".cg")
             tl.store(count_ptr + pid_n, 0)
-            _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS)
+            _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS,
+                                  BLOCK_SCALED)
 
 
 # The arrival counters of split-K launches, per device: zeroed once, and each launch leaves them zeroed
@@ -172,27 +212,41 @@ def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device, pro
 
 def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                     launch: tuple[int, ...] | None = None) -> torch.Tensor:
-    """`fp8_linear` for a few rows (at most `WEIGHT_ONLY_ROWS`) with x unquantized, in one kernel launch:
-    a decode step of a few rows is bound by reading the weights, and cuBLASLt's fp8 GEMM runs a
-    128x128 tile over them (on the H100 it read the fp8 weights no faster than bf16 ones). Narrow
-    GEMMs split K across programs so the whole GPU reads (`KernelConfig.fp8_programs_per_sm`).
-    `launch`: (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]), for the probe's sweep; None: the
-    device's kernel config (`KernelConfig.fp8_*`); split_k 0 or absent: chosen by `_split_k`."""
+    """`fp8_linear` with x unquantized, in one kernel launch: for a few rows (at most
+    `WEIGHT_ONLY_ROWS`: a decode step of a few rows is bound by reading the weights, and cuBLASLt's
+    fp8 GEMM runs a 128x128 tile over them; on the H100 it read the fp8 weights no faster than bf16
+    ones), and for block-scaled weights at any row count (`BLOCK_SCALED_LAUNCH` past
+    `WEIGHT_ONLY_ROWS`). Narrow GEMMs of a few rows split K across programs so the whole GPU reads
+    (`KernelConfig.fp8_programs_per_sm`). `launch`: (BLOCK_N, BLOCK_K, num_warps, num_stages[,
+    split_k]) for a few rows, for the probe's sweep; None: the device's kernel config
+    (`KernelConfig.fp8_*`); split_k 0 or absent: chosen by `_split_k`."""
     M, K = x.shape
     N = weight.shape[0]
-    if M > WEIGHT_ONLY_ROWS:
-        raise ValueError(f"fp8_weight_only takes at most {WEIGHT_ONLY_ROWS} rows, got {M}")
+    blocks = block_scaled(scale)
+    if blocks:
+        check_block_scales(weight, scale)
+    if M > WEIGHT_ONLY_ROWS and not blocks:
+        raise ValueError(f"fp8_weight_only takes at most {WEIGHT_ONLY_ROWS} rows of per-channel weights, got {M}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    config = get_kernel_config(x.device)
-    block_n, block_k, warps, stages, *split = launch or (config.fp8_block_n, config.fp8_block_k, config.fp8_num_warps,
-                                                         config.fp8_num_stages)
-    if len(split) > 1 or (split and split[0] < 0):
-        raise ValueError(f"fp8_weight_only launch takes (BLOCK_N, BLOCK_K, warps, stages[, split_k >= 0]), "
-                         f"got {launch}")
+    if M > WEIGHT_ONLY_ROWS:  # block-scaled, many rows: row blocks too, K whole
+        block_m, block_n, block_k, warps, stages = BLOCK_SCALED_LAUNCH
+        split = [1]
+    else:
+        config = get_kernel_config(x.device)
+        block_m = WEIGHT_ONLY_ROWS
+        block_n, block_k, warps, stages, *split = launch or (config.fp8_block_n, config.fp8_block_k,
+                                                             config.fp8_num_warps, config.fp8_num_stages)
+        if len(split) > 1 or (split and split[0] < 0):
+            raise ValueError(f"fp8_weight_only launch takes (BLOCK_N, BLOCK_K, warps, stages[, split_k >= 0]), "
+                             f"got {launch}")
+    if blocks:
+        block_k = min(block_k, SCALE_BLOCK)
+        if SCALE_BLOCK % block_k:
+            raise ValueError(f"a block-scaled fp8 GEMM needs BLOCK_K dividing {SCALE_BLOCK}, got {block_k}")
     column_blocks = triton.cdiv(N, block_n)
     split_k = split[0] if split and split[0] else _split_k(column_blocks, K, block_k, x.device,
-                                                           config.fp8_programs_per_sm)
+                                                           get_kernel_config(x.device).fp8_programs_per_sm)
     k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole BLOCK_Ks per split
     split_k = triton.cdiv(K, k_split)
     if split_k > 1:
@@ -202,26 +256,32 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         counters = _COUNTERS.get(x.device)
         if counters is None:
             counters = _COUNTERS[x.device] = torch.zeros(_MAX_COLUMN_BLOCKS, dtype=torch.int32, device=x.device)
-        partials = torch.empty(split_k * column_blocks * WEIGHT_ONLY_ROWS * block_n, dtype=torch.float32,
-                               device=x.device)
+        partials = torch.empty(split_k * column_blocks * block_m * block_n, dtype=torch.float32, device=x.device)
     else:
         counters = partials = scale  # unused
-    _weight_only_kernel[(column_blocks, split_k)](
+    _weight_only_kernel[(column_blocks, split_k, triton.cdiv(M, block_m))](
         x, weight, scale, bias if bias is not None else scale, y, partials, counters, M, N, K, k_split, split_k,
-        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        BLOCK_M=WEIGHT_ONLY_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        x.stride(0), weight.stride(0), y.stride(0), scale.stride(0), HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        BLOCK_SCALED=blocks, SCALE_BLOCK=SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
     return y
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                scaled: bool | None = None) -> torch.Tensor:
-    """`x [M, K]` times fp8 `weight [N, K]` with per-channel `scale [N]`, plus `bias`; `[M, N]` in
-    x's dtype. On a GPU, up to `WEIGHT_ONLY_ROWS` rows run `fp8_weight_only` (x unquantized); more
-    rows run `_scaled_mm` with per-token activation scales where the GPU has fp8 matrix units.
-    `scaled`: force the `_scaled_mm` path (True) or the dequantized reference (False)."""
-    if (scaled is None and x.shape[0] <= WEIGHT_ONLY_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+    """`x [M, K]` times fp8 `weight [N, K]` with per-channel `scale [N]` (or 128x128 block scales, 2-D),
+    plus `bias`; `[M, N]` in x's dtype. On a GPU, up to `WEIGHT_ONLY_ROWS` rows (and block-scaled
+    weights at any row count) run `fp8_weight_only` (x unquantized); more rows run `_scaled_mm` with
+    per-token activation scales where the GPU has fp8 matrix units. `scaled`: force the `_scaled_mm`
+    path (True) or the dequantized reference (False)."""
+    if (scaled is None and (x.shape[0] <= WEIGHT_ONLY_ROWS or block_scaled(scale))
+            and x.dtype in (torch.bfloat16, torch.float16)
             and scaled_mm_available(x.device)):  # Triton widens float8_e4m3fn on the same GPUs
         return fp8_weight_only(x, weight, scale, bias)
+    if block_scaled(scale):
+        if scaled:
+            raise ValueError("block-scaled fp8 weights take the weight-only kernel or the reference, not _scaled_mm")
+        return fp8_linear_reference(x, weight, scale, bias)
     if scaled is None:  # the GPU's fp8 rowwise-scaled GEMM writes bf16, over dims in multiples of 16
         scaled = (x.dtype == torch.bfloat16 and scaled_mm_available(x.device)
                   and not weight.shape[0] % ROW_MULTIPLE and not weight.shape[1] % ROW_MULTIPLE)

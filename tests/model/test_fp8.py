@@ -218,6 +218,61 @@ def test_weight_only_kernel_splits_k_and_equals_its_definition_in_the_interprete
         assert got["error"] < 1e-3 and got["same_again"] and got["row_alone"] and got["counters"] == 0, (case, got)
 
 
+INTERPRETED_BLOCK_SCALED = """
+import json, sys, torch
+from lorazor_kernels.fp8 import _COUNTERS, dequantize, fp8_linear, fp8_weight_only
+out = []
+for M, K, N, split, bias in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(M * K + N)
+    x = torch.randn(M, K, generator=g).half()
+    weight = (torch.randn(N, K, generator=g) * 100).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-N // 128), -(-K // 128), generator=g) + 0.01  # blocks of very different scales
+    b = torch.randn(N, generator=g).half() if bias else None
+    launch = None if split is None else (32, 256, 4, 3, split)  # BLOCK_K 256: cut to the 128 of a block
+    y = fp8_weight_only(x, weight, scale, b, launch=launch)
+    exact = x.double() @ dequantize(weight, scale, torch.float64).T + (b.double() if bias else 0)
+    reference = fp8_linear(x.float(), weight, scale, None if b is None else b.float())  # the CPU's path
+    out.append(dict(error=((y.double() - exact).norm() / exact.norm()).item(),
+                    reference_error=((reference.double() - exact).norm() / exact.norm()).item(),
+                    counters=int(sum(c.abs().sum() for c in _COUNTERS.values()))))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the GPU test below runs the compiled kernel")
+def test_block_scaled_weight_only_kernel_equals_its_definition_in_the_interpreter():
+    """An fp8 checkpoint's 128x128 block scales kept in the GEMM: a few rows with split K (splits
+    that do not end on a block edge), and more rows than `WEIGHT_ONLY_ROWS` in row blocks; odd
+    sizes with partial blocks; the CPU's path (dequantized blocks) equal to the definition too."""
+    import subprocess
+    import sys
+
+    cases = [(1, 300, 200, 3, False), (5, 1000, 130, 2, True), (16, 256, 129, 1, False), (40, 300, 200, None, True),
+             (70, 129, 257, None, False)]
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_BLOCK_SCALED, json.dumps(cases)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case, got in zip(cases, json.loads(done.stdout.splitlines()[-1]), strict=True):
+        assert got["error"] < 1e-3 and got["reference_error"] < 1e-6 and got["counters"] == 0, (case, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, K, N, bias, split", [(1, 2048, 512, False, 0), (7, 3072, 1000, True, 0),
+                                                  (256, 2048, 640, False, None), (33, 4100, 300, True, None)])
+def test_gpu_block_scaled_gemm_equals_its_definition(M, K, N, bias, split):
+    from lorazor_kernels.fp8 import dequantize, fp8_linear
+
+    g = torch.Generator().manual_seed(M + K)
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    weight = (torch.randn(N, K, generator=g) * 100).to(torch.float8_e4m3fn).cuda()
+    scale = (torch.rand(-(-N // 128), -(-K // 128), generator=g) + 0.01).cuda()
+    b = torch.randn(N, generator=g).bfloat16().cuda() if bias else None
+    got = fp8_linear(x, weight, scale, b)
+    exact = x.double() @ dequantize(weight, scale, torch.float64).T + (b.double() if bias else 0)
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 5e-3  # bf16 output rounding
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M, K, N, bias, dtype, split", [
     (1, 64, 32, False, torch.bfloat16, None), (5, 96, 48, True, torch.bfloat16, None),
@@ -292,9 +347,9 @@ def test_gpu_testbed_adapters_keep_their_accuracy_in_fp8():
 BLOCK = (32, 32)  # a 112-wide MLP has a partial block, as real checkpoints' odd sizes do
 
 
-def write_block_fp8_checkpoint(folder, model):
+def write_block_fp8_checkpoint(folder, model, block=BLOCK):
     """Save `model` in the Hugging Face fp8 format (transformers' FineGrainedFP8): each decoder
-    projection's weight in float8_e4m3fn with a float32 `weight_scale_inv` per BLOCK; returns the
+    projection's weight in float8_e4m3fn with a float32 `weight_scale_inv` per `block`; returns the
     block-dequantized weights, module name -> tensor (what the checkpoint means)."""
     from safetensors.torch import load_file, save_file
 
@@ -306,35 +361,36 @@ def write_block_fp8_checkpoint(folder, model):
             continue
         w = tensors[key].float()
         n, k = w.shape
-        scale = torch.empty(-(-n // BLOCK[0]), -(-k // BLOCK[1]))
+        scale = torch.empty(-(-n // block[0]), -(-k // block[1]))
         w8 = torch.empty(n, k, dtype=torch.float8_e4m3fn)
         for i in range(scale.shape[0]):
             for j in range(scale.shape[1]):
-                rows, cols = slice(i * BLOCK[0], (i + 1) * BLOCK[0]), slice(j * BLOCK[1], (j + 1) * BLOCK[1])
+                rows, cols = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
                 scale[i, j] = w[rows, cols].abs().max().clamp(min=1e-12) / 448.0
                 w8[rows, cols] = (w[rows, cols] / scale[i, j]).to(torch.float8_e4m3fn)
         tensors[key], tensors[key.replace(".weight", ".weight_scale_inv")] = w8, scale
-        expand = scale.repeat_interleave(BLOCK[0], 0)[:n].repeat_interleave(BLOCK[1], 1)[:, :k]
+        expand = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
         meant[key[: -len(".weight")]] = w8.float() * expand
     save_file(tensors, str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(BLOCK)}
+                                     "weight_block_size": list(block)}
     (folder / "config.json").write_text(json.dumps(config))
     return meant
 
 
-@pytest.fixture(scope="module")
-def fp8_checkpoint(tmp_path_factory):
+def checkpoint_with_adapters(root, block=BLOCK, **sizes):
     """(checkpoint folder, adapter folders, PEFT oracle over the unquantized base, block-dequantized weights)."""
     from lorazor.tiny import tiny_config
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("fp8")
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
-    meant = write_block_fp8_checkpoint(root / "base", copy.deepcopy(base))
+    config = tiny_config("llama")
+    for key, value in sizes.items():
+        setattr(config, key, value)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    meant = write_block_fp8_checkpoint(root / "base", copy.deepcopy(base), block)
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     oracle = None
     for name, r in (("math", 8), ("sql", 4)):
@@ -344,6 +400,84 @@ def fp8_checkpoint(tmp_path_factory):
             oracle.add_adapter(name, cfg)
         oracle.save_pretrained(root / "adapters", selected_adapters=[name])
     return root / "base", {n: root / "adapters" / n for n in ("math", "sql")}, oracle.eval(), meant
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    return checkpoint_with_adapters(tmp_path_factory.mktemp("fp8"))
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint_128(tmp_path_factory):
+    """A checkpoint in the published format's 128x128 blocks, sized so its projections have several
+    blocks, partial ones among them: q/k/v 256/128/128 x 256 (merged into one GEMM, their block rows
+    concatenated), gate/up 320 x 256 (partial blocks, not merged), down 256 x 320."""
+    return checkpoint_with_adapters(tmp_path_factory.mktemp("fp8_128"), (128, 128), hidden_size=256,
+                                    intermediate_size=320, head_dim=64)
+
+
+def oracle_logits(oracle, weights, ids, mask, rows):
+    """PEFT's logits with its base projections holding `weights` (module name -> tensor)."""
+    copied = copy.deepcopy(oracle)
+    replaced = 0
+    for name, module in copied.get_base_model().named_modules():
+        name = name.replace(".base_layer", "")  # PEFT's wrapped linear, under the projection's name
+        if isinstance(module, nn.Linear) and name in weights:
+            module.weight.data = weights[name].to(module.weight.device, module.weight.dtype)
+            replaced += 1
+    assert replaced == len(weights) == 2 * 7
+    with torch.no_grad():
+        return copied(input_ids=ids, attention_mask=mask, adapter_names=peft_names(rows)).logits
+
+
+def test_a_128_block_fp8_checkpoint_keeps_its_blocks_and_equals_peft_on_its_weights(fp8_checkpoint_128):
+    # The published format's blocks are kept: the fp8 bytes and scales are the checkpoint's, and the
+    # model computes exactly what the checkpoint means (fp32, CPU).
+    from lorazor.quant import Fp8Linear
+    from safetensors.torch import load_file
+
+    folder, adapters, oracle, meant = fp8_checkpoint_128
+    model = LoRazorModel.from_pretrained(folder, adapters=adapters, config=LoRazorConfig(dtype="float32"))
+    stored = load_file(str(folder / "model.safetensors"))
+    layers = {name.replace(".base_layer", ""): m for name, m in model.model.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(layers) == 2 * 7
+    for name, layer in layers.items():
+        assert layer.weight_scale.dim() == 2 and torch.equal(layer.weight_scale, stored[name + ".weight_scale_inv"])
+        assert torch.equal(layer.weight.view(torch.uint8), stored[name + ".weight"].view(torch.uint8))
+        assert "128x128 block scales" in repr(layer)
+    assert any(layer.weight_scale.shape[0] > 1 and layer.weight_scale.shape[1] > 1 for layer in layers.values())
+    merged = {tuple(m.base_layer.out_features for m in g.members) for g in model.merged_groups}
+    assert merged == {(256, 128, 128)}, merged  # q/k/v merged; gate/up (320: partial blocks) not
+    rows = ["math", None, "sql"]
+    ids, mask = (t.cpu() for t in make_batch(len(rows), 8, seed=11, pad_rows=(1,)))
+    ours = model(ids, attention_mask=mask, adapter_ids=rows)
+    theirs = oracle_logits(oracle, meant, ids, mask, rows)
+    error = ((ours[:, -1] - theirs[:, -1]).norm() / theirs[:, -1].norm()).item()
+    assert error < 2e-3, error  # the issue's bar; in fp32 it is rounding only (~1e-7)
+    out = model.generate(ids, attention_mask=mask, adapter_ids=rows, max_new_tokens=4, do_sample=False,
+                         pad_token_id=PAD, eos_token_id=None)
+    assert out.sequences.shape == (3, ids.shape[1] + 4)
+
+
+@pytest.mark.gpu
+def test_gpu_128_block_fp8_checkpoint_agrees_with_peft_on_its_weights_in_bf16(fp8_checkpoint_128):
+    # bf16 activations over the kept blocks (the weight-only kernel at every row count) against PEFT in
+    # bf16 on the checkpoint's dequantized weights, in generate()'s forward and in the engine.
+    folder, adapters, oracle, meant = fp8_checkpoint_128
+    model = LoRazorModel.from_pretrained(folder, adapters=adapters, config=LoRazorConfig(dtype="bfloat16"),
+                                         device_map="cuda")
+    rows = ["math", None, "sql"]
+    ids, mask = (t.cuda() for t in make_batch(len(rows), 40, seed=11, pad_rows=(1,)))  # 120 rows: row blocks
+    ours = model(ids, attention_mask=mask, adapter_ids=rows).float()
+    theirs = oracle_logits(copy.deepcopy(oracle).to("cuda", torch.bfloat16), meant, ids, mask, rows).float()
+    error = ((ours[:, -1] - theirs[:, -1]).norm() / theirs[:, -1].norm()).item()
+    assert error < 2e-2, error  # bf16 agreement through two layers
+    engine = LoRazorEngine(model, max_num_seqs=4, max_num_batched_tokens=128, num_kv_blocks=64)
+    prompts = [ids[i][mask[i].bool()].tolist() for i in range(len(rows))]
+    outs = engine.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=1, do_sample=False, eos_token_id=None)
+                            for p, a in zip(prompts, rows)])
+    first = theirs[:, -1].argmax(-1).tolist()
+    assert sum(o.token_ids[0] == t for o, t in zip(outs, first)) >= len(rows) - 1
 
 
 def test_a_block_fp8_checkpoint_loads_in_fp8_and_equals_peft_on_its_weights(fp8_checkpoint):

@@ -16,6 +16,7 @@ input, or a bank whose ranks became mixed, takes its own per-module path (still 
 from __future__ import annotations
 
 import torch
+from lorazor_kernels.fp8 import SCALE_BLOCK
 from torch import nn
 
 from .layers import BatchedLoRALinear, linear_step_lora
@@ -42,14 +43,16 @@ class MergedGroup:
         if any(b.bias is not None for b in bases):
             self.bias = torch.cat([b.bias.data if b.bias is not None else self.weight.new_zeros(w)
                                    for b, w in zip(bases, widths)])
-        # fp8 bases (`lorazor.quant`): their per-channel scales, concatenated the same way.
+        # fp8 bases (`lorazor.quant`): their scales (per channel, or rows of 128x128 blocks), concatenated.
         scales = [getattr(b, "weight_scale", None) for b in bases]
         self.weight_scale = None if scales[0] is None else torch.cat([s.data for s in scales])
         for base, (lo, hi) in zip(bases, self.spans):
             base.weight.data = self.weight[lo:hi]
             if base.bias is not None:
                 base.bias.data = self.bias[lo:hi]
-            if self.weight_scale is not None:
+            if self.weight_scale is not None and self.weight_scale.dim() == 2:  # block rows (`_can_merge`)
+                base.weight_scale.data = self.weight_scale[lo // SCALE_BLOCK: -(-hi // SCALE_BLOCK)]
+            elif self.weight_scale is not None:
                 base.weight_scale.data = self.weight_scale[lo:hi]
         # Adapters: A stacked [L, G*r, K], B [L, sum N, r], scaling [G, L]: the bank's views of the
         # group's blocks (`AdapterBank.lay_out`), inside which the members' own tensors lie.
@@ -95,14 +98,21 @@ def _can_merge(members) -> str | None:
             return "members differ in input size or rank"
         if m.base_layer.weight.dtype != first.base_layer.weight.dtype:
             return "members differ in dtype"
-        if (getattr(m.base_layer, "weight_scale", None) is None) != (
-                getattr(first.base_layer, "weight_scale", None) is None):
+        if _scale_kind(m) != _scale_kind(first):
             return "members differ in quantization"
         if m.lora.lora_a.shape[0] != first.lora.lora_a.shape[0]:
             return "members differ in slots"
     if any(m.out_features % EDGE_MULTIPLE for m in members[:-1]):
         return f"output sizes are not multiples of {EDGE_MULTIPLE}"
+    if _scale_kind(first) == "blocks" and any(m.out_features % SCALE_BLOCK for m in members[:-1]):
+        return f"block-scaled output sizes are not multiples of {SCALE_BLOCK}"  # the scale rows would not line up
     return None
+
+
+def _scale_kind(member) -> str | None:
+    """None (not fp8), "channels" or "blocks" (an fp8 checkpoint's 128x128 block scales)."""
+    scale = getattr(member.base_layer, "weight_scale", None)
+    return None if scale is None else ("blocks" if scale.dim() == 2 else "channels")
 
 
 def merge_projections(root: nn.Module, context, bank) -> list[MergedGroup]:

@@ -9,9 +9,11 @@ checkpoints): `config.json` holds `quantization_config = {"quant_method": "fp8",
 transformers dequantizes such a checkpoint to the full dtype when it loads on the CPU. LoRazor loads
 the model without its quantizer (the other tensors: embeddings, norms, the LM head, in the model
 dtype), then builds each projection's `Fp8Linear` from the checkpoint's own fp8 weights and block
-scales, re-scaled to one scale per output channel (the scales LoRazor's fp8 GEMM takes): each row
-takes its largest block scale, so that block keeps its fp8 values exactly and the row's other
-blocks are rounded to fp8 once more (docs/models.md gives what that costs).
+scales. Blocks of 128x128 (the format's published checkpoints: Qwen3-FP8, DeepSeek-V3) are kept as
+they are, and LoRazor's fp8 GEMM computes with them (`lorazor_kernels.fp8`: the weights are exactly
+the checkpoint's). Other block sizes are re-scaled to one scale per output channel: each row takes
+its largest block scale, so that block keeps its fp8 values exactly and the row's other blocks are
+rounded to fp8 once more (docs/models.md gives what that costs).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import copy
 from pathlib import Path
 
 import torch
-from lorazor_kernels.fp8 import FP8, FP8_MAX, MIN_SCALE
+from lorazor_kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, SCALE_BLOCK
 from torch import nn
 
 # `quantization_config.quant_method`s whose checkpoints load (quantized bf16/fp16/fp32 bases are
@@ -57,15 +59,25 @@ def without_quantization(hf_config):
     return plain
 
 
-def block_to_channel(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, per-output-channel float32 scale) equal to the block-scaled `weight`, up to one more
-    fp8 rounding of the blocks whose scale is below their row's largest."""
+def checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, float32 scales) as LoRazor's fp8 GEMM takes them: the checkpoint's own for 128x128
+    blocks (a 2-D scale), else one per output channel (`block_to_channel`)."""
     bn, bk = block
     n, k = weight.shape
     expected = (-(-n // bn), -(-k // bk))
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"weight_scale_inv of shape {tuple(scale_inv.shape)} for a {n}x{k} weight in {bn}x{bk} "
                          f"blocks; expected {expected}")
+    if (bn, bk) == (SCALE_BLOCK, SCALE_BLOCK):
+        return weight, scale_inv.float().contiguous()
+    return block_to_channel(weight, scale_inv, block)
+
+
+def block_to_channel(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, per-output-channel float32 scale) equal to the block-scaled `weight`, up to one more
+    fp8 rounding of the blocks whose scale is below their row's largest."""
+    bn, bk = block
+    n, k = weight.shape
     scales = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     # A row's scale is its largest block scale: that block's fp8 values stay as they are, the others
     # (scaled by at most 1, so never out of range) are rounded to fp8 once more.
@@ -89,8 +101,8 @@ def checkpoint_files(base, load_kwargs: dict) -> list[Path]:
 
 
 def read_fp8_projections(files: list[Path], hf_model: nn.Module, block) -> dict[nn.Module, tuple]:
-    """The checkpoint's fp8 projections: the model's nn.Linear -> (fp8 weight, per-channel scale), for
-    every weight stored with a `weight_scale_inv`."""
+    """The checkpoint's fp8 projections: the model's nn.Linear -> (fp8 weight, scales:
+    `checkpoint_scales`), for every weight stored with a `weight_scale_inv`."""
     from safetensors import safe_open
 
     where = {}
@@ -111,7 +123,7 @@ def read_fp8_projections(files: list[Path], hf_model: nn.Module, block) -> dict[
                 tensors[suffix] = handle.get_tensor(name + suffix)
         if tensors[".weight"].dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name}.weight is {tensors['.weight'].dtype}; an fp8 checkpoint stores float8_e4m3fn")
-        found[module] = block_to_channel(tensors[".weight"], tensors[SCALE_SUFFIX], block)
+        found[module] = checkpoint_scales(tensors[".weight"], tensors[SCALE_SUFFIX], block)
     if not found:
         raise ValueError("the checkpoint says fp8 but stores no weight_scale_inv tensor")
     return found

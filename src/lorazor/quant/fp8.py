@@ -19,11 +19,12 @@ from ..lora.layers import BatchedLoRALinear
 
 
 class Fp8Linear(nn.Module):
-    """A linear over float8_e4m3fn weights `[N, K]` and float32 per-output-channel scales `[N]`.
+    """A linear over float8_e4m3fn weights `[N, K]` and float32 scales: per output channel `[N]`, or an
+    fp8 checkpoint's own 128x128 block scales `[ceil(N / 128), ceil(K / 128)]`.
 
     Attributes:
         weight: the fp8 weights (a frozen parameter, so `.data` views work as for nn.Linear).
-        weight_scale: `[N]` float32.
+        weight_scale: `[N]` or `[ceil(N / 128), ceil(K / 128)]` float32.
         bias: the original bias in the model dtype, or None.
     """
 
@@ -54,13 +55,14 @@ class Fp8Linear(nn.Module):
         return base_linear(x, self.weight, self.bias, self.weight_scale)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, fp8 (e4m3, per-channel scales)"
+        scales = "128x128 block scales" if self.weight_scale.dim() == 2 else "per-channel scales"
+        return f"in={self.in_features}, out={self.out_features}, fp8 (e4m3, {scales})"
 
 
 def quantize_decoder(decoder: nn.Module, prequantized: dict | None = None) -> int:
     """Quantize every linear projection under `decoder` in place: a `BatchedLoRALinear`'s base
     layer, or a plain nn.Linear; the replaced weights are freed. `prequantized`: nn.Linear -> (fp8
-    weight, per-channel scale) to use instead of quantizing its weights (an fp8 checkpoint's,
+    weight, scales) to use instead of quantizing its weights (an fp8 checkpoint's,
     `checkpoint.py`). Returns how many."""
     prequantized = prequantized or {}
 
