@@ -226,7 +226,7 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     if blocks:
         check_block_scales(weight, scale)
     if M > WEIGHT_ONLY_ROWS and not blocks:
-        raise ValueError(f"fp8_weight_only takes at most {WEIGHT_ONLY_ROWS} rows of per-channel weights, got {M}")
+        raise ValueError(f"fp8_weight_only takes per-channel weights for at most {WEIGHT_ONLY_ROWS} rows, got {M}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M > WEIGHT_ONLY_ROWS:  # block-scaled, many rows: row blocks too, K whole
