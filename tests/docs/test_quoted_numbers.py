@@ -345,3 +345,21 @@ def test_fp8_and_adapter_load_numbers_equal_their_runs():
     floor_ms = load["copy_floor_s"] / load["loads"] * 1e3
     for text in (page("docs/adapters.md"), page("benchmarks/results/adapters/README.md")):
         assert f"{load['per_load_ms']} ms" in text and f"{load['vs_floor']}x" in text and f"{floor_ms:.3f} ms" in text
+
+
+def test_moe_numbers_equal_the_moe_run():
+    # The run's rows are the JSON lines of the results README's block.
+    readme = page("benchmarks/results/moe_h100/README.md")
+    rows = [json.loads(line) for line in readme.split("```")[1].strip().splitlines()]
+    one, full = ({r["batch"]: r for r in rows if r["phase"] == "decode"}[b] for b in (1, 256))
+    prefill = next(r for r in rows if r["phase"] == "prefill")
+    models = page("docs/models.md").replace("\n", " ")
+    assert (f"a batch-1 decode step takes {one['backbone_vs_floor']}x the bytes it reads (backbone) and "
+            f"{one['lora_vs_backbone']}x that with an adapter") in models
+    assert (f"the backbone step takes {full['backbone_vs_floor']}x its bytes and 64 adapters make it "
+            f"{full['lora_vs_backbone']}x slower (their expert slices add "
+            f"{full['lora_floor_ms'] / full['backbone_floor_ms'] - 1:.0%} to the bytes)") in models
+    assert f"a 4,096-token prefill takes {prefill['vs_floor']}x its FLOPs floor" in models
+    assert (f"| decode, batch 1, backbone | {one['backbone_ms']} ms | {one['backbone_floor_ms']} ms (bytes) | "
+            f"{one['backbone_vs_floor']}x |") in readme
+    assert f"| {full['lora_ms']} ms | {full['lora_floor_ms']} ms | {full['lora_vs_floor']}x; **" in readme
