@@ -6,7 +6,8 @@
 - attention: decode attention over a contiguous cache (`decode_attention.py`) and paged attention
   with the pool writes (`paged_attention.py`);
 - fp8 weights: per-channel quantization and the weight-only fp8 GEMM (`fp8.py`);
-- MoE experts: each token-expert pair's LoRA delta from its own slot and expert (`expert_lora.py`);
+- MoE experts: each token-expert pair's LoRA delta from its own slot and expert (`expert_lora.py`), and a
+  decode step's few pairs through their experts' base weights (`expert_gemv.py`);
 - the engine's asynchronous step: the next step's input tokens filled on the device (`token_fill.py`);
 - launch settings per GPU (`kernel_config.py`, `configs/`); `reference.py`: the pure-torch LoRA delta.
 
@@ -14,6 +15,7 @@ The package takes tensors and step metadata; it imports no lorazor, transformers
 """
 
 from .decode_attention import decode_attention, decode_attention_op, decode_attention_reference
+from .expert_gemv import DECODE_PAIRS, expert_gemv, expert_gemv_reference
 from .expert_lora import expert_lora, expert_lora_reference
 from .fp8 import dequantize, fp8_linear, fp8_linear_reference, quantize_rows
 from .kernel_config import KernelConfig, get_kernel_config
@@ -27,6 +29,7 @@ from .reference import NO_ADAPTER, lora_delta_reference
 from .token_fill import fill_pending, fill_pending_reference, warm_up_fill
 
 __all__ = [
+    "DECODE_PAIRS",
     "GRID_MODES",
     "KernelConfig",
     "LoRABatchMeta",
@@ -39,6 +42,8 @@ __all__ = [
     "decode_attention_op",
     "decode_attention_reference",
     "dequantize",
+    "expert_gemv",
+    "expert_gemv_reference",
     "expert_lora",
     "expert_lora_reference",
     "fill_pending",

@@ -1,4 +1,6 @@
-"""`expert_lora`: each MoE token-expert pair's LoRA delta from its own slot and expert, read in place,
+"""The MoE expert kernels against their gathering torch references. `expert_gemv`: a decode step's
+token-expert pairs through their experts' base weights, on strided expert blocks, odd N and K.
+`expert_lora`: each MoE token-expert pair's LoRA delta from its own slot and expert, read in place,
 against the gathering torch reference; on the bank's own strided views (B transposed inside a slot
 row), with pairs of no adapter (slot -1), a slot of a lower rank (zero past it), odd K, N and pair
 counts, and ranks that are not a power of two."""
@@ -66,3 +68,45 @@ def test_expert_lora_equals_its_reference_in_the_interpreter():
 @pytest.mark.gpu
 def test_expert_lora_equals_its_reference_on_the_gpu():
     check(run("cuda", interpret=False))
+
+
+GEMV_CASES = [(5, 70, 40, 3), (8, 257, 130, 32), (3, 64, 128, 1), (2, 33, 200, 0)]  # (E, N, K, pairs)
+
+GEMV_SCRIPT = """
+import json, sys, torch
+from lorazor_kernels import expert_gemv, expert_gemv_reference
+
+out = []
+for E, N, K, P in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(E * 100 + P)
+    # A fused gate_up-like block: the experts' rows inside a wider storage row (strided experts).
+    weight = torch.randn(E, N + 3, K, generator=g).to(sys.argv[2])[:, 1:N + 1]
+    x = torch.randn(P, K, generator=g).to(sys.argv[2])
+    expert = torch.randint(0, E, (P,), generator=g).to(sys.argv[2])
+    got, ref = expert_gemv(x, weight, expert), expert_gemv_reference(x, weight, expert)
+    scale = ref.abs().max().item() if P else 1.0
+    out.append(dict(error=(got - ref).abs().max().item() / max(scale, 1e-6) if P else 0.0, shape=list(got.shape)))
+print(json.dumps(out))
+"""
+
+
+def run_gemv(device: str, interpret: bool) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", GEMV_SCRIPT, json.dumps(GEMV_CASES), device], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    for (E, N, K, P), got in zip(GEMV_CASES, results, strict=True):
+        assert got["shape"] == [P, N] and got["error"] < 1e-4, ((E, N, K, P), got)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the GPU test below runs the compiled kernel")
+def test_expert_gemv_equals_its_reference_in_the_interpreter():
+    run_gemv("cpu", interpret=True)
+
+
+@pytest.mark.gpu
+def test_expert_gemv_equals_its_reference_on_the_gpu():
+    run_gemv("cuda", interpret=False)

@@ -362,9 +362,10 @@ def test_the_engine_leaves_room_for_the_experts_lora_workspace(moe_model):
     assert build_pair("llama")[0].runner.step_workspace_bytes(4096) == 0
 
 
-def test_the_triton_backend_runs_the_expert_kernel_and_equals_peft(family):
-    # The GPU's default backend: the experts' deltas from `expert_lora` (on the CPU in Triton's
-    # interpreter), here with a max_lora_rank that is not a power of two.
+def test_the_triton_backend_runs_the_expert_kernel_and_equals_peft(family, monkeypatch):
+    # The GPU's default backend: the experts' deltas from `expert_lora` and a decode step's experts
+    # from `expert_gemv` (on the CPU in Triton's interpreter), with a max_lora_rank that is not a
+    # power of two.
     import lorazor.lora.experts as experts
     from transformers import AutoModelForCausalLM
 
@@ -376,9 +377,15 @@ def test_the_triton_backend_runs_the_expert_kernel_and_equals_peft(family):
         max_loras=4, max_lora_rank=6, backend="triton"))
     layer = model.model.get_decoder().layers[0].mlp.experts
     assert isinstance(layer, experts.BatchedLoRAExperts) and layer.kernel
+    decode_calls = []
+    original = experts.expert_gemv
+    monkeypatch.setattr(experts, "expert_gemv", lambda *a: decode_calls.append(1) or original(*a))
     ids, mask = batch(seed=17, rows=4)
     out = model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), adapter_ids=ADAPTERS[:4],
                          max_new_tokens=4, do_sample=False, pad_token_id=PAD, eos_token_id=None)
     for row, adapter in enumerate(ADAPTERS[:4]):
         assert out.sequences[row, ids.shape[1]:].tolist() == oracle_row(oracles, adapter, ids, mask, row, new=4), (
             row, adapter)
+    # The prefill's 28 tokens x top-2 took the sorted grouped path, each decode step's 8 pairs `expert_gemv`
+    # (two projections per layer, 2 layers, 3 decode steps).
+    assert len(decode_calls) == 3 * 2 * 2 if DEVICE.type == "cpu" else decode_calls  # a GPU's graphs replay

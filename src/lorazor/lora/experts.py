@@ -13,20 +13,21 @@ A `[L, E, r, K]`, B `[L, E, N, r]`, scaling `[E, L]`. PEFT's `target_parameters`
 rank r per expert for the fused gate_up, `lora_A` `[r * E, H]`, `lora_B` `[2I, r * E]`) are split
 into these modules when they are read (`split_fused_experts`): gate and up share their A.
 
-The step (reference, pure torch; the same on the CPU and the GPU, no host sync): the token-expert
-pairs sorted by expert, the base projections as grouped GEMMs over the sorted pairs (transformers'
-own), and each pair's LoRA delta from its token's slot and its expert, by the model's LoRA backend: with
-"triton" (the default on a GPU) a Triton shrink and expand over the pairs that read each pair's slot
-weights in place (`lorazor_kernels.expert_lora`); with "reference" (the CPU's) the same in torch ops,
-gathered A and B and batched matmuls (`expert_lora_reference`; in a 4,096-token step of a 30B MoE the
-gathered weights take ~1 GB a projection). Pairs of
-backbone or released tokens (slot -1) add nothing, and a step without adapters computes no delta.
+The step (no host sync): the token-expert pairs sorted by expert, the base projections as grouped
+GEMMs over the sorted pairs (transformers' own), and each pair's LoRA delta from its token's slot
+and its expert, by the model's LoRA backend. With "triton" (the default on a GPU) a Triton shrink and
+expand over the pairs read each pair's slot weights in place (`lorazor_kernels.expert_lora`), and a
+decode step of a few pairs (`DECODE_PAIRS`) skips the sort: its pairs stay in token order and each
+reads its expert's base weights in place (`lorazor_kernels.expert_gemv`). With "reference" (the
+CPU's) the deltas are torch ops on gathered A and B (`expert_lora_reference`; in a 4,096-token step
+of a 30B MoE the gathered weights take ~1 GB a projection). Pairs of backbone or released tokens
+(slot -1) add nothing, and a step without adapters computes no delta.
 """
 
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import expert_lora, expert_lora_reference
+from lorazor_kernels import DECODE_PAIRS, expert_gemv, expert_lora, expert_lora_reference
 from torch import nn
 
 from .context import StepContext
@@ -132,28 +133,42 @@ class BatchedLoRAExperts(nn.Module):
         tokens, top_k = top_k_index.shape
         if lora and tokens != meta.row_slot.shape[0]:
             raise RuntimeError(f"experts got {tokens} tokens but the step has {meta.row_slot.shape[0]}")
-        base = self.base
+        if self.kernel and tokens * top_k <= DECODE_PAIRS:
+            # A decode step's few pairs in token order, each expert read in place: no sort, no scatter.
+            experts = top_k_index.reshape(-1)
+            slot = meta.row_slot.long().repeat_interleave(top_k) if lora else None
+            out = self._pairs(hidden_states.repeat_interleave(top_k, dim=0), experts, slot,
+                              lambda x, weight: expert_gemv(x, weight, experts))
+            out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
+            return out.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
         experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)
         token = perm // top_k
-        x = hidden_states[token]
         # histc, not bincount: no host sync, so the step stays capturable (transformers does the same).
         counts = torch.histc(experts.float() if experts.device.type == "cpu" else experts.int(),
                              bins=self.num_experts, min=0, max=self.num_experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate_up = _expert_linear(x, base.gate_up_proj, offsets, experts)
-        if lora:
-            slot = meta.row_slot.long()[token]
-            stacks = {p: self.bank.stack(first) for p, first in self.blocks.items()}
-            gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts, self.kernel),
-                                           _delta(stacks["up_proj"], x, slot, experts, self.kernel)], dim=-1)
-        hidden = base._apply_gate(gate_up) if hasattr(base, "_apply_gate") else _gated(base, gate_up)
-        out = _expert_linear(hidden, base.down_proj, offsets, experts)
-        if lora:
-            out = out + _delta(stacks["down_proj"], hidden, slot, experts, self.kernel)
+        out = self._pairs(hidden_states[token], experts, meta.row_slot.long()[token] if lora else None,
+                          lambda x, weight: _expert_linear(x, weight, offsets, experts))
         out = out * top_k_weights.reshape(-1)[perm, None].to(out.dtype)
         pairs = torch.empty_like(out)
         pairs[perm] = out
         return pairs.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _pairs(self, x: torch.Tensor, experts: torch.Tensor, slot: torch.Tensor | None, linear) -> torch.Tensor:
+        """Each token-expert pair's expert output (gate/up, the activation, down), with its token's
+        adapter delta on each projection where `slot` is given; `linear(x, weight)` computes a base
+        projection over the pairs in their order."""
+        base = self.base
+        gate_up = linear(x, base.gate_up_proj)
+        if slot is not None:
+            stacks = {p: self.bank.stack(first) for p, first in self.blocks.items()}
+            gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts, self.kernel),
+                                           _delta(stacks["up_proj"], x, slot, experts, self.kernel)], dim=-1)
+        hidden = base._apply_gate(gate_up) if hasattr(base, "_apply_gate") else _gated(base, gate_up)
+        out = linear(hidden, base.down_proj)
+        if slot is not None:
+            out = out + _delta(stacks["down_proj"], hidden, slot, experts, self.kernel)
+        return out
 
     def workspace_bytes(self, tokens: int) -> int:
         """The memory a step of `tokens` tokens takes here at most: per token-expert pair its gathered
