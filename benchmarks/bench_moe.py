@@ -2,6 +2,7 @@
 LoRazor against its own backbone, prefill against its FLOPs floor, and a request trace.
 
     python benchmarks/bench_moe.py --out $OUT [--layers 8] [--adapters 64] [--rank 16] [--tiny]
+        [--phases decode,prefill,trace] [--batches 1,256]
 
 The Qwen3-30B-A3B shape (hidden 2048, 32 heads / 4 KV heads of 128, 128 experts of 768, top-8,
 vocabulary 151,936) with random bf16 weights and `--layers` of its 48 decoder layers (the whole
@@ -165,6 +166,39 @@ def trace(engine, vocab: int, adapters: int, system: str, requests: int) -> dict
     return dict(req_s=round(requests / wall, 2), tok_s=round(sum(len(o.token_ids) for o in outs) / wall, 1))
 
 
+def decode_rows(engine, model, config, args, bandwidth: float, record) -> None:
+    """Decode at each batch of `--batches`, backbone rows and adapter rows, against their bytes floors."""
+    per_token_kv = model.runner.kv_bytes_per_token()
+    for batch in (int(b) for b in args.batches.split(",")):
+        experts, pairs = active_experts(model, config, batch, args.adapters)
+        kv = batch * (64 + 30) * per_token_kv
+        base_floor = (weight_bytes(config, experts) + kv) / bandwidth * 1e3
+        lora_floor = base_floor + adapter_bytes(config, args.rank, pairs, min(batch, args.adapters)) / bandwidth * 1e3
+        backbone, backbone_profile = decode_ms(engine, batch, lambda i: None, 30, config.vocab_size)
+        lora, lora_profile = decode_ms(engine, batch, lambda i: f"a{i % args.adapters}", 30, config.vocab_size)
+        record(phase="decode", batch=batch, experts_per_layer=round(sum(experts) / len(experts), 1),
+               adapter_expert_pairs_per_layer=round(sum(pairs) / len(pairs), 1), backbone_ms=round(backbone, 3),
+               backbone_floor_ms=round(base_floor, 3), backbone_vs_floor=round(backbone / base_floor, 2),
+               lora_ms=round(lora, 3), lora_floor_ms=round(lora_floor, 3), lora_vs_floor=round(lora / lora_floor, 2),
+               lora_vs_backbone=round(lora / backbone, 2), backbone_profile=backbone_profile,
+               lora_profile=lora_profile)
+
+
+def prefill_row(engine, config, tflops: float, record) -> None:
+    """One 8 x 512-token prefill step against 2 x active parameters x tokens + causal attention FLOPs."""
+    h, q = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    active = config.num_hidden_layers * (h * q * 2 + 2 * h * kv + config.num_experts * h
+                                         + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size)
+    tokens, length = 8 * 512, 512
+    attention = config.num_hidden_layers * 8 * 2 * length * length * q  # causal QK^T and PV: 4 T^2 d / 2 each
+    flops = 2 * active * tokens + attention + 2 * 8 * h * config.vocab_size
+    measured, prefill_profile = prefill_ms(engine, config.vocab_size)
+    floor = flops / (tflops * 1e12) * 1e3
+    record(phase="prefill", tokens=tokens, ms=round(measured, 2), flops_floor_ms=round(floor, 2),
+           vs_floor=round(measured / floor, 2), profile=prefill_profile)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -173,6 +207,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (a CPU check of the script)")
+    parser.add_argument("--phases", default="decode,prefill,trace", help="which measurements to run")
+    parser.add_argument("--batches", default="1,256", help="decode batch sizes")
     parser.add_argument("--warmup-sizes", default=None,
                         help="decode batch sizes warm_up captures, e.g. 1,256 (default: all, as the engine does)")
     args = parser.parse_args()
@@ -198,40 +234,21 @@ def main() -> None:
     record(phase="setup", build_s=round(build_s, 1), warmup_s=round(time.perf_counter() - start, 1), graphs=graphs,
            compile=model.config.compile, layers=args.layers, adapters=args.adapters, rank=args.rank,
            bank_gb=round(model.bank.storage.nbytes / 1e9, 2), kv_blocks=engine.pool.num_blocks)
-    per_token_kv = model.runner.kv_bytes_per_token()
-    for batch in (1, 256):
-        experts, pairs = active_experts(model, config, batch, args.adapters)
-        kv = batch * (64 + 30) * per_token_kv
-        base_floor = (weight_bytes(config, experts) + kv) / bandwidth * 1e3
-        lora_floor = base_floor + adapter_bytes(config, args.rank, pairs, min(batch, args.adapters)) / bandwidth * 1e3
-        backbone, backbone_profile = decode_ms(engine, batch, lambda i: None, 30, config.vocab_size)
-        lora, lora_profile = decode_ms(engine, batch, lambda i: f"a{i % args.adapters}", 30, config.vocab_size)
-        record(phase="decode", batch=batch, experts_per_layer=round(sum(experts) / len(experts), 1),
-               adapter_expert_pairs_per_layer=round(sum(pairs) / len(pairs), 1), backbone_ms=round(backbone, 3),
-               backbone_floor_ms=round(base_floor, 3), backbone_vs_floor=round(backbone / base_floor, 2),
-               lora_ms=round(lora, 3), lora_floor_ms=round(lora_floor, 3), lora_vs_floor=round(lora / lora_floor, 2),
-               lora_vs_backbone=round(lora / backbone, 2), backbone_profile=backbone_profile,
-               lora_profile=lora_profile)
-    h, q = config.hidden_size, config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    active = config.num_hidden_layers * (h * q * 2 + 2 * h * kv + config.num_experts * h
-                                         + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size)
-    tokens, length = 8 * 512, 512
-    attention = config.num_hidden_layers * 8 * 2 * length * length * q  # causal QK^T and PV: 4 T^2 d / 2 each
-    flops = 2 * active * tokens + attention + 2 * 8 * h * config.vocab_size
-    measured, prefill_profile = prefill_ms(engine, config.vocab_size)
-    floor = flops / (tflops * 1e12) * 1e3
-    record(phase="prefill", tokens=tokens, ms=round(measured, 2), flops_floor_ms=round(floor, 2),
-           vs_floor=round(measured / floor, 2), profile=prefill_profile)
-    requests = args.requests if cuda else 16
-    # One unmeasured pass of each system first: the first trace of a process pays one-time costs (the
-    # compiled steps' new shapes, allocator growth) that made a backbone measured first look slower
-    # than StepTrim measured after it (H100, e4b023d: 555 vs 902 req/s).
-    for system in ("backbone", "exact", "steptrim"):
-        trace(engine, config.vocab_size, args.adapters, system, min(requests, 64))
-    for system in ("backbone", "exact", "steptrim"):
-        record(phase="trace", system=system, requests=requests, **trace(engine, config.vocab_size, args.adapters,
-                                                                          system, requests))
+    phases = set(args.phases.split(","))
+    if "decode" in phases:
+        decode_rows(engine, model, config, args, bandwidth, record)
+    if "prefill" in phases:
+        prefill_row(engine, config, tflops, record)
+    if "trace" in phases:
+        requests = args.requests if cuda else 16
+        # One unmeasured pass of each system first: the first trace of a process pays one-time costs
+        # (the lazy captures of batch sizes warm_up left out, new compiled shapes) that made a backbone
+        # measured first look slower than StepTrim measured after it (H100, e4b023d: 555 vs 902 req/s).
+        for system in ("backbone", "exact", "steptrim"):
+            trace(engine, config.vocab_size, args.adapters, system, min(requests, 64))
+        for system in ("backbone", "exact", "steptrim"):
+            record(phase="trace", system=system, requests=requests, **trace(engine, config.vocab_size, args.adapters,
+                                                                              system, requests))
     meta = dict(environment(), command="python benchmarks/bench_moe.py " + " ".join(sys.argv[1:]))
     (args.out / "moe.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# MoE under adapters ({meta.get('gpu', 'cpu')}, {meta['commit']})", "", f"`{meta['command']}`", "",
