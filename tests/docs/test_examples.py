@@ -1,5 +1,6 @@
 """Every script in examples/ runs on the CPU (with a small setting where it takes one)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -49,6 +50,22 @@ def test_benchmark_logic_runs_on_a_tiny_model(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_moe_benchmark_runs_on_a_tiny_moe(tmp_path):
+    """bench_moe.py --tiny: decode rows at two batch sizes and the trace, each row with its floors."""
+    root = EXAMPLES.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "kernels")])}
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_moe.py"), "--tiny", "--out", str(tmp_path),
+                           "--phases", "decode,trace", "--batches", "1,3", "--layers", "2"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
+    decode = [r for r in rows if r["phase"] == "decode"]
+    assert [r["batch"] for r in decode] == [1, 3]
+    assert all(r["backbone_ms"] > 0 and r["lora_floor_ms"] > r["backbone_floor_ms"] > 0 for r in decode)
+    assert [r["system"] for r in rows if r["phase"] == "trace"] == ["backbone", "exact", "steptrim"]
+    assert not [r for r in rows if r["phase"] == "prefill"]
 
 
 def test_trace_probe_counts_every_step_of_a_tiny_trace(tmp_path):
