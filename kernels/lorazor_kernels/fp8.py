@@ -222,18 +222,16 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     (`KernelConfig.fp8_*`); split_k 0 or absent: chosen by `_split_k`."""
     M, K = x.shape
     N = weight.shape[0]
-    blocks = block_scaled(scale)
-    if blocks:
-        check_block_scales(weight, scale)
+    blocks = block_scaled(scale)  # their shape is checked once, where the layer is built (`check_block_scales`)
     if M > WEIGHT_ONLY_ROWS and not blocks:
         raise ValueError(f"fp8_weight_only takes per-channel weights for at most {WEIGHT_ONLY_ROWS} rows, got {M}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    config = get_kernel_config(x.device)
     if M > WEIGHT_ONLY_ROWS:  # block-scaled, many rows: row blocks too, K whole
         block_m, block_n, block_k, warps, stages = BLOCK_SCALED_LAUNCH
         split = [1]
     else:
-        config = get_kernel_config(x.device)
         block_m = WEIGHT_ONLY_ROWS
         block_n, block_k, warps, stages, *split = launch or (config.fp8_block_n, config.fp8_block_k,
                                                              config.fp8_num_warps, config.fp8_num_stages)
@@ -246,7 +244,7 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
             raise ValueError(f"a block-scaled fp8 GEMM needs BLOCK_K dividing {SCALE_BLOCK}, got {block_k}")
     column_blocks = triton.cdiv(N, block_n)
     split_k = split[0] if split and split[0] else _split_k(column_blocks, K, block_k, x.device,
-                                                           get_kernel_config(x.device).fp8_programs_per_sm)
+                                                           config.fp8_programs_per_sm)
     k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole BLOCK_Ks per split
     split_k = triton.cdiv(K, k_split)
     if split_k > 1:
@@ -274,11 +272,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     weights at any row count) run `fp8_weight_only` (x unquantized); more rows run `_scaled_mm` with
     per-token activation scales where the GPU has fp8 matrix units. `scaled`: force the `_scaled_mm`
     path (True) or the dequantized reference (False)."""
-    if (scaled is None and (x.shape[0] <= WEIGHT_ONLY_ROWS or block_scaled(scale))
-            and x.dtype in (torch.bfloat16, torch.float16)
+    blocks = block_scaled(scale)
+    if (scaled is None and (x.shape[0] <= WEIGHT_ONLY_ROWS or blocks) and x.dtype in (torch.bfloat16, torch.float16)
             and scaled_mm_available(x.device)):  # Triton widens float8_e4m3fn on the same GPUs
         return fp8_weight_only(x, weight, scale, bias)
-    if block_scaled(scale):
+    if blocks:
         if scaled:
             raise ValueError("block-scaled fp8 weights take the weight-only kernel or the reference, not _scaled_mm")
         return fp8_linear_reference(x, weight, scale, bias)

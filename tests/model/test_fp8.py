@@ -552,3 +552,12 @@ def test_compiled_backbone_only_steps_run_the_fp8_gemm_as_one_opaque_op():
         outs.append([o.token_ids for o in done])
     assert outs[0] == outs[1]
     assert dict(counters["graph_break"]) == {}
+
+
+def test_block_scales_of_the_wrong_shape_are_refused_naming_it():
+    from lorazor.quant import Fp8Linear
+
+    weight = torch.zeros(300, 200, dtype=torch.float8_e4m3fn)
+    Fp8Linear(weight, torch.ones(3, 2), None)  # ceil(300 / 128) x ceil(200 / 128)
+    with pytest.raises(ValueError, match=r"block scales of shape \(2, 2\) for a 300x200 fp8 weight.*expected \(3, 2\)"):
+        Fp8Linear(weight, torch.ones(2, 2), None)

@@ -27,7 +27,7 @@ of a 30B MoE the gathered weights take ~1 GB a projection). Pairs of backbone or
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import DECODE_PAIRS, expert_gemv, expert_lora, expert_lora_reference
+from lorazor_kernels import DECODE_PAIRS, expert_gemv, expert_gemv_reference, expert_lora, expert_lora_reference
 from torch import nn
 
 from .context import StepContext
@@ -94,7 +94,7 @@ def _expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     cannot hold) a batched matmul over each pair's gathered expert weights."""
     if _grouped_linear is not None and (weight.dtype == torch.bfloat16 or weight.device.type == "cpu"):
         return _grouped_linear(x, weight, offsets)
-    return torch.bmm(weight[experts_g], x.to(weight.dtype)[:, :, None])[..., 0]
+    return expert_gemv_reference(x, weight, experts_g)
 
 
 def _delta(stack, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor, kernel: bool) -> torch.Tensor:
@@ -113,17 +113,17 @@ class BatchedLoRAExperts(nn.Module):
         prefix: its module name (the bank's expert modules are named under it).
         bank: the adapter bank holding the expert modules (`expert_sizes`).
         context: the model's shared `StepContext`.
-        kernel: run the deltas with `expert_lora` (the "triton" backend), else the torch reference.
     """
 
-    def __init__(self, base: nn.Module, prefix: str, bank, context: StepContext, kernel: bool = False):
+    def __init__(self, base: nn.Module, prefix: str, bank, context: StepContext):
         super().__init__()
         self.base = base
         self.prefix = prefix
         self.bank = bank
         self.context = context
         self.num_experts = base.num_experts
-        self.kernel = kernel
+        # The "triton" backend runs the Triton kernels (`expert_lora`, `expert_gemv`), else torch ops.
+        self.kernel = context.backend == "triton"
         # The bank's stacked blocks are found by their first module's name (a string, hashed once).
         self.blocks = {p: expert_module_names(prefix, base.num_experts, p)[0] for p in EXPERT_PROJECTIONS}
 
@@ -195,14 +195,13 @@ def patch_experts(root: nn.Module, bank, context: StepContext) -> list[tuple[str
     """Replace every experts module (or PEFT's wrapper of one) under `root` whose expert modules are
     in the bank by a `BatchedLoRAExperts`; returns `(name, old module)` pairs to put back."""
     replaced = []
-    kernel = context.backend == "triton"
     for name, base in find_experts(root).items():
         if f"{name}.0.gate_proj" not in bank.modules:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         replaced.append((name, getattr(parent, attr)))
-        setattr(parent, attr, BatchedLoRAExperts(base, name, bank, context, kernel))
+        setattr(parent, attr, BatchedLoRAExperts(base, name, bank, context))
     return replaced
 
 

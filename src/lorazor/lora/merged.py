@@ -16,7 +16,7 @@ input, or a bank whose ranks became mixed, takes its own per-module path (still 
 from __future__ import annotations
 
 import torch
-from lorazor_kernels.fp8 import SCALE_BLOCK
+from lorazor_kernels.fp8 import SCALE_BLOCK, block_scaled
 from torch import nn
 
 from .layers import BatchedLoRALinear, linear_step_lora
@@ -50,7 +50,7 @@ class MergedGroup:
             base.weight.data = self.weight[lo:hi]
             if base.bias is not None:
                 base.bias.data = self.bias[lo:hi]
-            if self.weight_scale is not None and self.weight_scale.dim() == 2:  # block rows (`_can_merge`)
+            if self.weight_scale is not None and block_scaled(self.weight_scale):  # block rows (`_can_merge`)
                 base.weight_scale.data = self.weight_scale[lo // SCALE_BLOCK: -(-hi // SCALE_BLOCK)]
             elif self.weight_scale is not None:
                 base.weight_scale.data = self.weight_scale[lo:hi]
@@ -112,7 +112,7 @@ def _can_merge(members) -> str | None:
 def _scale_kind(member) -> str | None:
     """None (not fp8), "channels" or "blocks" (an fp8 checkpoint's 128x128 block scales)."""
     scale = getattr(member.base_layer, "weight_scale", None)
-    return None if scale is None else ("blocks" if scale.dim() == 2 else "channels")
+    return None if scale is None else ("blocks" if block_scaled(scale) else "channels")
 
 
 def merge_projections(root: nn.Module, context, bank) -> list[MergedGroup]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from lorazor_kernels import base_linear, dequantize, quantize_rows
+from lorazor_kernels.fp8 import block_scaled, check_block_scales
 from torch import nn
 
 from ..config import QUANTIZATIONS  # noqa: F401  (what `LoRazorConfig.quantization` accepts)
@@ -30,6 +31,8 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
+        if block_scaled(weight_scale):
+            check_block_scales(weight, weight_scale)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -55,7 +58,7 @@ class Fp8Linear(nn.Module):
         return base_linear(x, self.weight, self.bias, self.weight_scale)
 
     def extra_repr(self) -> str:
-        scales = "128x128 block scales" if self.weight_scale.dim() == 2 else "per-channel scales"
+        scales = "128x128 block scales" if block_scaled(self.weight_scale) else "per-channel scales"
         return f"in={self.in_features}, out={self.out_features}, fp8 (e4m3, {scales})"
 
 
