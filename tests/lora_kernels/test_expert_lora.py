@@ -1,9 +1,9 @@
 """The MoE expert kernels against their gathering torch references. `expert_gemv`: a decode step's
 token-expert pairs through their experts' base weights, on strided expert blocks, odd N and K.
-`expert_lora`: each MoE token-expert pair's LoRA delta from its own slot and expert, read in place,
-against the gathering torch reference; on the bank's own strided views (B transposed inside a slot
-row), with pairs of no adapter (slot -1), a slot of a lower rank (zero past it), odd K, N and pair
-counts, and ranks that are not a power of two."""
+`expert_lora`: each MoE token-expert pair's LoRA deltas (one or two projections side by side) from its own
+slot and expert, read in place, against the gathering torch reference; on the bank's own strided views (B
+transposed inside a slot row), with pairs of no adapter (slot -1), a slot of a lower rank (zero past it), odd
+K, N and pair counts, ranks that are not a power of two, split K and wide column blocks."""
 
 import json
 import os
@@ -13,16 +13,18 @@ import sys
 import pytest
 import torch
 
-# (slots L, experts E, r_max, K, N, pairs P); r_max 6 and 12: not a power of two (the kernels mask the rank block)
-CASES = [(3, 5, 16, 40, 70, 23), (2, 8, 8, 128, 33, 1), (4, 3, 32, 200, 129, 64), (1, 2, 16, 64, 64, 0),
-         (3, 4, 6, 50, 40, 17), (2, 3, 12, 130, 65, 9)]
+# (slots L, experts E, r_max, K, N, pairs P, projections J); r_max 6 and 12: not a power of two (the kernels mask
+# the rank block); few pairs split K (1,000 over 4 splits, 600 over 2 with the second past K), 130 pairs take wide
+# column blocks (N 300: a partial one)
+CASES = [(3, 5, 16, 40, 70, 23, 1), (2, 8, 8, 128, 33, 1, 2), (4, 3, 32, 200, 129, 64, 1), (1, 2, 16, 64, 64, 0, 2),
+         (3, 4, 6, 50, 40, 17, 2), (2, 3, 12, 130, 65, 9, 1), (3, 4, 16, 1000, 48, 1, 2), (2, 3, 8, 600, 40, 3, 1),
+         (3, 6, 16, 72, 300, 130, 2)]
 
 SCRIPT = """
 import json, sys, torch
 from lorazor_kernels import expert_lora, expert_lora_reference
 
-def case(L, E, r, K, N, P, device):
-    g = torch.Generator().manual_seed(L * 1000 + E * 100 + P)
+def stack(L, E, r, K, N, g, device):
     # The bank's layout: one storage row per slot, A blocks [E * r, K], then B stored [r, E * N].
     row = E * r * K + r * E * N + 5
     storage = torch.randn(L, row, generator=g).to(device)
@@ -30,14 +32,22 @@ def case(L, E, r, K, N, P, device):
     lora_b = storage[:, E * r * K:E * r * K + r * E * N].view(L, r, E * N).transpose(1, 2).unflatten(1, (E, N))
     lora_a[0, :, r // 2:] = 0
     lora_b[0, :, :, r // 2:] = 0  # slot 0 holds an adapter of half the rank
-    scaling = torch.rand(E + 1, L, generator=g)[1:].to(device)
+    return lora_a, lora_b, torch.rand(E + 1, L, generator=g)[1:].to(device)
+
+def case(L, E, r, K, N, P, J, device):
+    g = torch.Generator().manual_seed(L * 1000 + E * 100 + P)
+    stacks = [stack(L, E, r, K, N, g, device) for _ in range(J)]
+    lora_a, lora_b, scaling = ([s[i] for s in stacks] for i in range(3))
     slot = torch.randint(-1, L, (P,), generator=g).to(device)
     expert = torch.randint(0, E, (P,), generator=g).to(device)
     x = torch.randn(P, K, generator=g).to(device)
     got, ref = expert_lora(x, lora_a, lora_b, scaling, slot, expert), expert_lora_reference(
         x, lora_a, lora_b, scaling, slot, expert)
+    # each projection's columns against that projection alone (the side-by-side order)
+    alone = [expert_lora_reference(x, [a], [b], [s], slot, expert) for a, b, s in zip(lora_a, lora_b, scaling)]
     scale = ref.abs().max().item() if P else 1.0
     return dict(error=(got - ref).abs().max().item() / max(scale, 1e-6) if P else 0.0,
+                side_by_side=bool(torch.equal(ref, torch.cat(alone, dim=-1))),
                 zero_where_no_adapter=bool((got[slot < 0] == 0).all()) if P else True, shape=list(got.shape))
 
 print(json.dumps([case(*c, sys.argv[2]) for c in json.loads(sys.argv[1])]))
@@ -55,9 +65,9 @@ def run(device: str, interpret: bool) -> list[dict]:
 
 
 def check(results):
-    for (L, E, r, K, N, P), got in zip(CASES, results, strict=True):
-        assert got["shape"] == [P, N]
-        assert got["error"] < 1e-4 and got["zero_where_no_adapter"], ((L, E, r, K, N, P), got)
+    for (L, E, r, K, N, P, J), got in zip(CASES, results, strict=True):
+        assert got["shape"] == [P, J * N] and got["side_by_side"]
+        assert got["error"] < 1e-4 and got["zero_where_no_adapter"], ((L, E, r, K, N, P, J), got)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the GPU test below runs the compiled kernels")

@@ -97,9 +97,10 @@ def _expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     return expert_gemv_reference(x, weight, experts_g)
 
 
-def _delta(stack, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """Each pair's LoRA delta `scaling * B[slot, e] (A[slot, e] x)`; zero where `slot` < 0."""
-    lora_a, lora_b, scaling = stack
+def _delta(stacks: list, x: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """Each pair's LoRA delta `scaling * B[slot, e] (A[slot, e] x)` for one or two projections of the
+    input x (side by side); zero where `slot` < 0."""
+    lora_a, lora_b, scaling = ([stack[i] for stack in stacks] for i in range(3))
     if kernel:
         return expert_lora(x, lora_a, lora_b, scaling, slot, expert)
     return expert_lora_reference(x, lora_a, lora_b, scaling, slot, expert)
@@ -135,19 +136,21 @@ class BatchedLoRAExperts(nn.Module):
             raise RuntimeError(f"experts got {tokens} tokens but the step has {meta.row_slot.shape[0]}")
         if self.kernel and tokens * top_k <= DECODE_PAIRS:
             # A decode step's few pairs in token order, each expert read in place: no sort, no scatter.
-            experts = top_k_index.reshape(-1)
-            slot = meta.row_slot.long().repeat_interleave(top_k) if lora else None
+            # int32 once for the layer's kernels (each would otherwise convert its own copy).
+            experts = top_k_index.reshape(-1).int()
+            slot = meta.row_slot.int().repeat_interleave(top_k) if lora else None
             out = self._pairs(hidden_states.repeat_interleave(top_k, dim=0), experts, slot,
                               lambda x, weight: expert_gemv(x, weight, experts))
             out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
             return out.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
         experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+        experts = experts.int()
         token = perm // top_k
         # histc, not bincount: no host sync, so the step stays capturable (transformers does the same).
-        counts = torch.histc(experts.float() if experts.device.type == "cpu" else experts.int(),
+        counts = torch.histc(experts.float() if experts.device.type == "cpu" else experts,
                              bins=self.num_experts, min=0, max=self.num_experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        out = self._pairs(hidden_states[token], experts, meta.row_slot.long()[token] if lora else None,
+        out = self._pairs(hidden_states[token], experts, meta.row_slot.int()[token] if lora else None,
                           lambda x, weight: _expert_linear(x, weight, offsets, experts))
         out = out * top_k_weights.reshape(-1)[perm, None].to(out.dtype)
         pairs = torch.empty_like(out)
@@ -162,12 +165,12 @@ class BatchedLoRAExperts(nn.Module):
         gate_up = linear(x, base.gate_up_proj)
         if slot is not None:
             stacks = {p: self.bank.stack(first) for p, first in self.blocks.items()}
-            gate_up = gate_up + torch.cat([_delta(stacks["gate_proj"], x, slot, experts, self.kernel),
-                                           _delta(stacks["up_proj"], x, slot, experts, self.kernel)], dim=-1)
+            # gate's and up's deltas side by side, as in the fused gate_up output (one launch pair)
+            gate_up = gate_up + _delta([stacks["gate_proj"], stacks["up_proj"]], x, slot, experts, self.kernel)
         hidden = base._apply_gate(gate_up) if hasattr(base, "_apply_gate") else _gated(base, gate_up)
         out = linear(hidden, base.down_proj)
         if slot is not None:
-            out = out + _delta(stacks["down_proj"], hidden, slot, experts, self.kernel)
+            out = out + _delta([stacks["down_proj"]], hidden, slot, experts, self.kernel)
         return out
 
     def workspace_bytes(self, tokens: int) -> int:
