@@ -4,6 +4,7 @@
 #   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh gpu-tests kernels e2e-quick
 # Steps:
 #   gpu-tests        every test on the GPU (or those under $TEST_PATHS), in $SHARDS parallel shards over the GPUs (default 20, $SHARD_TIMEOUT s each,
+#                    files of more than $UNIT_MAX tests split across shards,
 #                    default 540; bf16 kernels, graph replay = eager, compile); check every shard's summary. Then the
 #                    whole_gpu tests alone (a default-size KV pool), in tests_whole_gpu.log.
 #                    SHARD_PART=k/m runs shards i with i % m == k only: the whole suite over m calls
@@ -114,14 +115,15 @@ for step in "$@"; do
                n=${SHARDS:-20}
                # Whole files per shard, the largest first onto the emptiest shard, so a module's fixtures
                # (a served engine) are built once per shard: pytest collects a module once per test id
-               # given. Only a file larger than a shard's share is split into runs of test ids.
-               python3 - "$W" "$n" <<'PY'
+               # given. Only a file larger than a shard's share (or $UNIT_MAX ids, a slow file) is split into runs of test ids.
+               python3 - "$W" "$n" "${UNIT_MAX:-0}" <<'PY'
 import collections, sys
-w, n = sys.argv[1], int(sys.argv[2])
+w, n, unit_max = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 by_file = collections.defaultdict(list)
 for line in open(f"{w}/all_ids.txt"):
     by_file[line.split("::")[0]].append(line.rstrip("\n"))
 share = -(-sum(map(len, by_file.values())) // n)
+share = min(share, unit_max) if unit_max > 0 else share
 units = []  # (test count, pytest arguments)
 for f, ids in by_file.items():
     units += [(len(ids), [f])] if len(ids) <= share else [(len(ids[i:i + share]), ids[i:i + share])
