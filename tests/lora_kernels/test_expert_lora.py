@@ -1,9 +1,10 @@
 """The MoE expert kernels against their gathering torch references. `expert_gemv`: a decode step's
 token-expert pairs through their experts' base weights, on strided expert blocks, odd N and K.
 `expert_lora`: each MoE token-expert pair's LoRA deltas (one or two projections side by side) from its own
-slot and expert, read in place, against the gathering torch reference; on the bank's own strided views (B
-transposed inside a slot row), with pairs of no adapter (slot -1), a slot of a lower rank (zero past it), odd
-K, N and pair counts, ranks that are not a power of two, split K and wide column blocks."""
+slot and expert, read in place, against the gathering torch reference; on the bank's own strided views (each
+expert's B contiguous, or all experts' columns in each rank row), with pairs of no adapter (slot -1), a slot
+of a lower rank (zero past it), odd K, N and pair counts, ranks that are not a power of two, split K and wide
+column blocks."""
 
 import json
 import os
@@ -24,19 +25,22 @@ SCRIPT = """
 import json, sys, torch
 from lorazor_kernels import expert_lora, expert_lora_reference
 
-def stack(L, E, r, K, N, g, device):
-    # The bank's layout: one storage row per slot, A blocks [E * r, K], then B stored [r, E * N].
+def stack(L, E, r, K, N, g, device, per_expert):
+    # The bank's layout: one storage row per slot, A blocks [E * r, K], then each expert's B stored [r, N]
+    # (per_expert) or, as a merged group's B, all experts' columns in each rank row: [r, E * N].
     row = E * r * K + r * E * N + 5
     storage = torch.randn(L, row, generator=g).to(device)
     lora_a = storage[:, :E * r * K].view(L, E, r, K)
-    lora_b = storage[:, E * r * K:E * r * K + r * E * N].view(L, r, E * N).transpose(1, 2).unflatten(1, (E, N))
+    b_store = storage[:, E * r * K:E * r * K + r * E * N]
+    lora_b = (b_store.view(L, E, r, N).transpose(2, 3) if per_expert
+              else b_store.view(L, r, E * N).transpose(1, 2).unflatten(1, (E, N)))
     lora_a[0, :, r // 2:] = 0
     lora_b[0, :, :, r // 2:] = 0  # slot 0 holds an adapter of half the rank
     return lora_a, lora_b, torch.rand(E + 1, L, generator=g)[1:].to(device)
 
 def case(L, E, r, K, N, P, J, device):
     g = torch.Generator().manual_seed(L * 1000 + E * 100 + P)
-    stacks = [stack(L, E, r, K, N, g, device) for _ in range(J)]
+    stacks = [stack(L, E, r, K, N, g, device, per_expert=P % 2 == 1) for _ in range(J)]
     lora_a, lora_b, scaling = ([s[i] for s in stacks] for i in range(3))
     slot = torch.randint(-1, L, (P,), generator=g).to(device)
     expert = torch.randint(0, E, (P,), generator=g).to(device)

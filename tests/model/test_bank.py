@@ -74,3 +74,29 @@ def test_the_layout_changes_only_while_the_slots_are_empty():
     b2, _ = bank(groups=())
     with pytest.raises(ValueError, match="differ in input size"):
         b2.lay_out([["l0.o", "l0.down"]])
+
+
+def test_a_stacked_block_keeps_each_experts_b_contiguous_and_in_its_views():
+    # An MoE projection's experts (a stack): a load lands where the modules' views and the stack's views read
+    # it, and each expert's B `[r_max, N]` is one contiguous span of its slot's row (a token-expert pair reads
+    # one expert's B whole).
+    sizes = {f"m.experts.{e}.up_proj": (24, 40) for e in range(3)} | {"m.o": (40, 24)}
+    names = tuple(f"m.experts.{e}.up_proj" for e in range(3))
+    b = AdapterBank(sizes, 2, 8, torch.float32, torch.device(DEVICE), stacks=[names])
+    g = torch.Generator().manual_seed(7)
+    ranks = {names[0]: 8, names[2]: 5, "m.o": 8}
+    weights = AdapterWeights({n: (torch.randn(r, sizes[n][0], generator=g), torch.randn(sizes[n][1], r, generator=g),
+                                  1.5) for n, r in ranks.items()})
+    b.write(1, "a", b.pack(weights))
+    lora_a, lora_b, scaling = b.stack(names[0])
+    assert lora_a.shape == (2, 3, 8, 24) and lora_b.shape == (2, 3, 40, 8) and scaling.shape == (3, 2)
+    for e, name in enumerate(names):
+        assert lora_b[1, e].t().is_contiguous() and torch.equal(lora_b[1, e], b.modules[name].lora_b[1])
+        assert torch.equal(lora_a[1, e], b.modules[name].lora_a[1])
+        if name in ranks:
+            A, B, _ = weights.modules[name]
+            r = A.shape[0]
+            assert torch.equal(lora_a[1, e, :r].cpu(), A) and torch.equal(lora_b[1, e, :, :r].cpu(), B)
+            assert not lora_b[1, e, :, r:].any()
+    assert not lora_b[1, 1].any() and not lora_b[0].any()  # expert 1 not targeted; slot 0 empty
+    assert torch.equal(b.modules["m.o"].lora_b[1].cpu(), weights.modules["m.o"][1])

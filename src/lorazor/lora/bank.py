@@ -13,8 +13,8 @@ copy (plus one for the scalings and one for the ranks), not one per module. The 
 group of modules that share an input and run merged (`lorazor.lora.merged`: q/k/v, gate/up), the
 group's A as one `[G * r_max, K]` block and its B as one `[r_max, sum N]` block, so the merged
 tensors are views of the storage too (`lay_out`); a module outside a group is a group of one. The
-experts of one MoE projection are such a group too, always (`stacks`: `lora/experts.py` reads them
-as `[L, E, r, K]` / `[L, E, N, r]` through `stack`). Slots
+experts of one MoE projection are a stacked block, always (`stacks`: `lora/experts.py` reads them
+as `[L, E, r, K]` / `[L, E, N, r]` through `stack`), with each expert's B `[r_max, N]` contiguous. Slots
 are written in place, so captured CUDA graphs stay valid; on the GPU the copy runs on a side
 stream that the compute stream waits for.
 """
@@ -143,9 +143,10 @@ class AdapterBank:
 
     def lay_out(self, groups) -> dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(Re)allocate the storage with each group of module names (same K, run merged) adjacent:
-        the group's A `[L, G * r_max, K]`, B `[L, sum N, r_max]` and scaling `[G, L]` are views of it,
-        returned per group; every module's tensors become views inside them (the `ModuleLoRA`
-        objects the layers hold are updated in place). Only while every slot is empty."""
+        the group's A `[L, G * r_max, K]`, B `[L, sum N, r_max]` (a stack's: `[L, G, N, r_max]`) and
+        scaling `[G, L]` are views of it, returned per group; every module's tensors become views
+        inside them (the `ModuleLoRA` objects the layers hold are updated in place). Only while every
+        slot is empty."""
         if any(self.names):
             raise RuntimeError("the bank's layout changes only while its slots are empty")
         groups = [*self._stacks, *groups]
@@ -165,29 +166,40 @@ class AdapterBank:
         self.rank = torch.zeros(len(order), L, dtype=torch.int32, device=self.device)
         self._layout = []  # per module, in order: (A offset, K, B offset, N, B row length)
         views, offset, index = {}, 0, 0
+        stacked = set(self._stacks)
         for block in blocks:
             K, widths = self._sizes[block[0]][0], [self._sizes[n][1] for n in block]
             if any(self._sizes[n][0] != K for n in block):
                 raise ValueError(f"modules {block} differ in input size: they cannot share a merged block")
             a_block = self.storage[:, offset:offset + len(block) * r * K].view(L, len(block) * r, K)
             b_offset = offset + len(block) * r * K
-            b_store = self.storage[:, b_offset:b_offset + r * sum(widths)].view(L, r, sum(widths))
-            lo = 0
-            for g, (name, n) in enumerate(zip(block, widths)):
+            b_len = r * sum(widths)
+            if block in stacked:
+                # An MoE projection's experts: each expert's B `[r_max, N]` contiguous, as each token-expert
+                # pair reads one expert's B whole (`expert_lora`); a merged group's B rows span its modules
+                # instead, as its rows read every module's columns.
+                n = widths[0]
+                b_block = self.storage[:, b_offset:b_offset + b_len].view(L, len(block), r, n).transpose(2, 3)
+                spans = [(b_offset + g * r * n, n) for g in range(len(block))]
+            else:
+                b_store = self.storage[:, b_offset:b_offset + b_len].view(L, r, sum(widths))
+                b_block = b_store.transpose(1, 2)
+                starts = [sum(widths[:g]) for g in range(len(block))]
+                spans = [(b_offset + lo, sum(widths)) for lo in starts]
+            for g, (name, n, (b_start, row)) in enumerate(zip(block, widths, spans)):
                 module = self.modules[name]
                 module.lora_a = a_block[:, g * r:(g + 1) * r]
-                module.lora_b = b_store[:, :, lo:lo + n].transpose(1, 2)
+                module.lora_b = self.storage.as_strided((L, n, r), (self.storage.stride(0), 1, row), b_start)
                 module.scaling, module.rank = self.scaling[index], self.rank[index]
                 module.recount()
-                self._layout.append((offset + g * r * K, K, b_offset + lo, n, sum(widths)))
-                lo, index = lo + n, index + 1
-            views[block] = (a_block, b_store.transpose(1, 2), self.scaling[index - len(block):index])
-            offset = b_offset + r * sum(widths)
+                self._layout.append((offset + g * r * K, K, b_start, n, row))
+                index += 1
+            views[block] = (a_block, b_block, self.scaling[index - len(block):index])
+            offset = b_offset + b_len
         self._stack_views = {}
         for block in self._stacks:
             a_block, b_block, scaling = views[block]
-            self._stack_views[block[0]] = (a_block.unflatten(1, (len(block), r)),
-                                        b_block.unflatten(1, (len(block), b_block.shape[1] // len(block))), scaling)
+            self._stack_views[block[0]] = (a_block.unflatten(1, (len(block), r)), b_block, scaling)
         return views
 
     def stack(self, first: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -152,10 +152,12 @@ class BatchedLoRAExperts(nn.Module):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         out = self._pairs(hidden_states[token], experts, meta.row_slot.int()[token] if lora else None,
                           lambda x, weight: _expert_linear(x, weight, offsets, experts))
-        out = out * top_k_weights.reshape(-1)[perm, None].to(out.dtype)
-        pairs = torch.empty_like(out)
-        pairs[perm] = out
-        return pairs.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+        # Back to token order by a gather, not a scatter: compiled, the gather, the routing weights and the
+        # sum over each token's experts are one kernel that reads each pair's output once.
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        out = out[inverse] * top_k_weights.reshape(-1, 1).to(out.dtype)
+        return out.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def _pairs(self, x: torch.Tensor, experts: torch.Tensor, slot: torch.Tensor | None, linear) -> torch.Tensor:
         """Each token-expert pair's expert output (gate/up, the activation, down), with its token's
