@@ -6,8 +6,9 @@
 - attention: decode attention over a contiguous cache (`decode_attention.py`) and paged attention
   with the pool writes (`paged_attention.py`);
 - fp8 weights: per-channel quantization and the weight-only fp8 GEMM (`fp8.py`);
-- MoE experts: each token-expert pair's LoRA delta from its own slot and expert (`expert_lora.py`), and a
-  decode step's few pairs through their experts' base weights (`expert_gemv.py`);
+- MoE experts: each token-expert pair's LoRA delta from its own slot and expert (`expert_lora.py`), a
+  decode step's few pairs through their experts' base weights (`expert_gemv.py`), and fp8 experts
+  (`expert_fp8.py`: per-channel quantization, a sorted step's scaled grouped GEMM);
 - the engine's asynchronous step: the next step's input tokens filled on the device (`token_fill.py`);
 - launch settings per GPU (`kernel_config.py`, `configs/`); `reference.py`: the pure-torch LoRA delta.
 
@@ -15,6 +16,7 @@ The package takes tensors and step metadata; it imports no lorazor, transformers
 """
 
 from .decode_attention import decode_attention, decode_attention_op, decode_attention_reference
+from .expert_fp8 import expert_grouped_fp8, quantize_experts
 from .expert_gemv import DECODE_PAIRS, expert_gemv, expert_gemv_reference
 from .expert_lora import expert_lora, expert_lora_reference
 from .fp8 import dequantize, fp8_linear, fp8_linear_reference, quantize_rows
@@ -44,6 +46,7 @@ __all__ = [
     "dequantize",
     "expert_gemv",
     "expert_gemv_reference",
+    "expert_grouped_fp8",
     "expert_lora",
     "expert_lora_reference",
     "fill_pending",
@@ -60,6 +63,7 @@ __all__ = [
     "paged_attention_call",
     "paged_attention_op",
     "paged_attention_reference",
+    "quantize_experts",
     "quantize_rows",
     "row_bound",
     "slot_bound_class",

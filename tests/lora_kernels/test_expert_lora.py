@@ -88,7 +88,8 @@ GEMV_CASES = [(5, 70, 40, 3), (8, 257, 130, 32), (3, 64, 128, 1), (2, 33, 200, 0
 
 GEMV_SCRIPT = """
 import json, sys, torch
-from lorazor_kernels import expert_gemv, expert_gemv_reference
+from lorazor_kernels import expert_gemv, expert_gemv_reference, quantize_experts
+from lorazor_kernels.fp8 import dequantize
 
 out = []
 for E, N, K, P in json.loads(sys.argv[1]):
@@ -98,8 +99,16 @@ for E, N, K, P in json.loads(sys.argv[1]):
     x = torch.randn(P, K, generator=g).to(sys.argv[2])
     expert = torch.randint(0, E, (P,), generator=g).to(sys.argv[2])
     got, ref = expert_gemv(x, weight, expert), expert_gemv_reference(x, weight, expert)
-    scale = ref.abs().max().item() if P else 1.0
-    out.append(dict(error=(got - ref).abs().max().item() / max(scale, 1e-6) if P else 0.0, shape=list(got.shape)))
+    # fp8 experts: float8 weights, a scale per expert and output channel; the definition on the dequantized weights
+    w8, scale = quantize_experts(weight)
+    fp8 = expert_gemv(x, w8, expert, scale)
+    exact = torch.bmm(dequantize(w8.flatten(0, 1), scale.flatten(), torch.float32).view(E, N, K)[expert],
+                      x[:, :, None])[..., 0]
+    top = lambda t: max(t.abs().max().item(), 1e-6) if P else 1.0
+    out.append(dict(error=(got - ref).abs().max().item() / top(ref) if P else 0.0, shape=list(got.shape),
+                    fp8_error=(fp8 - exact).abs().max().item() / top(exact) if P else 0.0,
+                    fp8_reference_error=(expert_gemv_reference(x, w8, expert, scale) - exact).abs().max().item()
+                    / top(exact) if P else 0.0))
 print(json.dumps(out))
 """
 
@@ -114,6 +123,7 @@ def run_gemv(device: str, interpret: bool) -> list[dict]:
     results = json.loads(done.stdout.splitlines()[-1])
     for (E, N, K, P), got in zip(GEMV_CASES, results, strict=True):
         assert got["shape"] == [P, N] and got["error"] < 1e-4, ((E, N, K, P), got)
+        assert got["fp8_error"] < 1e-4 and got["fp8_reference_error"] < 1e-5, ((E, N, K, P), got)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the GPU test below runs the compiled kernel")
@@ -124,3 +134,26 @@ def test_expert_gemv_equals_its_reference_in_the_interpreter():
 @pytest.mark.gpu
 def test_expert_gemv_equals_its_reference_on_the_gpu():
     run_gemv("cuda", interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairs", [1, 37, 600])
+def test_gpu_grouped_fp8_experts_equal_their_definition(pairs):
+    # A sorted step's fp8 experts (`expert_grouped_fp8`: activations quantized per token, torch's scaled grouped
+    # GEMM on a Hopper GPU) against the definition on the same quantized activations and dequantized weights
+    # (fp32): only the GEMM's accumulation and its bf16 output differ. Experts with no pair included.
+    from lorazor_kernels import expert_gemv_reference, expert_grouped_fp8, quantize_experts
+    from lorazor_kernels.fp8 import dequantize, quantize_tokens_reference
+
+    E, N, K = 6, 96, 160
+    g = torch.Generator().manual_seed(pairs)
+    w8, scale = quantize_experts(torch.randn(E, N, K, generator=g).cuda())
+    x = torch.randn(pairs, K, generator=g).cuda().bfloat16()
+    expert = torch.sort(torch.randint(0, E - 1, (pairs,), generator=g).cuda()).values  # expert E-1: no pair
+    offsets = torch.cumsum(torch.bincount(expert, minlength=E), 0).int()
+    got = expert_grouped_fp8(x, w8, scale, offsets, expert.int())
+    x8, x_scale = quantize_tokens_reference(x, pairs)
+    exact = expert_gemv_reference(x8.float() * x_scale, dequantize(w8.flatten(0, 1), scale.flatten(), torch.float32)
+                                  .view(E, N, K), expert)
+    error = ((got.float() - exact).norm() / exact.norm()).item()
+    assert got.dtype == torch.bfloat16 and got.shape == (pairs, N) and error < 1e-2, error

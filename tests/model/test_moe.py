@@ -25,13 +25,14 @@ ADAPTERS = ["attn", "experts", "both", "legacy", None, "experts"]
 LEFT_PAD = {1: 2, 4: 1}  # row -> left-padding tokens
 
 
-def tiny_moe(arch: str):
+def tiny_moe(arch: str, moe_intermediate: int = 24):
     from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=8, num_experts_per_tok=2, max_position_embeddings=128, eos_token_id=None, pad_token_id=PAD)
     if arch == "qwen3_moe":
-        config = Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=24, num_experts=8, norm_topk_prob=True,
+        config = Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=moe_intermediate, num_experts=8,
+                                norm_topk_prob=True,
                                 **common)
     elif arch == "olmoe":
         config = OlmoeConfig(intermediate_size=24, num_experts=8, **common)
@@ -339,10 +340,79 @@ def test_lorazor_serve_answers_with_a_moe_adapters_text(tmp_path):
     assert body["choices"][0]["text"] == expected
 
 
-def test_fp8_on_a_moe_model_is_refused(family):
-    _, _, _, oracles = family
-    with pytest.raises(NotImplementedError, match="MoE experts are fused parameters"):
-        LoRazorModel.from_pretrained(copy.deepcopy(oracles[None]), config=LoRazorConfig(quantization="fp8"))
+def dequantized(oracle):
+    """A copy of an oracle whose base weights are those an fp8 LoRazor model computes with: each
+    decoder linear (not PEFT's lora_A / lora_B) and each fused expert weight quantized per output
+    channel (per expert), dequantized."""
+    from lorazor.lora.experts import find_experts
+    from lorazor_kernels import dequantize, quantize_experts, quantize_rows
+
+    oracle = copy.deepcopy(oracle)
+    decoder = oracle.get_decoder() if not hasattr(oracle, "peft_config") else oracle.get_base_model().get_decoder()
+    for name, module in decoder.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".lora_" not in name:
+            module.weight.data = dequantize(*quantize_rows(module.weight), module.weight.dtype)
+    for experts in find_experts(decoder).values():
+        for param in (experts.gate_up_proj, experts.down_proj):
+            w8, scale = quantize_experts(param.data)
+            param.data = dequantize(w8.flatten(0, 1), scale.flatten(), param.dtype).view_as(param)
+    return oracle
+
+
+FP8_ADAPTERS = ["experts", "both", None, "attn"]  # the legacy adapter's oracle has its deltas merged: not here
+
+
+def test_fp8_experts_equal_peft_on_the_dequantized_weights(family):
+    # quantization="fp8" on an MoE: the experts' fused weights in float8 with a scale per expert and output
+    # channel (the routers unquantized), through the sorted prefill and the decode steps' expert path, under
+    # attention and expert adapters: greedy tokens equal PEFT's on the same weights dequantized.
+    from transformers import AutoModelForCausalLM
+
+    _, base, folders, oracles = family
+    hf_model = AutoModelForCausalLM.from_pretrained(base).to(DEVICE)
+    model = LoRazorModel.from_pretrained(hf_model, adapters={n: folders[n] for n in FP8_ADAPTERS if n},
+                                         config=LoRazorConfig(max_loras=4, quantization="fp8"))
+    experts = model.model.get_decoder().layers[0].mlp.experts
+    assert experts.base.gate_up_proj.dtype == torch.float8_e4m3fn and experts.base.down_proj_scale.shape == (
+        8, experts.base.down_proj.shape[1])
+    reference = {name: dequantized(oracles[name]) for name in FP8_ADAPTERS}
+    ids, mask = batch(seed=13, rows=len(FP8_ADAPTERS))
+    out = model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), adapter_ids=FP8_ADAPTERS,
+                         max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    got = [out.sequences[row, ids.shape[1]:].tolist() for row in range(len(FP8_ADAPTERS))]
+    expected = [oracle_row(reference, name, ids, mask, row) for row, name in enumerate(FP8_ADAPTERS)]
+    assert got == expected
+    # The quantization is real: the unquantized oracles differ somewhere (so the comparison above can fail).
+    assert expected != [oracle_row(oracles, name, ids, mask, row) for row, name in enumerate(FP8_ADAPTERS)]
+    engine = LoRazorEngine(model, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64, block_size=4)
+    outs = engine.generate([dict(prompt_ids=ids[row][mask[row].bool()].tolist(), adapter=name, max_new_tokens=NEW,
+                                 eos_token_id=None) for row, name in enumerate(FP8_ADAPTERS)])
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_fp8_experts_without_expert_adapters_and_fp8_checkpoints_refused(family, tmp_path):
+    # LoRA targets on attention only: no expert slots, and the fp8 experts still run LoRazor's expert layer.
+    from lorazor.lora.experts import BatchedLoRAExperts
+
+    _, _, folders, oracles = family
+    model = LoRazorModel.from_pretrained(copy.deepcopy(oracles[None]), adapters={"attn": folders["attn"]},
+                                         config=LoRazorConfig(quantization="fp8", lora_target_modules=["q_proj",
+                                                                                                       "v_proj"]))
+    layer = model.model.get_decoder().layers[1].mlp.experts
+    assert isinstance(layer, BatchedLoRAExperts) and not layer.has_lora
+    ids, mask = batch(seed=15, rows=2)
+    out = model.generate(ids, attention_mask=mask, adapter_ids=["attn", None], max_new_tokens=NEW, do_sample=False,
+                         pad_token_id=PAD, eos_token_id=None)
+    reference = {"attn": dequantized(oracles["attn"]), None: dequantized(oracles[None])}
+    assert [out.sequences[row, ids.shape[1]:].tolist() for row in range(2)] == [
+        oracle_row(reference, name, ids, mask, row) for row, name in enumerate(["attn", None])]
+    # An fp8 checkpoint's own weights (`fp8_weights`, read from its files) are not taken for an MoE.
+    from lorazor.lora.bank import AdapterBank
+
+    hf_model = copy.deepcopy(oracles[None])
+    bank = AdapterBank.empty({"model.layers.0.self_attn.q_proj": hf_model.model.layers[0].self_attn.q_proj}, 1, 4)
+    with pytest.raises(NotImplementedError, match="fp8 checkpoints of mixtures of experts are not supported"):
+        LoRazorModel(hf_model, bank, LoRazorConfig(quantization="fp8"), fp8_weights={})
 
 
 def test_the_engine_leaves_room_for_the_experts_lora_workspace(moe_model):
@@ -389,3 +459,27 @@ def test_the_triton_backend_runs_the_expert_kernel_and_equals_peft(family, monke
     # The prefill's 28 tokens x top-2 took the sorted grouped path, each decode step's 8 pairs `expert_gemv`
     # (two projections per layer, 2 layers, 3 decode steps).
     assert len(decode_calls) == 3 * 2 * 2 if DEVICE.type == "cpu" else decode_calls  # a GPU's graphs replay
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fp8_experts_agree_with_the_dequantized_model():
+    # bf16 on a GPU at the defaults (compiled, graphs): the prefill's experts through torch's fp8 grouped GEMM
+    # (activations rounded to fp8 per token; every expert dim a multiple of 16 here), the decode steps' through
+    # `expert_gemv` on the fp8 weights; against the same model dequantized, in bf16.
+    from lorazor.lora.experts import find_experts
+
+    base = tiny_moe("qwen3_moe", moe_intermediate=32).to(DEVICE, torch.bfloat16)
+    model = LoRazorModel.from_pretrained(copy.deepcopy(base), config=LoRazorConfig(quantization="fp8"))
+    reference = dequantized(base)
+    assert all(e.gate_up_proj_scale is not None for e in find_experts(model.model.get_decoder()).values())
+    ids, mask = batch(seed=19, rows=4, length=24)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    ours = model(ids, attention_mask=mask, adapter_ids=[None] * 4)
+    with torch.no_grad():
+        theirs = reference(input_ids=ids, attention_mask=mask).logits
+    error = ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
+    assert error < 0.25, error  # fp8 activations compound through the random model, as for dense fp8 models
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD,
+                         eos_token_id=None)
+    first = theirs[:, -1].argmax(-1).tolist()
+    assert sum(t == f for t, f in zip(out.sequences[:, ids.shape[1]].tolist(), first)) >= 3, (out.sequences, first)

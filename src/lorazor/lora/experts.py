@@ -27,7 +27,8 @@ of a 30B MoE the gathered weights take ~1 GB a projection). Pairs of backbone or
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import DECODE_PAIRS, expert_gemv, expert_gemv_reference, expert_lora, expert_lora_reference
+from lorazor_kernels import (DECODE_PAIRS, expert_gemv, expert_gemv_reference, expert_grouped_fp8, expert_lora,
+                             expert_lora_reference)
 from torch import nn
 
 from .context import StepContext
@@ -87,11 +88,15 @@ def expert_sizes(prefix: str, experts: nn.Module) -> dict[str, tuple[int, int]]:
     return sizes
 
 
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, experts_g: torch.Tensor):
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, offsets: torch.Tensor,
+                   experts_g: torch.Tensor):
     """`x[p] @ weight[e_p].T` for pairs sorted by expert (`offsets`: each expert's end): one grouped
     GEMM (transformers' dispatch to torch's) in bf16 or on the CPU; otherwise (fp32 / fp16 on a GPU,
     where transformers falls back to a loop that reads the offsets on the host, which a CUDA graph
-    cannot hold) a batched matmul over each pair's gathered expert weights."""
+    cannot hold) a batched matmul over each pair's gathered expert weights. fp8 experts (`scale`
+    given) take `expert_grouped_fp8`."""
+    if scale is not None:
+        return expert_grouped_fp8(x, weight, scale, offsets, experts_g)
     if _grouped_linear is not None and (weight.dtype == torch.bfloat16 or weight.device.type == "cpu"):
         return _grouped_linear(x, weight, offsets)
     return expert_gemv_reference(x, weight, experts_g)
@@ -110,9 +115,13 @@ class BatchedLoRAExperts(nn.Module):
     """An MoE layer's experts with each token's adapter on each of its chosen experts.
 
     Args:
-        base: the model's fused experts module (shared, not copied).
+        base: the model's fused experts module (shared, not copied); fp8 experts
+            (`quant.fp8.quantize_experts`) hold float8 `gate_up_proj` / `down_proj` and their scales
+            `gate_up_proj_scale` / `down_proj_scale` `[E, N]`.
         prefix: its module name (the bank's expert modules are named under it).
-        bank: the adapter bank holding the expert modules (`expert_sizes`).
+        bank: the adapter bank, holding the expert modules (`expert_sizes`) where adapters may
+            target these experts; otherwise the layer computes the experts alone (fp8 experts, which
+            transformers' own module cannot compute).
         context: the model's shared `StepContext`.
     """
 
@@ -127,10 +136,12 @@ class BatchedLoRAExperts(nn.Module):
         self.kernel = context.backend == "triton"
         # The bank's stacked blocks are found by their first module's name (a string, hashed once).
         self.blocks = {p: expert_module_names(prefix, base.num_experts, p)[0] for p in EXPERT_PROJECTIONS}
+        self.has_lora = self.blocks["gate_proj"] in bank.modules
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         meta = self.context.meta
-        lora = meta is not None and meta.has_lora is not False  # else no row has an adapter: no delta
+        # else no row has an adapter, or no adapter can target these experts: no delta
+        lora = self.has_lora and meta is not None and meta.has_lora is not False
         tokens, top_k = top_k_index.shape
         if lora and tokens != meta.row_slot.shape[0]:
             raise RuntimeError(f"experts got {tokens} tokens but the step has {meta.row_slot.shape[0]}")
@@ -140,7 +151,7 @@ class BatchedLoRAExperts(nn.Module):
             experts = top_k_index.reshape(-1).int()
             slot = meta.row_slot.int().repeat_interleave(top_k) if lora else None
             out = self._pairs(hidden_states.repeat_interleave(top_k, dim=0), experts, slot,
-                              lambda x, weight: expert_gemv(x, weight, experts))
+                              lambda x, weight, scale: expert_gemv(x, weight, experts, scale))
             out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
             return out.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
         experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)
@@ -151,7 +162,7 @@ class BatchedLoRAExperts(nn.Module):
                              bins=self.num_experts, min=0, max=self.num_experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         out = self._pairs(hidden_states[token], experts, meta.row_slot.int()[token] if lora else None,
-                          lambda x, weight: _expert_linear(x, weight, offsets, experts))
+                          lambda x, weight, scale: _expert_linear(x, weight, scale, offsets, experts))
         # Back to token order by a gather, not a scatter: compiled, the gather, the routing weights and the
         # sum over each token's experts are one kernel that reads each pair's output once.
         inverse = torch.empty_like(perm)
@@ -161,16 +172,16 @@ class BatchedLoRAExperts(nn.Module):
 
     def _pairs(self, x: torch.Tensor, experts: torch.Tensor, slot: torch.Tensor | None, linear) -> torch.Tensor:
         """Each token-expert pair's expert output (gate/up, the activation, down), with its token's
-        adapter delta on each projection where `slot` is given; `linear(x, weight)` computes a base
-        projection over the pairs in their order."""
+        adapter delta on each projection where `slot` is given; `linear(x, weight, scale)` computes a
+        base projection over the pairs in their order (scale: fp8 experts' scales, else None)."""
         base = self.base
-        gate_up = linear(x, base.gate_up_proj)
+        gate_up = linear(x, base.gate_up_proj, getattr(base, "gate_up_proj_scale", None))
         if slot is not None:
             stacks = {p: self.bank.stack(first) for p, first in self.blocks.items()}
             # gate's and up's deltas side by side, as in the fused gate_up output (one launch pair)
             gate_up = gate_up + _delta([stacks["gate_proj"], stacks["up_proj"]], x, slot, experts, self.kernel)
         hidden = base._apply_gate(gate_up) if hasattr(base, "_apply_gate") else _gated(base, gate_up)
-        out = linear(hidden, base.down_proj)
+        out = linear(hidden, base.down_proj, getattr(base, "down_proj_scale", None))
         if slot is not None:
             out = out + _delta([stacks["down_proj"]], hidden, slot, experts, self.kernel)
         return out
@@ -185,7 +196,7 @@ class BatchedLoRAExperts(nn.Module):
         _, two_i, hidden = self.base.gate_up_proj.shape
         per_pair = 3 * (hidden + two_i) + (2 * self.bank.r_max if self.kernel else
                                            self.bank.r_max * (hidden + two_i // 2))
-        return 2 * pairs * per_pair * self.base.gate_up_proj.element_size()
+        return 2 * pairs * per_pair * self.bank.storage.element_size()  # activations: the model's dtype
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, slots={self.bank.num_slots}"
@@ -196,12 +207,13 @@ def _gated(base: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return base.act_fn(gate) * up
 
 
-def patch_experts(root: nn.Module, bank, context: StepContext) -> list[tuple[str, nn.Module]]:
+def patch_experts(root: nn.Module, bank, context: StepContext, every: bool = False) -> list[tuple[str, nn.Module]]:
     """Replace every experts module (or PEFT's wrapper of one) under `root` whose expert modules are
-    in the bank by a `BatchedLoRAExperts`; returns `(name, old module)` pairs to put back."""
+    in the bank (`every`: all of them, as fp8 experts need) by a `BatchedLoRAExperts`; returns
+    `(name, old module)` pairs to put back."""
     replaced = []
     for name, base in find_experts(root).items():
-        if f"{name}.0.gate_proj" not in bank.modules:
+        if not every and f"{name}.0.gate_proj" not in bank.modules:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root

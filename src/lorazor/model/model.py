@@ -23,7 +23,7 @@ from ..lora.experts import find_experts, patch_experts
 from ..lora.layers import patch_layers, unpatch_layers
 from ..lora.merged import merge_projections
 from ..policies.base import ReleasePolicy, check_policy
-from ..quant import quantize_decoder
+from ..quant import quantize_decoder, quantize_experts
 from ..runner import ModelRunner
 from ..runner.attention import ATTENTION_NAME, register_attention
 from ..runner.decode_graphs import DecodeGraphs
@@ -86,14 +86,15 @@ class LoRazorModel(nn.Module):
         config = config.resolve_compile(self.device, backend)
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
         self._replaced = patch_layers(model, bank, self.context, find_lora_layers(model))
-        self._replaced += patch_experts(model, bank, self.context)  # MoE experts (`lora/experts.py`)
-        if config.quantization == "fp8" and find_experts(model.get_decoder()):
+        if config.quantization == "fp8" and fp8_weights is not None and find_experts(model.get_decoder()):
             unpatch_layers(model, self._replaced)
-            raise NotImplementedError("quantization='fp8' quantizes linear projections only, and this model's "
-                                      "MoE experts are fused parameters: serve it unquantized (fp8 experts are "
-                                      "not supported yet)")
+            raise NotImplementedError("fp8 checkpoints of mixtures of experts are not supported: load the "
+                                      "bf16 checkpoint with quantization='fp8' (its experts are quantized at build)")
+        # MoE experts (`lora/experts.py`); fp8 experts run there even where no adapter can target them.
+        self._replaced += patch_experts(model, bank, self.context, every=config.quantization == "fp8")
         if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
             quantize_decoder(self.model.get_decoder(), fp8_weights)  # an fp8 checkpoint's own, where given
+            quantize_experts(self.model.get_decoder())
         self.merged_groups = merge_projections(self.model, self.context, bank) if config.merge_projections else []
         self._previous_attn = self.model.config._attn_implementation
         register_attention()

@@ -1,5 +1,5 @@
 """Quantized base weights behind the same linear API: fp8 (`fp8.py`)."""
 
-from .fp8 import QUANTIZATIONS, Fp8Linear, quantize_decoder
+from .fp8 import QUANTIZATIONS, Fp8Linear, quantize_decoder, quantize_experts
 
-__all__ = ["QUANTIZATIONS", "Fp8Linear", "quantize_decoder"]
+__all__ = ["QUANTIZATIONS", "Fp8Linear", "quantize_decoder", "quantize_experts"]

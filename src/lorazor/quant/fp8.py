@@ -1,8 +1,10 @@
 """fp8 base weights under many LoRA adapters (`LoRazorConfig(quantization="fp8")`).
 
 At build, every linear projection of the decoder (attention and MLP, adapted or not) is quantized
-to float8_e4m3fn with one scale per output channel (`lorazor_kernels.fp8`); adapters, norms,
-embeddings and the LM head stay in the model's dtype. A quantized projection is an `Fp8Linear`: a
+to float8_e4m3fn with one scale per output channel (`lorazor_kernels.fp8`), and so are a mixture of
+experts' fused expert weights, per expert and output channel (`quantize_experts`: the experts then
+run in `lora/experts.py`'s layer, never transformers' own); adapters, norms, routers, embeddings and
+the LM head stay in the model's dtype. A quantized projection is an `Fp8Linear`: a
 `BatchedLoRALinear` over one runs the fp8 GEMM and adds its LoRA delta as before, so every path
 (generate, the engine, graphs, StepTrim) serves fp8 bases unchanged. The original weights are freed:
 a quantized model cannot be unpatched back to its PeftModel.
@@ -12,10 +14,12 @@ from __future__ import annotations
 
 import torch
 from lorazor_kernels import base_linear, dequantize, quantize_rows
+from lorazor_kernels import quantize_experts as quantize_expert_weights
 from lorazor_kernels.fp8 import block_scaled, check_block_scales
 from torch import nn
 
 from ..config import QUANTIZATIONS  # noqa: F401  (what `LoRazorConfig.quantization` accepts)
+from ..lora.experts import find_experts
 from ..lora.layers import BatchedLoRALinear
 
 
@@ -89,3 +93,20 @@ def quantize_decoder(decoder: nn.Module, prequantized: dict | None = None) -> in
             old.weight.data = torch.empty(0, dtype=old.weight.dtype, device=old.weight.device)
             count += 1
     return count
+
+
+def quantize_experts(decoder: nn.Module) -> int:
+    """Quantize the fused experts of every MoE layer under `decoder` in place: `gate_up_proj` and
+    `down_proj` become float8_e4m3fn with scales `gate_up_proj_scale` / `down_proj_scale` `[E, N]`
+    (one per expert and output channel); the full-precision weights are freed. The experts must run
+    in a `BatchedLoRAExperts` (`patch_experts(every=True)`). Returns how many experts modules."""
+    done = {}
+    for module in find_experts(decoder).values():
+        if id(module) in done:
+            continue
+        for name in ("gate_up_proj", "down_proj"):
+            weight, scale = quantize_expert_weights(getattr(module, name).data)
+            setattr(module, name, nn.Parameter(weight, requires_grad=False))
+            setattr(module, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+        done[id(module)] = module
+    return len(done)
