@@ -12,8 +12,8 @@ copy per projection). `expert_lora` reads the pairs' slot weights where they lie
 whatever J: a shrink over (pair, projection, K split) and an expand over (pair, projection, column
 block); pairs without an adapter exit at once. The launch shapes follow the pair count: a decode
 step's few pairs split K (partial rank vectors the expand sums) and take narrow column blocks so
-that enough programs run; a large step's programs each read a wide block, as each program's fixed
-cost (its slot, expert and rank vector loads, one after the other) is then what bounds the launch.
+that enough programs run; a large step's programs read 256-column blocks. The expand reads a pair's
+B `[N, r]` fastest where the bank keeps each expert's B contiguous (it does: `lora/bank.py`).
 Weights past a slot's rank are zero (the bank's layout); the kernels load the ranks as one
 power-of-two block, masked past the bank's r_max.
 """
