@@ -65,7 +65,8 @@ def build(args):
     with torch.device(device):
         hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     model = LoRazorModel.from_pretrained(hf_model, config=LoRazorConfig(max_loras=args.adapters,
-                                                                        max_lora_rank=args.rank))
+                                                                        max_lora_rank=args.rank,
+                                                                        quantization=args.quantization))
     g = torch.Generator().manual_seed(1)
     # One random A and B per module shared by every adapter (their values do not change the speed).
     modules = {name: (torch.randn(args.rank, k, generator=g, dtype=dtype) * 0.01,
@@ -92,12 +93,16 @@ def active_experts(model, config, batch: int, adapters: int) -> tuple[list[int],
     return experts, pairs
 
 
-def weight_bytes(config, experts_per_layer: list[int], element: int = 2) -> int:
+def weight_bytes(config, experts_per_layer: list[int], element: int = 2, decoder_element: int | None = None) -> int:
+    """The bytes of the weights a step reads: `decoder_element` bytes per decoder projection and expert
+    weight (1 with fp8 weights; default `element`), `element` for the router and the LM head."""
     h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, \
         config.num_key_value_heads * config.head_dim
-    attention = h * q + 2 * h * kv + q * h + config.num_experts * h  # q, k, v, o, router
+    decoder_element = element if decoder_element is None else decoder_element
+    projections = h * q + 2 * h * kv + q * h  # q, k, v, o
     expert = 3 * h * config.moe_intermediate_size
-    return element * (sum(attention + e * expert for e in experts_per_layer) + config.vocab_size * h)
+    return (decoder_element * sum(projections + e * expert for e in experts_per_layer)
+            + element * (len(experts_per_layer) * config.num_experts * h + config.vocab_size * h))
 
 
 def adapter_bytes(config, rank: int, pairs_per_layer: list[int], adapters: int, element: int = 2) -> int:
@@ -172,7 +177,8 @@ def decode_rows(engine, model, config, args, bandwidth: float, record) -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         experts, pairs = active_experts(model, config, batch, args.adapters)
         kv = batch * (64 + 30) * per_token_kv
-        base_floor = (weight_bytes(config, experts) + kv) / bandwidth * 1e3
+        weights = weight_bytes(config, experts, decoder_element=1 if args.quantization else 2)
+        base_floor = (weights + kv) / bandwidth * 1e3
         lora_floor = base_floor + adapter_bytes(config, args.rank, pairs, min(batch, args.adapters)) / bandwidth * 1e3
         backbone, backbone_profile = decode_ms(engine, batch, lambda i: None, 30, config.vocab_size)
         lora, lora_profile = decode_ms(engine, batch, lambda i: f"a{i % args.adapters}", 30, config.vocab_size)
@@ -209,6 +215,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (a CPU check of the script)")
     parser.add_argument("--phases", default="decode,prefill,trace", help="which measurements to run")
     parser.add_argument("--batches", default="1,256", help="decode batch sizes")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="fp8 base weights (attention projections and experts; the floors count 1 byte each)")
     parser.add_argument("--warmup-sizes", default=None,
                         help="decode batch sizes warm_up captures, e.g. 1,256 (default: all, as the engine does)")
     args = parser.parse_args()

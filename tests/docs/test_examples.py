@@ -1,9 +1,11 @@
 """Every script in examples/ runs on the CPU (with a small setting where it takes one)."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,22 @@ def test_moe_benchmark_runs_on_a_tiny_moe(tmp_path):
     assert all(r["backbone_ms"] > 0 and r["lora_floor_ms"] > r["backbone_floor_ms"] > 0 for r in decode)
     assert [r["system"] for r in rows if r["phase"] == "trace"] == ["backbone", "exact", "steptrim"]
     assert not [r for r in rows if r["phase"] == "prefill"]
+    # --quantization fp8: fp8 experts, the floors counting one byte per decoder weight
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_moe.py"), "--tiny", "--out",
+                           str(tmp_path / "fp8"), "--phases", "decode", "--batches", "1", "--layers", "2",
+                           "--quantization", "fp8"], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fp8 = next(r for r in json.loads((tmp_path / "fp8" / "moe.json").read_text())["rows"] if r["phase"] == "decode")
+    assert 0 < fp8["backbone_floor_ms"] <= decode[0]["backbone_floor_ms"] and fp8["backbone_ms"] > 0
+    spec = importlib.util.spec_from_file_location("bench_moe", root / "benchmarks" / "bench_moe.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shape = types.SimpleNamespace(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                                  moe_intermediate_size=6, num_experts=4, vocab_size=10)
+    # bf16: 2 bytes each; fp8: projections and experts 1 byte, router and LM head 2 (2 layers, 3 and 1 experts)
+    projections, experts, rest = 2 * (8 * 8 + 2 * 8 * 4 + 8 * 8), 3 * 8 * 6 * 4, 2 * 4 * 8 + 10 * 8
+    assert bench.weight_bytes(shape, [3, 1]) == 2 * (projections + experts + rest)
+    assert bench.weight_bytes(shape, [3, 1], decoder_element=1) == projections + experts + 2 * rest
 
 
 def test_trace_probe_counts_every_step_of_a_tiny_trace(tmp_path):
