@@ -265,7 +265,7 @@ def test_gpu_block_scaled_gemm_equals_its_definition(M, K, N, bias, split):
 
     g = torch.Generator().manual_seed(M + K)
     x = torch.randn(M, K, generator=g).bfloat16().cuda()
-    weight = (torch.randn(N, K, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)  # past 448: NaN.cuda()
+    weight = (torch.randn(N, K, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()  # past 448: NaN
     scale = (torch.rand(-(-N // 128), -(-K // 128), generator=g) + 0.01).cuda()
     b = torch.randn(N, generator=g).bfloat16().cuda() if bias else None
     got = fp8_linear(x, weight, scale, b)
