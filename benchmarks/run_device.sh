@@ -57,6 +57,12 @@
 #   prefix-cache     bench_engine.py --workload shared-prefix (128 adapters with ~1,000-token system prompts, Zipf
 #                    popularity; cache on and off, offline and open loop; $SHARED_REQUESTS, default 1024), then, on
 #                    the same engine, the mixed trace's LoRazor with the cache on, off, on (--cache-ab, $CACHE_AB_REQUESTS)
+#   moe              bench_moe.py (issue #66): the Qwen3-30B-A3B shape, 4 layers, 64 adapters at the defaults (decode at
+#                    batch 1 and 256 with profiles, prefill, trace), then the same decode and prefill with
+#                    --quantization fp8 (fp8 experts and projections); moe.log, moe_fp8.log, each run's moe.json
+#   moe-ab           bench_moe.py's decode rows (batch 1, 256) and prefill, first on the tree in $AB_TREE (src/ and
+#                    kernels/ of another commit, e.g. `git archive <rev> src kernels | tar x -C .ab`, carried), then
+#                    on this one: one process each, in one call
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
 #                    (needs fastapi, uvicorn, pydantic: carry their wheels as .whl/, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
@@ -246,6 +252,17 @@ PY
              timeout 170 python3 benchmarks/probes/warmup_profile.py --out "$W" > "$W/warmup.log" 2>&1
              tar czf "$TGZ" -C "$W" .
              timeout 120 python3 benchmarks/probes/warmup_profile.py --tag _restart --out "$W" > "$W/warmup_restart.log" 2>&1 ;;
+    moe)     timeout ${MOE_S:-330} python3 benchmarks/bench_moe.py --out "$W/moe" --layers 4 --requests 256 \
+               > "$W/moe.log" 2>&1
+             tar czf "$TGZ" -C "$W" .
+             timeout ${MOE_FP8_S:-200} python3 benchmarks/bench_moe.py --out "$W/moe_fp8" --layers 4 --quantization fp8 \
+               --phases decode,prefill --warmup-sizes 1,256 > "$W/moe_fp8.log" 2>&1 ;;
+    moe-ab)  [ -d "${AB_TREE:-}/src" ] || { echo "moe-ab: AB_TREE must hold src/ and kernels/ of the other tree"; exit 2; }
+             ab="benchmarks/bench_moe.py --layers 4 --phases decode,prefill --warmup-sizes 1,256"
+             PYTHONPATH=$AB_TREE/src:$AB_TREE/kernels${PYTHONPATH:+:$PYTHONPATH} timeout ${MOE_AB_S:-200} \
+               python3 $ab --out "$W/moe_ab_old" > "$W/moe_ab_old.log" 2>&1
+             tar czf "$TGZ" -C "$W" .
+             timeout ${MOE_AB_S:-200} python3 $ab --out "$W/moe_ab_new" > "$W/moe_ab_new.log" 2>&1 ;;
     serving) if [ -d .whl ]; then  # fastapi, uvicorn, pydantic wheels carried in (device README)
                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
                  .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
@@ -258,6 +275,6 @@ PY
 done
 for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f" | tail -12; done
 grep -h '^|' "$W"/kernels.log "$W"/release.log "$W"/adapters.log 2>/dev/null | tail -40
-for f in "$W"/defaults_*.log; do [ -f "$f" ] && grep -E '^\{' "$f" | cut -c1-330; done
+for f in "$W"/defaults_*.log "$W"/moe*.log; do [ -f "$f" ] && grep -E '^\{' "$f" | cut -c1-330; done
 for f in "$W"/engine_*.log "$W"/serving.log; do [ -f "$f" ] && grep -E '^\{|Error|error|done' "$f" | cut -c1-400 | tail -60; done
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done
