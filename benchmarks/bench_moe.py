@@ -48,6 +48,9 @@ QWEN3_30B_A3B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_hea
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
             intermediate_size=96, num_experts=8, num_experts_per_tok=2, vocab_size=512)
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Kernels each profile lists by time (a 4-layer step launches ~40 distinct ones: all of them, so a
+# profile says where every launch of a launch-bound step comes from).
+KERNELS_LISTED = 60
 
 
 def build(args):
@@ -128,7 +131,7 @@ def decode_ms(engine, batch: int, adapter_of, steps: int, vocab: int) -> float:
         engine.step()
         times.append((time.perf_counter() - start) * 1e3)
     # Where the step's time goes: kernels by category and the ten heaviest (GPU only).
-    profile = profile_steps(engine, 5, cpu=False) if torch.cuda.is_available() else {}
+    profile = profile_steps(engine, 5, cpu=False, top=KERNELS_LISTED) if torch.cuda.is_available() else {}
     engine.abort_all()
     return statistics.median(times), profile
 
@@ -151,7 +154,7 @@ def prefill_ms(engine, vocab: int, prompts: int = 8, length: int = 512) -> float
     if torch.cuda.is_available():  # one more prefill step, profiled
         for _ in range(prompts):
             engine.add_request(torch.randint(3, vocab, (length,), generator=g).tolist(), max_new_tokens=1)
-        profile = profile_steps(engine, 1, cpu=False)
+        profile = profile_steps(engine, 1, cpu=False, top=KERNELS_LISTED)
         while engine.has_unfinished():
             engine.step()
     return min(times[1:]), profile

@@ -76,9 +76,9 @@ def gpu_state() -> dict:
     return state
 
 
-def profile_steps(engine, steps: int = 5, cpu: bool = True) -> dict:
+def profile_steps(engine, steps: int = 5, cpu: bool = True, top: int = 10) -> dict:
     """Kernels per step and GPU busy ms per step over `steps` decode steps (torch.profiler; `cpu=False`
-    records the CUDA kernels only, which slows the host less)."""
+    records the CUDA kernels only, which slows the host less), with the `top` heaviest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -96,7 +96,7 @@ def profile_steps(engine, steps: int = 5, cpu: bool = True) -> dict:
             busy += e - max(s, end)
             end = e
     return dict(kernels_per_step=round(len(kernels) / steps), gpu_busy_ms=round(busy / 1e3 / steps, 3),
-                profiled_wall_ms=round(wall, 3), **kernel_breakdown(kernels, steps))
+                profiled_wall_ms=round(wall, 3), **kernel_breakdown(kernels, steps, top))
 
 
 # Kernel name fragments -> category, first match wins (cuBLAS names its Hopper GEMMs nvjet/sm90_xmma).
@@ -107,8 +107,8 @@ CATEGORIES = (("attention", ("paged_attention", "decode_attention", "flash", "fm
               ("copy/memset", ("memcpy", "memset", "copy")))
 
 
-def kernel_breakdown(kernels, steps: int) -> dict:
-    """GPU ms per step by category, and the ten kernels with the most time per step (name, ms, count)."""
+def kernel_breakdown(kernels, steps: int, top: int = 10) -> dict:
+    """GPU ms per step by category, and the `top` kernels with the most time per step (name, ms, count)."""
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
@@ -117,9 +117,10 @@ def kernel_breakdown(kernels, steps: int) -> dict:
         low = name.lower()
         category = next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
         categories[category] = categories.get(category, 0.0) + sum(times)
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    heaviest = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return dict(category_ms={c: round(us / 1e3 / steps, 3) for c, us in sorted(categories.items())},
-                top_kernels=[(name[:90], round(sum(t) / 1e3 / steps, 3), round(len(t) / steps, 1)) for name, t in top])
+                top_kernels=[(name[:90], round(sum(t) / 1e3 / steps, 3), round(len(t) / steps, 1))
+                             for name, t in heaviest])
 
 
 class Probe:
