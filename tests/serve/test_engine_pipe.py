@@ -38,3 +38,31 @@ def test_both_engine_kinds_implement_the_engine_client_the_routes_use():
         for name in ("generate", "register_adapter", "unregister_adapter", "stats", "shutdown"):
             wanted = list(inspect.signature(getattr(EngineClient, name)).parameters)
             assert list(inspect.signature(getattr(kind, name)).parameters)[:len(wanted)] == wanted, (kind, name)
+
+
+def test_shutdown_of_a_process_that_died_unseen_ends_quietly():
+    """The engine process died and the reader thread has not seen it yet (`_dead` still unset): the
+    stop message's broken pipe marks it dead and shutdown ends without raising (the app's shutdown
+    once failed on this race: a BrokenPipeError turned EngineDeadError)."""
+    import asyncio
+    import multiprocessing
+    import threading
+    import types
+
+    from lorazor.engine import EngineProcess
+
+    recv_end, send_end = multiprocessing.Pipe(duplex=False)
+    recv_end.close()  # the process's end is gone: a send breaks the pipe
+    engine = EngineProcess.__new__(EngineProcess)  # no process started: the state of one that died
+    joined = []
+    engine.process = types.SimpleNamespace(exitcode=-9, join=lambda timeout: joined.append(timeout),
+                                           is_alive=lambda: False, kill=lambda: None)
+    engine._send_end, engine._send_lock, engine._dead = send_end, threading.Lock(), None
+    engine._streams, engine._replies, engine.on_dead = {}, {}, []
+
+    async def shutdown():
+        engine._stopped = asyncio.get_running_loop().create_future()
+        return await engine.shutdown(timeout=5)
+
+    assert asyncio.run(shutdown()) == 0
+    assert joined and not engine.alive and "exited (code -9)" in str(engine._dead)

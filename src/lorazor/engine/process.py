@@ -384,8 +384,11 @@ class EngineProcess:
         process; returns how many were aborted."""
         aborted = 0
         if self._dead is None:
-            self._send(("stop",))
-            aborted = await asyncio.wait_for(asyncio.shield(self._stopped), timeout)
+            try:
+                self._send(("stop",))
+                aborted = await asyncio.wait_for(asyncio.shield(self._stopped), timeout)
+            except EngineDeadError:  # it died before the reader thread saw it: nothing is left to stop
+                pass
         await asyncio.to_thread(self.process.join, timeout)
         if self.process.is_alive():
             self.process.kill()
