@@ -21,7 +21,9 @@ decode step of a few pairs (`DECODE_PAIRS`) skips the sort: its pairs stay in to
 reads its expert's base weights in place (`lorazor_kernels.expert_gemv`). With "reference" (the
 CPU's) the deltas are torch ops on gathered A and B (`expert_lora_reference`; in a 4,096-token step
 of a 30B MoE the gathered weights take ~1 GB a projection). Pairs of backbone or released tokens
-(slot -1) add nothing, and a step without adapters computes no delta.
+(slot -1) add nothing, and a step without adapters computes no delta. The pairs' outputs return to
+token order by a gather. fp8 experts (`quant.fp8.quantize_experts`) run their sorted projections
+through `lorazor_kernels.expert_grouped_fp8` and a decode step's through `expert_gemv` with scales.
 """
 
 from __future__ import annotations
