@@ -406,13 +406,16 @@ def test_fp8_experts_without_expert_adapters_and_fp8_checkpoints_refused(family,
     reference = {"attn": dequantized(oracles["attn"]), None: dequantized(oracles[None])}
     assert [out.sequences[row, ids.shape[1]:].tolist() for row in range(2)] == [
         oracle_row(reference, name, ids, mask, row) for row, name in enumerate(["attn", None])]
-    # An fp8 checkpoint's own weights (`fp8_weights`, read from its files) are not taken for an MoE.
-    from lorazor.lora.bank import AdapterBank
-
-    hf_model = copy.deepcopy(oracles[None])
-    bank = AdapterBank.empty({"model.layers.0.self_attn.q_proj": hf_model.model.layers[0].self_attn.q_proj}, 1, 4)
+    # An fp8 checkpoint of an MoE: refused from its config.json, before any weight is read (the folder has none).
+    _, base, _, _ = family
+    folder = tmp_path / "fp8_moe"
+    folder.mkdir()
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="fp8 checkpoints of mixtures of experts are not supported"):
-        LoRazorModel(hf_model, bank, LoRazorConfig(quantization="fp8"), fp8_weights={})
+        LoRazorModel.from_pretrained(folder)
 
 
 def test_the_engine_leaves_room_for_the_experts_lora_workspace(moe_model):

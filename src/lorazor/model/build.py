@@ -51,6 +51,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma
                            "qwen3_moe", "mixtral", "olmoe")
 # Of them, the mixtures of experts (LoRA on attention and on the experts, `lora/experts.py`).
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
+FP8_MOE_CHECKPOINT = ("fp8 checkpoints of mixtures of experts are not supported: load the bf16 checkpoint with "
+                      "quantization='fp8' (its experts are quantized at build)")
 # Slot rank when nothing given at build time says otherwise (vLLM's default max_lora_rank).
 DEFAULT_MAX_LORA_RANK = 16
 
@@ -101,6 +103,8 @@ def check_before_loading(base, config: LoRazorConfig, load_kwargs: dict):
     hf_config = AutoConfig.from_pretrained(base, **{k: v for k, v in load_kwargs.items() if k in keys})
     check_model_type(getattr(hf_config, "model_type", None))
     scheme = checkpoint_quantization(hf_config)
+    if scheme is not None and hf_config.model_type in MOE_ARCHITECTURES:
+        raise NotImplementedError(FP8_MOE_CHECKPOINT)
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(without_quantization(hf_config))
     if not linear_targets(skeleton, config.lora_target_modules):

@@ -28,7 +28,7 @@ from ..runner import ModelRunner
 from ..runner.attention import ATTENTION_NAME, register_attention
 from ..runner.decode_graphs import DecodeGraphs
 from ..runner.graphs import cache_bucket
-from .build import build_from_peft, build_from_pretrained
+from .build import FP8_MOE_CHECKPOINT, build_from_peft, build_from_pretrained
 from .generate import LoRazorOutput, decode_loop
 from .guard import ModelGuard
 from .hf_generation import GenerationPlan, plan_generation, resolve_config
@@ -88,8 +88,7 @@ class LoRazorModel(nn.Module):
         self._replaced = patch_layers(model, bank, self.context, find_lora_layers(model))
         if config.quantization == "fp8" and fp8_weights is not None and find_experts(model.get_decoder()):
             unpatch_layers(model, self._replaced)
-            raise NotImplementedError("fp8 checkpoints of mixtures of experts are not supported: load the "
-                                      "bf16 checkpoint with quantization='fp8' (its experts are quantized at build)")
+            raise NotImplementedError(FP8_MOE_CHECKPOINT)
         # MoE experts (`lora/experts.py`); fp8 experts run there even where no adapter can target them.
         self._replaced += patch_experts(model, bank, self.context, every=config.quantization == "fp8")
         if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
