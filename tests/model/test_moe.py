@@ -407,7 +407,7 @@ def test_fp8_experts_without_expert_adapters_and_fp8_checkpoints_refused(family,
     assert [out.sequences[row, ids.shape[1]:].tolist() for row in range(2)] == [
         oracle_row(reference, name, ids, mask, row) for row, name in enumerate(["attn", None])]
     # An fp8 checkpoint of an MoE: refused from its config.json, before any weight is read (the folder has none).
-    _, base, _, _ = family
+    base = family[1]
     folder = tmp_path / "fp8_moe"
     folder.mkdir()
     config = json.loads((base / "config.json").read_text())
@@ -416,6 +416,13 @@ def test_fp8_experts_without_expert_adapters_and_fp8_checkpoints_refused(family,
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="fp8 checkpoints of mixtures of experts are not supported"):
         LoRazorModel.from_pretrained(folder)
+    # ... and a checkpoint's fp8 weights handed to the constructor of an MoE model.
+    from lorazor.lora.bank import AdapterBank
+
+    hf_model = copy.deepcopy(oracles[None])
+    bank = AdapterBank.empty({"model.layers.0.self_attn.q_proj": hf_model.model.layers[0].self_attn.q_proj}, 1, 4)
+    with pytest.raises(NotImplementedError, match="fp8 checkpoints of mixtures of experts are not supported"):
+        LoRazorModel(hf_model, bank, LoRazorConfig(quantization="fp8"), fp8_weights={})
 
 
 def test_the_engine_leaves_room_for_the_experts_lora_workspace(moe_model):
