@@ -390,22 +390,27 @@ def test_fp8_experts_equal_peft_on_the_dequantized_weights(family):
     assert [o.token_ids for o in outs] == expected
 
 
-def test_fp8_experts_without_expert_adapters_and_fp8_checkpoints_refused(family, tmp_path):
-    # LoRA targets on attention only: no expert slots, and the fp8 experts still run LoRazor's expert layer.
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_experts_without_expert_slots_run_lorazors_layer_and_fp8_checkpoints_refused(family, tmp_path,
+                                                                                     quantization):
+    # LoRA targets on attention only: no expert slots, and the experts (bf16 or fp8) still run LoRazor's layer.
     from lorazor.lora.experts import BatchedLoRAExperts
 
     _, _, folders, oracles = family
     model = LoRazorModel.from_pretrained(copy.deepcopy(oracles[None]), adapters={"attn": folders["attn"]},
-                                         config=LoRazorConfig(quantization="fp8", lora_target_modules=["q_proj",
-                                                                                                       "v_proj"]))
+                                         config=LoRazorConfig(quantization=quantization,
+                                                              lora_target_modules=["q_proj", "v_proj"]))
     layer = model.model.get_decoder().layers[1].mlp.experts
     assert isinstance(layer, BatchedLoRAExperts) and not layer.has_lora
     ids, mask = batch(seed=15, rows=2)
     out = model.generate(ids, attention_mask=mask, adapter_ids=["attn", None], max_new_tokens=NEW, do_sample=False,
                          pad_token_id=PAD, eos_token_id=None)
-    reference = {"attn": dequantized(oracles["attn"]), None: dequantized(oracles[None])}
+    reference = ({"attn": dequantized(oracles["attn"]), None: dequantized(oracles[None])} if quantization
+                 else oracles)
     assert [out.sequences[row, ids.shape[1]:].tolist() for row in range(2)] == [
         oracle_row(reference, name, ids, mask, row) for row, name in enumerate(["attn", None])]
+    if quantization is None:
+        return
     # An fp8 checkpoint of an MoE: refused from its config.json, before any weight is read (the folder has none).
     base = family[1]
     folder = tmp_path / "fp8_moe"

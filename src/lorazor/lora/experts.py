@@ -122,8 +122,7 @@ class BatchedLoRAExperts(nn.Module):
             `gate_up_proj_scale` / `down_proj_scale` `[E, N]`.
         prefix: its module name (the bank's expert modules are named under it).
         bank: the adapter bank, holding the expert modules (`expert_sizes`) where adapters may
-            target these experts; otherwise the layer computes the experts alone (fp8 experts, which
-            transformers' own module cannot compute).
+            target these experts; otherwise the layer computes the experts alone.
         context: the model's shared `StepContext`.
     """
 
@@ -209,14 +208,13 @@ def _gated(base: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return base.act_fn(gate) * up
 
 
-def patch_experts(root: nn.Module, bank, context: StepContext, every: bool = False) -> list[tuple[str, nn.Module]]:
-    """Replace every experts module (or PEFT's wrapper of one) under `root` whose expert modules are
-    in the bank (`every`: all of them, as fp8 experts need) by a `BatchedLoRAExperts`; returns
-    `(name, old module)` pairs to put back."""
+def patch_experts(root: nn.Module, bank, context: StepContext) -> list[tuple[str, nn.Module]]:
+    """Replace every experts module (or PEFT's wrapper of one) under `root` by a `BatchedLoRAExperts`,
+    whether or not the bank holds its expert modules: one expert path for every MoE layer (graph-safe
+    in any dtype, `expert_gemv` at decode, fp8 experts); returns `(name, old module)` pairs to put
+    back."""
     replaced = []
     for name, base in find_experts(root).items():
-        if not every and f"{name}.0.gate_proj" not in bank.modules:
-            continue
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         replaced.append((name, getattr(parent, attr)))

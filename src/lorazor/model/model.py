@@ -89,8 +89,7 @@ class LoRazorModel(nn.Module):
         if config.quantization == "fp8" and fp8_weights is not None and find_experts(model.get_decoder()):
             unpatch_layers(model, self._replaced)
             raise NotImplementedError(FP8_MOE_CHECKPOINT)
-        # MoE experts (`lora/experts.py`); fp8 experts run there even where no adapter can target them.
-        self._replaced += patch_experts(model, bank, self.context, every=config.quantization == "fp8")
+        self._replaced += patch_experts(model, bank, self.context)  # MoE experts (`lora/experts.py`)
         if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
             quantize_decoder(self.model.get_decoder(), fp8_weights)  # an fp8 checkpoint's own, where given
             quantize_experts(self.model.get_decoder())

@@ -98,15 +98,13 @@ def quantize_decoder(decoder: nn.Module, prequantized: dict | None = None) -> in
 def quantize_experts(decoder: nn.Module) -> int:
     """Quantize the fused experts of every MoE layer under `decoder` in place: `gate_up_proj` and
     `down_proj` become float8_e4m3fn with scales `gate_up_proj_scale` / `down_proj_scale` `[E, N]`
-    (one per expert and output channel); the full-precision weights are freed. The experts must run
-    in a `BatchedLoRAExperts` (`patch_experts(every=True)`). Returns how many experts modules."""
-    done = {}
-    for module in find_experts(decoder).values():
-        if id(module) in done:
-            continue
+    (one per expert and output channel); the full-precision weights are freed. The experts run in
+    `BatchedLoRAExperts` (`patch_experts`), never transformers' own module. Returns how many experts
+    modules."""
+    modules = find_experts(decoder).values()
+    for module in modules:
         for name in ("gate_up_proj", "down_proj"):
             weight, scale = quantize_expert_weights(getattr(module, name).data)
             setattr(module, name, nn.Parameter(weight, requires_grad=False))
             setattr(module, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
-        done[id(module)] = module
-    return len(done)
+    return len(modules)
