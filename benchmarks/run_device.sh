@@ -48,6 +48,8 @@
 #   fp8              issue #55's benchmark: probes/step_roofline.py --defaults, compiled, decode at batch 1, 64, 256
 #                    (backbone and 128 adapters), bf16 then fp8, Llama-3.2-3B then Mistral-7B shapes (one process each);
 #                    then bench_engine.py's mixed trace (LoRazor, backbone; compiled, defaults), bf16 then fp8 (req/s)
+#   step-configs     probes/step_roofline.py --defaults, decode rows ($CONFIG_ROWS, default batch 1 and 256, backbone and 128
+#                    adapters) once per kernel config file of $KERNEL_CONFIGS (one process each; "default": the GPU's own)
 #   engine-defaults  issue #54's bench: bench_engine.py's mixed trace at the defaults, LoRazor and backbone, the old eager
 #                    default then the compiled default (one process each; the decode-heavy trace: engine-decode-heavy)
 #   cold-adapters    bench_cold_adapters.py: TTFT of requests whose adapter was on disk, in host memory or in a slot,
@@ -236,6 +238,16 @@ PY
              done
              engine_runs "compiled 512 4096 exact ${FP8_ENGINE_S:-240} fp8_trace_bf16 --requests 2048;
                           compiled 512 4096 exact ${FP8_ENGINE_S:-240} fp8_trace_fp8 --requests 2048 --quantization fp8" ;;
+    step-configs) # the decode step at the defaults (compiled, Llama-3.2-3B shape, 128 adapters) once per kernel config file
+             # of $KERNEL_CONFIGS (paths; "default": this GPU's own file), one process each, in order
+             for cfg in ${KERNEL_CONFIGS:-default}; do
+               name=$(basename "$cfg" .json)
+               env $([ "$cfg" != default ] && echo LORAZOR_KERNEL_CONFIG=$cfg) timeout ${CONFIG_STEP_S:-200} \
+                 python3 benchmarks/probes/step_roofline.py --defaults --compile auto --modes async --phases floors,decode \
+                 --decode-rows ${CONFIG_ROWS:-1:backbone,1:lora,256:backbone,256:lora} --out "$W" --tag "_cfg_$name" \
+                 > "$W/step_cfg_$name.log" 2>&1
+               tar czf "$TGZ" -C "$W" .
+             done ;;
     engine-defaults) engine_runs "eager 512 4096 exact ${DEFAULTS_ENGINE_S:-240} defaults_eager;
                           compiled 512 4096 exact ${DEFAULTS_ENGINE_S:-240} defaults_compiled" ;;
     cold-adapters) # issue #56: 1,000 adapters on disk, 32 slots, 128 host copies, Zipf(1.1), open loop; then all resident
@@ -275,6 +287,6 @@ PY
 done
 for f in "$W"/tests*.log; do [ -f "$f" ] && grep -E "^FAILED|passed|failed" "$f" | tail -12; done
 grep -h '^|' "$W"/kernels.log "$W"/release.log "$W"/adapters.log 2>/dev/null | tail -40
-for f in "$W"/defaults_*.log "$W"/moe*.log; do [ -f "$f" ] && grep -E '^\{' "$f" | cut -c1-330; done
+for f in "$W"/defaults_*.log "$W"/moe*.log "$W"/step_cfg_*.log; do [ -f "$f" ] && grep -E '^\{' "$f" | cut -c1-330; done
 for f in "$W"/engine_*.log "$W"/serving.log; do [ -f "$f" ] && grep -E '^\{|Error|error|done' "$f" | cut -c1-400 | tail -60; done
 for f in "$W"/e2e_*.log; do [ -f "$f" ] && grep -E '^\{|^\||Error|error' "$f" | tail -45; done

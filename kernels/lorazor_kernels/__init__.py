@@ -7,7 +7,8 @@
   with the pool writes (`paged_attention.py`);
 - fp8 weights: per-channel quantization and the weight-only fp8 GEMM (`fp8.py`);
 - MoE experts: each token-expert pair's LoRA delta from its own slot and expert (`expert_lora.py`), a
-  decode step's few pairs through their experts' base weights (`expert_gemv.py`), and fp8 experts
+  decode step's few pairs through their experts' base weights (`expert_gemv.py`), the pairs' outputs
+  back to their tokens (`expert_combine.py`), and fp8 experts
   (`expert_fp8.py`: per-channel quantization, a sorted step's scaled grouped GEMM);
 - the engine's asynchronous step: the next step's input tokens filled on the device (`token_fill.py`);
 - launch settings per GPU (`kernel_config.py`, `configs/`); `reference.py`: the pure-torch LoRA delta.
@@ -16,6 +17,7 @@ The package takes tensors and step metadata; it imports no lorazor, transformers
 """
 
 from .decode_attention import decode_attention, decode_attention_op, decode_attention_reference
+from .expert_combine import expert_combine, expert_combine_reference
 from .expert_fp8 import expert_grouped_fp8, quantize_experts
 from .expert_gemv import DECODE_PAIRS, expert_gemv, expert_gemv_reference
 from .expert_lora import expert_lora, expert_lora_reference
@@ -44,6 +46,8 @@ __all__ = [
     "decode_attention_op",
     "decode_attention_reference",
     "dequantize",
+    "expert_combine",
+    "expert_combine_reference",
     "expert_gemv",
     "expert_gemv_reference",
     "expert_grouped_fp8",

@@ -157,3 +157,57 @@ def test_gpu_grouped_fp8_experts_equal_their_definition(pairs):
                                   .view(E, N, K), expert)
     error = ((got.float() - exact).norm() / exact.norm()).item()
     assert got.dtype == torch.bfloat16 and got.shape == (pairs, N) and error < 1e-2, error
+
+
+COMBINE_CASES = [(7, 8, 70), (1, 2, 33), (5, 3, 1030), (0, 2, 16)]  # (tokens, top_k, N)
+
+COMBINE_SCRIPT = """
+import json, sys, torch
+from lorazor_kernels import expert_combine, expert_combine_reference
+
+out = []
+for T, k, N in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(T * 10 + k)
+    for dtype in (torch.float32, torch.bfloat16):
+        experts = torch.randint(0, 6, (T * k,), generator=g)
+        _, perm = torch.sort(experts, stable=True)  # pair order -> sorted position, as the MoE layer sorts
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        sorted_out = torch.randn(T * k, N + 5, generator=g).to(dtype)[:, 2:N + 2]  # a strided [P, N] view
+        weights = torch.rand(T, k, generator=g)
+        dev = sys.argv[2]
+        got = expert_combine(sorted_out.to(dev), inverse.to(dev), weights.to(dev)).cpu()
+        ref = expert_combine_reference(sorted_out, inverse, weights)
+        # the definition: pair p = t * k + j sits at sorted position inverse[p], i.e. perm[inverse[p]] == p
+        unsorted = torch.empty_like(sorted_out).float()
+        unsorted[perm] = sorted_out.float()
+        exact = (unsorted.view(T, k, N) * weights[..., None]).sum(dim=1)
+        top = max(exact.abs().max().item(), 1e-6) if T else 1.0
+        err = lambda t: (t.float() - exact).abs().max().item() / top if T else 0.0
+        out.append(dict(shape=list(got.shape), dtype=str(got.dtype), error=err(got), reference_error=err(ref)))
+print(json.dumps(out))
+"""
+
+
+def run_combine(device: str, interpret: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", COMBINE_SCRIPT, json.dumps(COMBINE_CASES), device],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    for case, got in zip([c for c in COMBINE_CASES for _ in range(2)], results, strict=True):
+        T, k, N = case
+        bound = 1e-5 if got["dtype"] == "torch.float32" else 1e-2  # bf16: the output's rounding
+        assert got["shape"] == [T, N] and got["error"] < bound and got["reference_error"] < bound, (case, got)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the GPU test below runs the compiled kernel")
+def test_expert_combine_equals_its_definition_in_the_interpreter():
+    run_combine("cpu", interpret=True)
+
+
+@pytest.mark.gpu
+def test_expert_combine_equals_its_definition_on_the_gpu():
+    run_combine("cuda", interpret=False)

@@ -462,18 +462,21 @@ def test_the_triton_backend_runs_the_expert_kernel_and_equals_peft(family, monke
         max_loras=4, max_lora_rank=6, backend="triton"))
     layer = model.model.get_decoder().layers[0].mlp.experts
     assert isinstance(layer, experts.BatchedLoRAExperts) and layer.kernel
-    decode_calls = []
-    original = experts.expert_gemv
+    decode_calls, combine_calls = [], []
+    original, combine = experts.expert_gemv, experts.expert_combine
     monkeypatch.setattr(experts, "expert_gemv", lambda *a: decode_calls.append(1) or original(*a))
+    monkeypatch.setattr(experts, "expert_combine", lambda *a: combine_calls.append(1) or combine(*a))
     ids, mask = batch(seed=17, rows=4)
     out = model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), adapter_ids=ADAPTERS[:4],
                          max_new_tokens=4, do_sample=False, pad_token_id=PAD, eos_token_id=None)
     for row, adapter in enumerate(ADAPTERS[:4]):
         assert out.sequences[row, ids.shape[1]:].tolist() == oracle_row(oracles, adapter, ids, mask, row, new=4), (
             row, adapter)
-    # The prefill's 28 tokens x top-2 took the sorted grouped path, each decode step's 8 pairs `expert_gemv`
-    # (two projections per layer, 2 layers, 3 decode steps).
-    assert len(decode_calls) == 3 * 2 * 2 if DEVICE.type == "cpu" else decode_calls  # a GPU's graphs replay
+    # The prefill's 28 tokens x top-2 took the sorted grouped path (its pairs back to their tokens by
+    # `expert_combine`, once per layer), each decode step's 8 pairs `expert_gemv` (two projections per layer,
+    # 2 layers, 3 decode steps).
+    if DEVICE.type == "cpu":  # a GPU's graphs replay
+        assert (len(decode_calls), len(combine_calls)) == (3 * 2 * 2, 2)
 
 
 @pytest.mark.gpu

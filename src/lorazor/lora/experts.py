@@ -22,15 +22,16 @@ reads its expert's base weights in place (`lorazor_kernels.expert_gemv`). With "
 CPU's) the deltas are torch ops on gathered A and B (`expert_lora_reference`; in a 4,096-token step
 of a 30B MoE the gathered weights take ~1 GB a projection). Pairs of backbone or released tokens
 (slot -1) add nothing, and a step without adapters computes no delta. The pairs' outputs return to
-token order by a gather. fp8 experts (`quant.fp8.quantize_experts`) run their sorted projections
-through `lorazor_kernels.expert_grouped_fp8` and a decode step's through `expert_gemv` with scales.
+token order by a gather (with "triton", `lorazor_kernels.expert_combine`). fp8 experts
+(`quant.fp8.quantize_experts`) run their sorted projections through `lorazor_kernels.expert_grouped_fp8`
+and a decode step's through `expert_gemv` with scales.
 """
 
 from __future__ import annotations
 
 import torch
-from lorazor_kernels import (DECODE_PAIRS, expert_gemv, expert_gemv_reference, expert_grouped_fp8, expert_lora,
-                             expert_lora_reference)
+from lorazor_kernels import (DECODE_PAIRS, expert_combine, expert_gemv, expert_gemv_reference, expert_grouped_fp8,
+                             expert_lora, expert_lora_reference)
 from torch import nn
 
 from .context import StepContext
@@ -164,10 +165,12 @@ class BatchedLoRAExperts(nn.Module):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         out = self._pairs(hidden_states[token], experts, meta.row_slot.int()[token] if lora else None,
                           lambda x, weight, scale: _expert_linear(x, weight, scale, offsets, experts))
-        # Back to token order by a gather, not a scatter: compiled, the gather, the routing weights and the
-        # sum over each token's experts are one kernel that reads each pair's output once.
+        # Back to token order by a gather, not a scatter: each token reads its k pairs' rows once. The
+        # kernel's, not torch.compile's: inductor's fused gather-sum ran at a fraction of the bandwidth.
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        if self.kernel:
+            return expert_combine(out, inverse, top_k_weights).to(hidden_states.dtype)
         out = out[inverse] * top_k_weights.reshape(-1, 1).to(out.dtype)
         return out.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
