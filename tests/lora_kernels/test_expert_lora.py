@@ -58,14 +58,26 @@ print(json.dumps([case(*c, sys.argv[2]) for c in json.loads(sys.argv[1])]))
 """
 
 
-def run(device: str, interpret: bool) -> list[dict]:
+# Each kernel test runs in Triton's interpreter on a CPU machine, and compiled on a GPU (where the interpreter run
+# is skipped: the compiled one covers it).
+ON_DEVICES = [pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(
+                  torch.cuda.is_available(), reason="on a GPU the compiled kernels run instead")),
+              pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)]
+
+
+def run_script(script: str, cases: list, device: str, interpret: bool) -> list[dict]:
+    """`script`'s JSON results for `cases` on `device`, in a fresh process (Triton's interpreter or not)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"  # read when a kernel is defined: a fresh process
-    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES), device], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(cases), device], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def run(device: str, interpret: bool) -> list[dict]:
+    return run_script(SCRIPT, CASES, device, interpret)
 
 
 def check(results):
@@ -74,14 +86,9 @@ def check(results):
         assert got["error"] < 1e-4 and got["zero_where_no_adapter"], ((L, E, r, K, N, P, J), got)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the GPU test below runs the compiled kernels")
-def test_expert_lora_equals_its_reference_in_the_interpreter():
-    check(run("cpu", interpret=True))
-
-
-@pytest.mark.gpu
-def test_expert_lora_equals_its_reference_on_the_gpu():
-    check(run("cuda", interpret=False))
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_expert_lora_equals_its_reference(device):
+    check(run(device, interpret=device == "cpu"))
 
 
 GEMV_CASES = [(5, 70, 40, 3), (8, 257, 130, 32), (3, 64, 128, 1), (2, 33, 200, 0)]  # (E, N, K, pairs)
@@ -113,27 +120,16 @@ print(json.dumps(out))
 """
 
 
-def run_gemv(device: str, interpret: bool) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "-c", GEMV_SCRIPT, json.dumps(GEMV_CASES), device], capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.splitlines()[-1])
+def run_gemv(device: str, interpret: bool) -> None:
+    results = run_script(GEMV_SCRIPT, GEMV_CASES, device, interpret)
     for (E, N, K, P), got in zip(GEMV_CASES, results, strict=True):
         assert got["shape"] == [P, N] and got["error"] < 1e-4, ((E, N, K, P), got)
         assert got["fp8_error"] < 1e-4 and got["fp8_reference_error"] < 1e-5, ((E, N, K, P), got)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the GPU test below runs the compiled kernel")
-def test_expert_gemv_equals_its_reference_in_the_interpreter():
-    run_gemv("cpu", interpret=True)
-
-
-@pytest.mark.gpu
-def test_expert_gemv_equals_its_reference_on_the_gpu():
-    run_gemv("cuda", interpret=False)
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_expert_gemv_equals_its_reference(device):
+    run_gemv(device, interpret=device == "cpu")
 
 
 @pytest.mark.gpu
@@ -190,24 +186,13 @@ print(json.dumps(out))
 
 
 def run_combine(device: str, interpret: bool) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "-c", COMBINE_SCRIPT, json.dumps(COMBINE_CASES), device],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.splitlines()[-1])
+    results = run_script(COMBINE_SCRIPT, COMBINE_CASES, device, interpret)
     for case, got in zip([c for c in COMBINE_CASES for _ in range(2)], results, strict=True):
         T, k, N = case
         bound = 1e-5 if got["dtype"] == "torch.float32" else 1e-2  # bf16: the output's rounding
         assert got["shape"] == [T, N] and got["error"] < bound and got["reference_error"] < bound, (case, got)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the GPU test below runs the compiled kernel")
-def test_expert_combine_equals_its_definition_in_the_interpreter():
-    run_combine("cpu", interpret=True)
-
-
-@pytest.mark.gpu
-def test_expert_combine_equals_its_definition_on_the_gpu():
-    run_combine("cuda", interpret=False)
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_expert_combine_equals_its_definition(device):
+    run_combine(device, interpret=device == "cpu")
