@@ -5,10 +5,11 @@ For token t with top-k experts, routing weights `weights[t, j]` and pair rows `i
 
     y[t] = sum_j weights[t, j] * out[inverse[t * k + j]]        (fp32 sums, y in out's dtype)
 
-torch.compile fuses the same gather, product and sum into one generated reduction, and on an H100 that
-kernel ran at a small fraction of the bandwidth: 0.32 ms a layer for the 8 MB of a 256-token decode
-step (`benchmarks/results/moe_h100/`). Here each program reads its token's k rows as one
-`[k, BLOCK_N]` tile, contiguous along N: bound by the bytes of `out`, in one launch.
+torch.compile fuses the same gather, product and sum into one generated reduction whose speed, on an
+H100, depended on the graph it was compiled in: 0.32 ms a layer for the 8 MB of a 256-token decode
+step in the backbone-only graphs, 0.05 ms in the adapters' (`benchmarks/results/moe_h100/`). Here each
+program reads its token's k rows as one `[k, BLOCK_N]` tile, contiguous along N, in one launch per
+layer that inductor cannot re-fuse.
 `expert_combine_reference` is the same in torch ops.
 """
 
