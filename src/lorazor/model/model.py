@@ -85,10 +85,9 @@ class LoRazorModel(nn.Module):
                              "backend='reference' (or 'auto'), or set TRITON_INTERPRET=1 before importing triton")
         config = config.resolve_compile(self.device, backend)
         self.context = StepContext(bank.num_slots, config.grid, backend, config.block_m)
-        self._replaced = patch_layers(model, bank, self.context, find_lora_layers(model))
         if config.quantization == "fp8" and fp8_weights is not None and find_experts(model.get_decoder()):
-            unpatch_layers(model, self._replaced)
-            raise NotImplementedError(FP8_MOE_CHECKPOINT)
+            raise NotImplementedError(FP8_MOE_CHECKPOINT)  # before any module is replaced
+        self._replaced = patch_layers(model, bank, self.context, find_lora_layers(model))
         self._replaced += patch_experts(model, bank, self.context)  # MoE experts (`lora/experts.py`)
         if config.quantization == "fp8":  # before merging: the merged GEMMs concatenate fp8 weights
             quantize_decoder(self.model.get_decoder(), fp8_weights)  # an fp8 checkpoint's own, where given
