@@ -35,6 +35,9 @@ class KernelConfig:
         fused: run shrink and expand as one kernel (`lora_fused`) instead of two. Off on the H200:
             measured slower there (benchmarks/results/kernels.md), the split-K shrink keeps more
             loads in flight.
+        fused_max_rows: with `fused` off, a product of at most this many rows still runs fused (0:
+            never). A decode step of a few rows is bound by the launches' fixed cost, not by bytes:
+            one launch per projection instead of two there, shrink + expand for larger steps.
         fused_block_k / fused_block_n: K chunk of the fused shrink loop, N chunk of its expand loop.
         fused_programs_per_sm: split N over about this many fused programs per multiprocessor.
         fused_num_warps / fused_num_stages: Triton launch options of the fused kernel.
@@ -81,6 +84,7 @@ class KernelConfig:
     expand_num_warps: int = 4
     expand_num_stages: int = 2
     fused: bool = False
+    fused_max_rows: int = 0
     fused_block_k: int = 256
     fused_block_n: int = 128
     fused_programs_per_sm: int = 2

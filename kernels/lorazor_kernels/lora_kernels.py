@@ -17,7 +17,8 @@ Two ways to run the delta, same tiles and same arithmetic (fp32 u, cast to the w
                       is tiny, K is large) and writes one fp32 partial per split; expand sums the
                       partials, so no atomics and no zero-fill are needed.
     FUSED=True        the expand kernel shrinks its own tile over the whole K into registers first:
-                      one launch per projection and no u round trip through memory; when a launch
+                      one launch per projection (merged q/k/v or gate/up included: a program shrinks
+                      once per segment it covers) and no u round trip through memory; when a launch
                       has too few tiles to fill the GPU, N is split over more programs, each
                       recomputing its tile's small shrink.
 Launch geometry and the entry points are in `lora_launch.py`.
@@ -258,10 +259,11 @@ def _lora_expand_kernel(
 
     y's columns are up to three segments [0, seg_n1), [seg_n1, seg_n2), [seg_n2, N); a plain
     projection is one segment (seg_n1 = seg_n2 = N). Segment g reads its own r_max columns of u
-    (`u[:, g * r_max :]`) and its own scaling row (`scaling_ptr + g * stride_sg`): merged
-    projections, e.g. q/k/v in one output. Segment edges are multiples of BLOCK_N.
+    (`u[:, g * r_max :]`; FUSED: shrinks with rows `[g * r_max, (g + 1) * r_max)` of A) and its own
+    scaling row (`scaling_ptr + g * stride_sg`): merged projections, e.g. q/k/v in one output.
+    Segment edges are multiples of BLOCK_N.
 
-    WRITE_ONLY (exact grid, from u): y is overwritten with the delta, never read; every row gets
+    WRITE_ONLY (exact grid): y is overwritten with the delta, never read; every row gets
     written, so y may start uninitialized: rows of the tile table get their delta (zeros where the
     slot's rank is 0), and the programs past the table's `n_tiles` write zeros into the rows without
     a slot. The model's GEMM then adds x @ W.T to it (`KernelConfig.gemm_adds_lora`).
@@ -293,35 +295,31 @@ def _lora_expand_kernel(
     y_rows = y_ptr + rows[:, None] * stride_ym
     # The first B tile before the wait for the kernel ahead (adapter weights never depend on it).
     b_first = _load_b(b_slot, offs_r, mask_r, n_lo, N, stride_br, stride_bn, BLOCK_N)
-    if FUSED:  # one segment: u is shrunk here, over the whole rank (waiting after its first A load)
-        u = _shrink_rows(
-            x_ptr + rows[:, None] * stride_xm, a_ptr + slot64 * stride_al + offs_r[:, None] * stride_ar,
-            mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, USE_GDC,
-        )
-        scale = tl.load(scaling_ptr + slot).to(tl.float32)
-        _expand_rows(
-            u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, n_lo, n_hi, N,
-            stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION, False,
-        )
-    else:
-        _dependent_launch_prologue(USE_GDC)
-        for seg in tl.static_range(3):
-            if seg == 0:
-                seg_lo = 0
-                seg_hi = seg_n1
-            elif seg == 1:
-                seg_lo = seg_n1
-                seg_hi = seg_n2
+    _dependent_launch_prologue(USE_GDC)
+    for seg in tl.static_range(3):
+        if seg == 0:
+            seg_lo = 0
+            seg_hi = seg_n1
+        elif seg == 1:
+            seg_lo = seg_n1
+            seg_hi = seg_n2
+        else:
+            seg_lo = seg_n2
+            seg_hi = N
+        lo = tl.maximum(n_lo, seg_lo)
+        hi = tl.minimum(n_hi, seg_hi)
+        if lo < hi:  # u and scaling once per segment this program touches
+            if FUSED:  # the segment's u shrunk here over all of K, from its r_max rows of A
+                u = _shrink_rows(
+                    x_ptr + rows[:, None] * stride_xm,
+                    a_ptr + slot64 * stride_al + (seg * r_max + offs_r)[:, None] * stride_ar,
+                    mask_m, mask_r, 0, K, K, stride_xk, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, False,
+                )
             else:
-                seg_lo = seg_n2
-                seg_hi = N
-            lo = tl.maximum(n_lo, seg_lo)
-            hi = tl.minimum(n_hi, seg_hi)
-            if lo < hi:  # u and scaling are loaded once per segment this program touches
                 u = _load_u(u_ptr + seg * r_max * stride_ur, rows, mask_m, offs_r, mask_r,
                             stride_us, stride_um, stride_ur, SPLIT_K, BLOCK_M, BLOCK_R)
-                scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
-                _expand_rows(
-                    u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,
-                    stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION, WRITE_ONLY,
-                )
+            scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
+            _expand_rows(
+                u.to(b_ptr.dtype.element_ty), b_slot, y_rows, mask_m, offs_r, mask_r, scale, lo, hi, N,
+                stride_br, stride_bn, stride_yn, b_first, n_lo, BLOCK_M, BLOCK_N, DOT_PRECISION, WRITE_ONLY,
+            )

@@ -194,6 +194,19 @@ def lora_shrink(
     return u
 
 
+def _check_expand(lora_b, scaling, meta, mask_rank, segments, write_only) -> None:
+    """The expand's arguments that the kernel cannot check: refused with the bad value named."""
+    if write_only and meta.grid != "exact":
+        raise ValueError(f"write_only needs the exact grid, got grid {meta.grid!r}")
+    _warn_if_b_is_row_major(lora_b)
+    if segments is not None:
+        if mask_rank:
+            raise ValueError("segments need mask_rank=False (uniform ranks, zero-padded weights)")
+        if not 1 <= len(segments) <= 2 or scaling.dim() != 2 or scaling.shape[0] != len(segments) + 1:
+            raise ValueError(f"segments {tuple(segments)} need scaling [len(segments) + 1, L], got "
+                             f"{tuple(scaling.shape)}")
+
+
 def lora_expand(
     u: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
     y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None, mask_rank: bool = True,
@@ -221,18 +234,10 @@ def lora_expand(
     Returns:
         `y`.
     """
-    if write_only and meta.grid != "exact":
-        raise ValueError(f"write_only needs the exact grid, got grid {meta.grid!r}")
-    _warn_if_b_is_row_major(lora_b)
+    _check_expand(lora_b, scaling, meta, mask_rank, segments, write_only)
     width = (len(segments or ()) + 1) * lora_b.shape[2]  # G * r_max columns of u are read
     if u.dim() != 3 or u.shape[1] != y.shape[0] or u.shape[2] < width:
         raise ValueError(f"u must be lora_shrink's partials [S, M = {y.shape[0]}, >= {width}], got {tuple(u.shape)}")
-    if segments is not None:
-        if mask_rank:
-            raise ValueError("segments need mask_rank=False (uniform ranks, zero-padded weights)")
-        if not 1 <= len(segments) <= 2 or scaling.dim() != 2 or scaling.shape[0] != len(segments) + 1:
-            raise ValueError(f"segments {tuple(segments)} need scaling [len(segments) + 1, L], got "
-                             f"{tuple(scaling.shape)}")
     return _run_expand(y, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device), mask_rank, u=u,
                        segments=segments, write_only=write_only)
 
@@ -240,13 +245,18 @@ def lora_expand(
 def lora_fused(
     x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor,
     y: torch.Tensor, meta: LoRABatchMeta, cfg: KernelConfig | None = None, mask_rank: bool = True,
+    segments: tuple[int, ...] | None = None, write_only: bool = False,
 ) -> torch.Tensor:
     """Shrink and expand in one kernel: `y[m] += scaling[s] * (x[m] @ A[s].T) @ B[s].T` in place.
 
     Same arguments as `lora_shrink` + `lora_expand` (x `[M, K]`, lora_a `[L, r_max, K]`, lora_b
-    `[L, N, r_max]`, scaling `[L]`, lora_rank `[L]`, y `[M, N]`); one launch per grid-mode launch
-    instead of two, and u never leaves the registers. Returns `y`.
+    `[L, N, r_max]`, scaling `[L]`, lora_rank `[L]`, y `[M, N]`, `segments` with lora_a `[L, G *
+    r_max, K]` and scaling `[G, L]`, `write_only`); one launch per grid-mode launch instead of two,
+    and u never leaves the registers. Returns `y`.
     """
-    _warn_if_b_is_row_major(lora_b)
+    _check_expand(lora_b, scaling, meta, mask_rank, segments, write_only)
+    if lora_a.shape[1] < (len(segments or ()) + 1) * lora_b.shape[2]:
+        raise ValueError(f"lora_a must stack {len(segments or ()) + 1} segments of rank {lora_b.shape[2]}, got "
+                         f"{tuple(lora_a.shape)}")
     return _run_expand(y, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device), mask_rank,
-                       x=x, lora_a=lora_a)
+                       x=x, lora_a=lora_a, segments=segments, write_only=write_only)

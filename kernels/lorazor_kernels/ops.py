@@ -69,14 +69,16 @@ def add_batched_lora_(
         return y
     if backend == "reference":
         return _add_reference_(y, x, lora_a, lora_b, scaling, lora_rank, meta, segments)
-    cfg = cfg or get_kernel_config(y.device)
-    if cfg.fused and not segments:
-        return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank)
-    return _shrink_expand(y, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
+    return _triton_delta(y, x, lora_a, lora_b, scaling, lora_rank, meta, cfg or get_kernel_config(y.device),
+                         mask_rank, segments)
 
 
-def _shrink_expand(y, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, write_only=False):
-    """The delta by `lora_shrink` + `lora_expand` into y: added, or with `write_only` written over it."""
+def _triton_delta(y, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, write_only=False):
+    """The delta into y by the Triton kernels, fused (`cfg.fused`, or at most `cfg.fused_max_rows`
+    rows) or shrink + expand: added, or with `write_only` written over it."""
+    if cfg.fused or x.shape[0] <= cfg.fused_max_rows:
+        return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None,
+                          write_only=write_only)
     u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
     return lora_expand(u, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None,
                        write_only=write_only)
@@ -113,8 +115,7 @@ def _linear_lora(
     if backend == "triton":
         cfg = _CONFIGS[config_key] if config_key else get_kernel_config(x.device)
     # fp8 base weights take their own GEMM (`base_linear`), then the delta added.
-    if (weight_scale is None and cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None
-            and not cfg.fused):
+    if weight_scale is None and cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None:
         return _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
     y = base_linear(x, weight, bias, weight_scale)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank=mask_rank,
@@ -129,8 +130,8 @@ _linear_lora_op = torch.library.custom_op("lorazor::linear_lora", mutates_args=(
 def _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments):
     """`KernelConfig.gemm_adds_lora`: shrink, a write-only expand into a fresh buffer, then the GEMM
     adds x @ W.T to it in its epilogue (one pass over the output instead of the expand's read + write)."""
-    delta = _shrink_expand(x.new_empty(x.shape[0], weight.shape[0]), x, lora_a, lora_b, scaling, lora_rank, meta,
-                           cfg, mask_rank, segments, write_only=True)
+    delta = _triton_delta(x.new_empty(x.shape[0], weight.shape[0]), x, lora_a, lora_b, scaling, lora_rank, meta,
+                          cfg, mask_rank, segments, write_only=True)
     return delta.addmm_(x, weight.t())
 
 
@@ -226,5 +227,5 @@ def batched_lora(
     meta = build_batch_meta(row_slot, lora_a.shape[0], grid, block_m)
     cfg = get_kernel_config(x.device)
     if fused is not None:
-        cfg = dataclasses.replace(cfg, fused=fused)
+        cfg = dataclasses.replace(cfg, fused=fused, fused_max_rows=0)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, rank, meta, backend, cfg, mask_rank)

@@ -231,7 +231,7 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, linear=
     # q/k/v (or gate/up) share x: one shrink over A stacked [L, G*r, K], one expand into the merged
     # [M, sum(N)] output, segment g using its r columns of u, its B columns and its scaling row.
     # linear: the base GEMM too, through the model layers' op `linear_lora_op` (the device's kernel config).
-    from lorazor_kernels import linear_lora_op, lora_expand, lora_shrink
+    from lorazor_kernels import linear_lora_op, lora_expand, lora_fused, lora_shrink
 
     g = torch.Generator().manual_seed(len(widths))
     G = len(widths)
@@ -254,7 +254,11 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, linear=
     def run():
         if linear:  # as a merged group calls it: the members' rank (unread without mask_rank)
             y.copy_(linear_lora_op(x, weight, None, a_stack, b_merged, group_scaling, rank, meta, mask_rank=False,
-                                   segments=edges))
+                                   segments=edges, cfg=cfg))
+            return
+        if cfg is not None and cfg.fused:  # one launch: each program shrinks once per segment it covers
+            lora_fused(x, a_stack, b_merged, group_scaling, rank, y, meta, cfg, mask_rank=False,
+                       segments=edges or None)
             return
         u = lora_shrink(x, a_stack, torch.full((L,), G * r, dtype=torch.int32, device=DEVICE), meta, cfg,
                         mask_rank=False)
@@ -281,6 +285,19 @@ def check_merged(grid, widths, M, K, r, L, dtype, cfg=None, graph=False, linear=
 @pytest.mark.parametrize("widths", [(48, 16, 32), (64, 80)], ids=["qkv", "gate_up"])
 def test_merged_projections_in_one_shrink_and_one_expand(grid, widths):
     check_merged(grid, widths, M=37, K=72, r=8, L=5, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("grid", ["exact", "full"])
+@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("widths", [(48, 16, 32), (64, 80), (80,)], ids=["qkv", "gate_up", "plain"])
+def test_merged_projections_in_one_fused_launch(grid, widths, block_n):
+    # block_n 32: programs of several column blocks, some crossing a segment edge (48 | 16 | 32).
+    import dataclasses
+
+    from lorazor_kernels import KernelConfig
+
+    cfg = dataclasses.replace(KernelConfig(), fused=True, fused_block_n=block_n, fused_block_k=32)
+    check_merged(grid, widths, M=37, K=72, r=8, L=5, dtype=torch.float32, cfg=cfg)
 
 
 def test_expand_names_a_u_of_the_wrong_shape():

@@ -7,7 +7,14 @@ import json
 import pytest
 import torch
 from conftest import DEVICE, TOL
-from lorazor_kernels import build_batch_meta, get_kernel_config, lora_delta_reference, lora_expand, lora_shrink
+from lorazor_kernels import (
+    build_batch_meta,
+    get_kernel_config,
+    lora_delta_reference,
+    lora_expand,
+    lora_fused,
+    lora_shrink,
+)
 from lorazor_kernels.kernel_config import CONFIG_ENV
 from test_kernels import check_merged, make_case
 
@@ -26,16 +33,19 @@ def gemm_adds_lora(tmp_path, monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 @pytest.mark.parametrize("block_n", [16, 64])
-def test_write_only_expand_overwrites_every_row(block_n):
+def test_write_only_expand_overwrites_every_row(block_n, fused):
     # Rows without a slot, a slot of rank 0 in this layer, mixed ranks; y starts as NaN.
     ranks = torch.tensor([1, 4, 0, 16, 8, 13], dtype=torch.int32)
     x, a, b, s, slot, rank = make_case(45, 80, 66, 16, 6, torch.float32, seed=11, ranks=ranks)
-    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), expand_block_n=block_n)
+    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), expand_block_n=block_n, fused_block_n=block_n)
     meta = build_batch_meta(slot, 6, "exact")
-    u = lora_shrink(x, a, rank, meta, cfg)
     y = torch.full((45, 66), float("nan"), device=DEVICE)
-    lora_expand(u, b, s, rank, y, meta, cfg, write_only=True)
+    if fused:
+        lora_fused(x, a, b, s, rank, y, meta, cfg, write_only=True)
+    else:
+        lora_expand(lora_shrink(x, a, rank, meta, cfg), b, s, rank, y, meta, cfg, write_only=True)
     ref = lora_delta_reference(x.double(), a.double(), b.double(), s.double(), slot, rank)
     torch.testing.assert_close(y.double(), ref, **TOL[torch.float32])
     no_lora = (slot < 0) | (rank.to(slot.device)[slot.clamp(min=0)] == 0)
@@ -49,6 +59,23 @@ def test_write_only_needs_the_exact_grid():
     with pytest.raises(ValueError, match="write_only needs the exact grid, got grid 'full'"):
         lora_expand(lora_shrink(x, a, rank, meta), b, s, rank, torch.empty(12, 16, device=DEVICE), meta,
                     write_only=True)
+    with pytest.raises(ValueError, match="write_only needs the exact grid, got grid 'full'"):
+        lora_fused(x, a, b, s, rank, torch.empty(12, 16, device=DEVICE), meta, write_only=True)
+
+
+@pytest.mark.parametrize("rows, fused_calls", [(5, 1), (37, 0)])
+def test_gemm_adds_lora_fused_up_to_fused_max_rows(gemm_adds_lora, monkeypatch, rows, fused_calls):
+    # `fused_max_rows`: a product of a few rows takes one fused launch (write-only, then the GEMM adds
+    # x @ W.T); a larger one shrink + expand. Both are the GEMM plus the delta.
+    from lorazor_kernels import lora_launch, ops
+
+    calls = []
+    real = lora_launch.lora_fused
+    monkeypatch.setattr(ops, "lora_fused", lambda *args, **kw: calls.append(kw["write_only"]) or real(*args, **kw))
+    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), gemm_adds_lora=True, fused=False,
+                              fused_max_rows=16, fused_block_n=16)
+    check_merged("exact", (48, 16, 32), M=rows, K=72, r=8, L=5, dtype=torch.float32, linear=True, cfg=cfg)
+    assert calls == [True] * fused_calls and gemm_adds_lora
 
 
 @pytest.mark.parametrize("widths", [(48, 16, 32), (80,)], ids=["qkv", "plain"])
