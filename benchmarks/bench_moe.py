@@ -174,6 +174,12 @@ def trace(engine, vocab: int, adapters: int, system: str, requests: int) -> dict
     return dict(req_s=round(requests / wall, 2), tok_s=round(sum(len(o.token_ids) for o in outs) / wall, 1))
 
 
+def significant(ms: float) -> float:
+    """A floor to 4 significant digits: a tiny model's (tests, `--tiny`) is microseconds on a GPU,
+    which three decimals of a millisecond would round to zero."""
+    return float(f"{ms:.4g}")
+
+
 def decode_rows(engine, model, config, args, bandwidth: float, record) -> None:
     """Decode at each batch of `--batches`, backbone rows and adapter rows, against their bytes floors."""
     per_token_kv = model.runner.kv_bytes_per_token()
@@ -187,8 +193,8 @@ def decode_rows(engine, model, config, args, bandwidth: float, record) -> None:
         lora, lora_profile = decode_ms(engine, batch, lambda i: f"a{i % args.adapters}", 30, config.vocab_size)
         record(phase="decode", batch=batch, experts_per_layer=round(sum(experts) / len(experts), 1),
                adapter_expert_pairs_per_layer=round(sum(pairs) / len(pairs), 1), backbone_ms=round(backbone, 3),
-               backbone_floor_ms=round(base_floor, 3), backbone_vs_floor=round(backbone / base_floor, 2),
-               lora_ms=round(lora, 3), lora_floor_ms=round(lora_floor, 3), lora_vs_floor=round(lora / lora_floor, 2),
+               backbone_floor_ms=significant(base_floor), backbone_vs_floor=round(backbone / base_floor, 2),
+               lora_ms=round(lora, 3), lora_floor_ms=significant(lora_floor), lora_vs_floor=round(lora / lora_floor, 2),
                lora_vs_backbone=round(lora / backbone, 2), backbone_profile=backbone_profile,
                lora_profile=lora_profile)
 

@@ -363,3 +363,26 @@ def test_moe_numbers_equal_the_moe_run():
     assert (f"| decode, batch 1, backbone | {one['backbone_ms']} ms | {one['backbone_floor_ms']} ms (bytes) | "
             f"{one['backbone_vs_floor']}x |") in readme
     assert f"| {full['lora_ms']} ms | {full['lora_floor_ms']} ms | {full['lora_vs_floor']}x; **" in readme
+    ab = json.loads((RESULTS / "moe_h100" / "moe_ab_d3c5083.json").read_text())["rows"]
+    now = next(r for r in ab if r["phase"] == "decode" and r["batch"] == 256)
+    assert (f"the current code's batch-256 backbone step takes {now['backbone_vs_floor']}x its bytes and 64 adapters "
+            f"make it {now['lora_vs_backbone']}x slower") in models
+    assert f"| {now['backbone_ms']:.3f} ms ({now['backbone_vs_floor']}x;" in readme
+
+
+def test_h100_kernel_config_numbers_equal_their_runs():
+    data = json.loads((RESULTS / "defaults_h100" / "data.json").read_text())
+
+    def step(name, batch, kind):
+        return next(r["step_ms"] for r in data[name] if r.get("phase") == "decode" and (r["batch"], r["kind"]) ==
+                    (batch, kind))
+
+    default, h200 = "step_roofline_cfg_default_d3c5083.json", "step_roofline_cfg_NVIDIA_H200_d3c5083.json"
+    split, fused = "step_roofline_cfg_default_b16_d3c5083.json", "step_roofline_cfg_h200_fused16_d3c5083.json"
+    gridtrim = page("docs/gridtrim.md").replace("\n", " ")
+    assert f"from {step(default, 256, 'lora'):.2f} to {step(h200, 256, 'lora'):.2f} ms" in gridtrim
+    assert f"{step(fused, 1, 'lora'):.2f} ms against {step(split, 1, 'lora'):.2f} ms split" in gridtrim
+    assert f"to {step(h200, 256, 'lora'):.3f} ms\nagainst {step(default, 256, 'lora'):.3f} ms" in page("docs/engine.md")
+    readme = page("benchmarks/results/defaults_h100/README.md")
+    for name, batch, kind in ((default, 256, "lora"), (h200, 256, "lora"), (h200, 1, "lora"), (fused, 1, "lora")):
+        assert f"{step(name, batch, kind):.3f} ms" in readme, (name, batch, kind)
