@@ -84,8 +84,8 @@ def apply_kernel_patch(base, patch: dict, out: Path, name: str):
     return cfg
 
 
-def fill_random_adapters(model, first: int, count: int, seed: int = 0) -> list[str]:
-    """Benchmark only: register `count` random rank-8 adapters (`rand<first>`, ...) in free slots."""
+def fill_random_adapters(model, first: int, count: int, seed: int = 0, rank: int = RANK) -> list[str]:
+    """Benchmark only: register `count` random adapters of `rank` (`rand<first>`, ...) in free slots."""
     from lorazor.adapters import AdapterWeights
 
     device = model.device
@@ -93,8 +93,8 @@ def fill_random_adapters(model, first: int, count: int, seed: int = 0) -> list[s
     names = []
     for i in range(first, first + count):
         weights = AdapterWeights({
-            module: (torch.randn(RANK, k, generator=g, device=device, dtype=model.bank.dtype) / k**0.5,
-                     torch.randn(n, RANK, generator=g, device=device, dtype=model.bank.dtype) * 0.01, 2.0)
+            module: (torch.randn(rank, k, generator=g, device=device, dtype=model.bank.dtype) / k**0.5,
+                     torch.randn(n, rank, generator=g, device=device, dtype=model.bank.dtype) * 0.01, 2.0)
             for module, (k, n) in model.bank.module_sizes.items()})
         model.registry.add_loaded(f"rand{i}", weights)
         names.append(f"rand{i}")

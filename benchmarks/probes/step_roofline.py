@@ -3,7 +3,7 @@
     python benchmarks/probes/step_roofline.py --out /tmp/probe [--compile] [--phases all]
 
 Llama-3.2-3B shape (`--model mistral-7b`: Mistral-7B's), bf16 (`--quantization fp8`: fp8 base
-weights), 128 random rank-8 adapters on every projection, `max_num_seqs=256`,
+weights), 128 random rank-8 adapters on every projection (`--rank`: another rank), `max_num_seqs=256`,
 `max_num_batched_tokens=2048` (`--defaults`: the engine's own defaults), through the public API. Phases:
 
 - `floors`: read bandwidth (a graph-timed reduction over 4 GiB), copy bandwidth, bf16 matmul TFLOPS.
@@ -131,9 +131,9 @@ class Probe:
         self.base.generation_config.eos_token_id = None
         self.base.config.eos_token_id = None
         self.model = LoRazorModel.from_pretrained(self.base, None, LoRazorConfig(
-            max_loras=ADAPTERS, max_lora_rank=8, lora_target_modules=TARGETS, compile=args.compile,
+            max_loras=ADAPTERS, max_lora_rank=args.rank, lora_target_modules=TARGETS, compile=args.compile,
             quantization=args.quantization))
-        self.names = fill_random_adapters(self.model, 0, ADAPTERS)
+        self.names = fill_random_adapters(self.model, 0, ADAPTERS, rank=args.rank)
         # --defaults: the engine as users get it (EngineConfig's defaults: the KV pool from
         # gpu_memory_utilization, 512 seats, 4,096 tokens per step); else the probe's old shape.
         self.engine = LoRazorEngine(self.model) if args.defaults else LoRazorEngine(
@@ -141,8 +141,8 @@ class Probe:
         self.vocab = self.base.config.vocab_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.base.parameters())
         bank = self.model.bank
-        # One rank-8 adapter's A and B over every targeted module of every layer.
-        self.adapter_bytes = sum(8 * (k + n) * bank.dtype.itemsize for k, n in bank.module_sizes.values())
+        # One adapter's A and B over every targeted module of every layer.
+        self.adapter_bytes = sum(args.rank * (k + n) * bank.dtype.itemsize for k, n in bank.module_sizes.values())
         self.rows: list[dict] = []
         self.bandwidth = self.tflops = None
 
@@ -333,6 +333,7 @@ def main() -> None:
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="off",
                     help="LoRazorConfig.compile (default off: the probe's old eager rows; auto: the product's default)")
     ap.add_argument("--quantization", choices=("fp8",), default=None)
+    ap.add_argument("--rank", type=int, default=8, help="the random adapters' rank (every one the same)")
     ap.add_argument("--model", choices=("llama-3.2-3b", "mistral-7b"), default="llama-3.2-3b", help="the shape")
     ap.add_argument("--defaults", action="store_true", help="the engine at EngineConfig's defaults (the KV pool "
                     "sized by gpu_memory_utilization, 512 seats, 4,096 tokens a step)")
@@ -345,7 +346,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     phases = args.phases.split(",")
     probe = Probe(args)
-    probe.record(phase="environment", **environment(), compile=probe.model.config.compile,
+    probe.record(phase="environment", **environment(), compile=probe.model.config.compile, rank=args.rank,
                  quantization=args.quantization, model=args.model, defaults=args.defaults,
                  kv_blocks=probe.engine.pool.num_blocks)
     try:
