@@ -32,12 +32,14 @@ class KernelConfig:
         expand_max_steps: if > 0, split N further so that no expand program loops over more than
             this many column blocks (gate/up's wide output gets more programs than o_proj's).
         expand_num_warps / expand_num_stages: Triton launch options of expand.
-        fused: run shrink and expand as one kernel (`lora_fused`) instead of two. Off on the H200:
-            measured slower there (benchmarks/results/kernels.md), the split-K shrink keeps more
-            loads in flight.
+        fused: run shrink and expand as one kernel (`lora_fused`) instead of two. Off on the H200
+            and the H100: measured slower there (benchmarks/results/kernels.md, defaults_h100/), the
+            split-K shrink keeps more loads in flight.
         fused_max_rows: with `fused` off, a product of at most this many rows still runs fused (0:
-            never). A decode step of a few rows is bound by the launches' fixed cost, not by bytes:
-            one launch per projection instead of two there, shrink + expand for larger steps.
+            never): one launch per projection for small decode steps, shrink + expand for larger
+            ones. 0 in every shipped file: on the H100 16 made the batch-1 step with one adapter
+            slower (4.79 against 4.16 ms, benchmarks/results/defaults_h100/): a fused launch took
+            11.4 us against 2.6 + 3.1 us for the pair it replaces.
         fused_block_k / fused_block_n: K chunk of the fused shrink loop, N chunk of its expand loop.
         fused_programs_per_sm: split N over about this many fused programs per multiprocessor.
         fused_num_warps / fused_num_stages: Triton launch options of the fused kernel.

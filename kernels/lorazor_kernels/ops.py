@@ -128,8 +128,9 @@ _linear_lora_op = torch.library.custom_op("lorazor::linear_lora", mutates_args=(
 
 
 def _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments):
-    """`KernelConfig.gemm_adds_lora`: shrink, a write-only expand into a fresh buffer, then the GEMM
-    adds x @ W.T to it in its epilogue (one pass over the output instead of the expand's read + write)."""
+    """`KernelConfig.gemm_adds_lora`: the delta written (not added) into a fresh buffer by a write-only
+    expand (after its shrink, or fused with it), then the GEMM adds x @ W.T to it in its epilogue (one
+    pass over the output instead of the expand's read + write)."""
     delta = _triton_delta(x.new_empty(x.shape[0], weight.shape[0]), x, lora_a, lora_b, scaling, lora_rank, meta,
                           cfg, mask_rank, segments, write_only=True)
     return delta.addmm_(x, weight.t())
