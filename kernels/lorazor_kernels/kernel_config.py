@@ -40,6 +40,11 @@ class KernelConfig:
             ones. 0 in every shipped file: on the H100 16 made the batch-1 step with one adapter
             slower (4.79 against 4.16 ms, benchmarks/results/defaults_h100/): a fused launch took
             11.4 us against 2.6 + 3.1 us for the pair it replaces.
+        gemv_lora_max_rows: in the model's op (`linear_lora_op`, bf16/fp16/fp32 weights), a product of
+            at most this many rows (<= 16) runs the base GEMM and its LoRA delta as one launch
+            (`gemv_lora.py`: the program that streams W's columns also streams its rows' A over the
+            same K and adds u @ B); 0: never (the GEMM, then shrink and expand). Not measured on a
+            GPU yet: 0 in every shipped file.
         fused_block_k / fused_block_n: K chunk of the fused shrink loop, N chunk of its expand loop.
         fused_programs_per_sm: split N over about this many fused programs per multiprocessor.
         fused_num_warps / fused_num_stages: Triton launch options of the fused kernel.
@@ -87,6 +92,7 @@ class KernelConfig:
     expand_num_stages: int = 2
     fused: bool = False
     fused_max_rows: int = 0
+    gemv_lora_max_rows: int = 0
     fused_block_k: int = 256
     fused_block_n: int = 128
     fused_programs_per_sm: int = 2

@@ -13,6 +13,7 @@ import os
 import torch
 
 from .fp8 import fp8_linear, fp8_linear_op
+from .gemv_lora import GEMV_MAX_ROWS, gemv_lora
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
@@ -114,6 +115,9 @@ def _linear_lora(
     cfg = None
     if backend == "triton":
         cfg = _CONFIGS[config_key] if config_key else get_kernel_config(x.device)
+    if (weight_scale is None and cfg is not None and x.shape[0] <= min(cfg.gemv_lora_max_rows, GEMV_MAX_ROWS)
+            and weight.dtype == x.dtype):
+        return gemv_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, mask_rank, tuple(segments))
     # fp8 base weights take their own GEMM (`base_linear`), then the delta added.
     if weight_scale is None and cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None:
         return _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
@@ -162,7 +166,8 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
     """`linear(x, weight, bias)` plus the batched LoRA delta, as the registered custom op
     `lorazor::linear_lora` (x `[M, K]`; the other arguments as in `add_batched_lora_`).
 
-    The base GEMM, then the delta added in place; with `KernelConfig.gemm_adds_lora` (`exact`
+    The base GEMM, then the delta added in place; with `KernelConfig.gemv_lora_max_rows`, a product
+    of that many rows or fewer as one launch (`gemv_lora.py`); with `KernelConfig.gemm_adds_lora` (`exact`
     grid, no bias) the delta first, written by a write-only expand, and the GEMM adding x @ W.T to
     it. torch.compile treats the op as opaque, so compiled model code runs the GEMM and the Triton
     kernels as they are. `weight_scale`: fp8 base weights' per-channel scales (`fp8.py`); the GEMM is

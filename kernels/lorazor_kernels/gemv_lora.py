@@ -1,0 +1,209 @@
+"""A decode step of a few rows: the base GEMM and its LoRA delta in one launch (`KernelConfig.gemv_lora_max_rows`).
+
+Semantics (the same as `linear_lora_op`'s):
+    y[m] = x[m] @ W.T + bias + scaling[s] * (x[m] @ A[s, :r].T) @ B[s, :, :r].T    # s = row_slot[m] >= 0
+    y[m] = x[m] @ W.T + bias                                                        # s = -1
+
+At a few rows the step is bound by reading W, and the LoRA delta as its own shrink and expand
+launches costs two launches' fixed time per projection for well under 1% of the bytes. Here each
+program streams a block of W's output channels over its share of K (as `fp8.fp8_weight_only` does
+for fp8 weights) and, in the same loop over K, its rows' own adapter A (a few KB from L2); the
+program that finishes a column block multiplies the rows' u by their adapter's B for those columns.
+So a projection with LoRA is one launch, like one without.
+
+Rows have different adapters, so A and B are read per row (a runtime loop over the rows, at most
+`GEMV_MAX_ROWS`): fine for a few rows, which is what this path is for. Merged projections (q/k/v,
+gate/up) pass `segments` as `lora_expand` does: segment g uses A's rows `[g * r_max, (g + 1) * r_max)`,
+B's columns of the segment and `scaling[g]`.
+
+Split K: a launch with fewer column blocks than the GPU has multiprocessors splits K; each program
+writes its partial sums (of x @ W.T and of u) and the last of a column block's programs to finish adds
+them up, applies the LoRA and writes y (an arrival counter per column block, left zeroed for the next
+launch).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .lora_kernels import padded_rank
+from .lora_launch import _cuda_index, _dot_precision, _sm_count
+
+# The most rows this path takes (its dot tile is this tall; rows past M are masked).
+GEMV_MAX_ROWS = 16
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): the launch, unless a probe passes its own.
+GEMV_LAUNCH = (32, 256, 4, 3)
+# Programs per multiprocessor a launch aims for when it splits K.
+GEMV_PROGRAMS_PER_SM = 3
+_MAX_COLUMN_BLOCKS = 4096
+# Arrival counters of split-K launches, per device, zeroed once (each launch leaves them zeroed).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _row_of(tensor, rows, m):
+    """Row m of a `[BLOCK_M, X]` register tensor, as `[X]`."""
+    return tl.sum(tl.where(rows[:, None] == m, tensor, 0.0), axis=0)
+
+
+@triton.jit
+def _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_ptr, bias_ptr, y_ptr, seg, r_max,
+                   stride_sg, stride_bl, stride_bn, stride_br, stride_y, HAS_BIAS: tl.constexpr,
+                   MASK_RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[rows, cols] = acc + bias + per row m with a slot: scaling[seg, s] * u[m] @ B[s, cols, :].T."""
+    offs_r = tl.arange(0, BLOCK_R)
+    for m in range(0, M):
+        slot = tl.load(slot_ptr + m).to(tl.int32)
+        if slot >= 0:
+            rank = r_max
+            if MASK_RANK:
+                rank = tl.load(rank_ptr + slot)
+            mask_r = offs_r < rank
+            b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
+                        mask=mask_r[:, None] & (cols < N)[None, :], other=0.0)  # [BR, BN]
+            u_m = _row_of(u, rows, m).to(b.dtype).to(tl.float32)  # rounded to the weights' dtype, as the kernels do
+            delta = tl.sum(u_m[:, None] * b.to(tl.float32), axis=0)  # [BN]
+            scale = tl.load(scaling_ptr + seg * stride_sg + slot).to(tl.float32)
+            acc = tl.where(rows[:, None] == m, acc + scale * delta[None, :], acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _gemv_lora_kernel(x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, slot_ptr, rank_ptr, scaling_ptr, y_ptr, part_ptr,
+                      count_ptr, M, N, K, K_SPLIT, SPLIT_K, r_max, seg_n1, seg_n2, stride_sg,
+                      stride_x, stride_w, stride_al, stride_ar, stride_ak, stride_bl, stride_bn, stride_br, stride_y,
+                      HAS_BIAS: tl.constexpr, MASK_RANK: tl.constexpr, SPLIT: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Program (n, s): BLOCK_N output channels (inside one segment), the s-th K_SPLIT columns of K.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    seg = (n0 >= seg_n1).to(tl.int32) + (n0 >= seg_n2).to(tl.int32)
+    offs_r = tl.arange(0, BLOCK_R)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    k_begin = pid_k * K_SPLIT
+    for k0 in range(0, K_SPLIT, BLOCK_K):  # the last split's columns past K are masked
+        k = k_begin + k0 + ks
+        mask_k = k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < M) & mask_k[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=(cols[:, None] < N) & mask_k[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        # The shrink of each row with an adapter, over the same K columns (its A from L2).
+        for m in range(0, M):
+            slot = tl.load(slot_ptr + m).to(tl.int32)
+            if slot >= 0:
+                rank = r_max
+                if MASK_RANK:
+                    rank = tl.load(rank_ptr + slot)
+                a = tl.load(a_ptr + slot.to(tl.int64) * stride_al + (seg * r_max + offs_r)[:, None] * stride_ar
+                            + k[None, :] * stride_ak, mask=(offs_r < rank)[:, None] & mask_k[None, :], other=0.0)
+                x_m = tl.load(x_ptr + m * stride_x + k, mask=mask_k, other=0.0)
+                u_m = tl.sum(a.to(tl.float32) * x_m.to(a.dtype).to(tl.float32)[None, :], axis=1)  # [BR]
+                u = tl.where(rows[:, None] == m, u + u_m[None, :], u)
+    if not SPLIT:
+        _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_ptr, bias_ptr, y_ptr, seg, r_max,
+                       stride_sg, stride_bl, stride_bn, stride_br, stride_y, HAS_BIAS, MASK_RANK, BLOCK_R)
+    else:
+        # As in `fp8._weight_only_kernel`: partials out, the last arrival of the column block sums them.
+        width = BLOCK_N + BLOCK_R
+        base = part_ptr + (pid_k * tl.num_programs(0) + pid_n) * BLOCK_M * width
+        tl.store(base + rows[:, None] * width + tl.arange(0, BLOCK_N)[None, :], acc)
+        tl.store(base + rows[:, None] * width + BLOCK_N + offs_r[None, :], u)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for s in range(SPLIT_K):  # .cg: read the partials from L2, where the other programs wrote them
+                other = part_ptr + (s * tl.num_programs(0) + pid_n) * BLOCK_M * width
+                acc += tl.load(other + rows[:, None] * width + tl.arange(0, BLOCK_N)[None, :], cache_modifier=".cg")
+                u += tl.load(other + rows[:, None] * width + BLOCK_N + offs_r[None, :], cache_modifier=".cg")
+            tl.store(count_ptr + pid_n, 0)
+            _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_ptr, bias_ptr, y_ptr, seg,
+                           r_max, stride_sg, stride_bl, stride_bn, stride_br, stride_y, HAS_BIAS, MASK_RANK, BLOCK_R)
+
+
+def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device) -> int:
+    """Splits of K: none if the column blocks fill the multiprocessors, else about
+    `GEMV_PROGRAMS_PER_SM` programs per multiprocessor, at most one BLOCK_K per split."""
+    sms = _sm_count(_cuda_index(device)) if device.type == "cuda" else 1
+    if column_blocks >= sms:
+        return 1
+    return min(triton.cdiv(GEMV_PROGRAMS_PER_SM * sms, column_blocks), triton.cdiv(K, block_k))
+
+
+def gemv_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+              lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor,
+              mask_rank: bool = True, segments: tuple[int, ...] = (), launch: tuple[int, ...] | None = None
+              ) -> torch.Tensor:
+    """`x @ weight.T + bias` plus the batched LoRA delta, in one launch, for at most `GEMV_MAX_ROWS` rows.
+
+    Args:
+        x: `[M, K]`, M <= `GEMV_MAX_ROWS`; weight `[N, K]` in x's dtype; bias `[N]` or None.
+        lora_a, lora_b, scaling, lora_rank: as in `add_batched_lora_` (lora_b `[L, N, r_max]`, best
+            the bank's `[L, r, N]` storage seen through a transpose); with `segments` lora_a `[L, G *
+            r_max, K]` and scaling `[G, L]`.
+        row_slot: `[M]` slot per row, -1 for none.
+        mask_rank: read each slot's rank and mask past it (False: zeros past each rank, as the bank stores them).
+        segments: merged projections' inner column edges (see `lora_expand`), multiples of 16.
+        launch: (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) for probes; None: `GEMV_LAUNCH`.
+
+    Returns:
+        `[M, N]` in x's dtype.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv_lora takes at most {GEMV_MAX_ROWS} rows, got {M}")
+    if weight.dtype != x.dtype or weight.shape[1] != K:
+        raise ValueError(f"weight must be [N, K={K}] in x's dtype {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    block_n, block_k, warps, stages, *split = launch or GEMV_LAUNCH
+    segments = tuple(segments or ())
+    if segments and mask_rank:
+        raise ValueError("segments need mask_rank=False (merged members share one rank, zero-padded weights)")
+    while any(e % block_n for e in segments) and block_n > 16:
+        block_n //= 2  # every column block must lie in one segment
+    if any(e % block_n for e in segments):
+        raise ValueError(f"segment edges {segments} must be multiples of 16")
+    r_max = lora_b.shape[2]
+    if lora_a.shape[1] < (len(segments) + 1) * r_max:
+        raise ValueError(f"lora_a must stack {len(segments) + 1} segments of rank {r_max}, got {tuple(lora_a.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    column_blocks = triton.cdiv(N, block_n)
+    split_k = split[0] if split and split[0] else _split_k(column_blocks, K, block_k, x.device)
+    k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole BLOCK_Ks per split
+    split_k = triton.cdiv(K, k_split)
+    block_r = padded_rank(r_max)
+    if split_k > 1:
+        if column_blocks > _MAX_COLUMN_BLOCKS:
+            raise ValueError(f"gemv_lora splits K for at most {_MAX_COLUMN_BLOCKS} column blocks, got {column_blocks}")
+        counters = _COUNTERS.get(x.device)
+        if counters is None:
+            counters = _COUNTERS[x.device] = torch.zeros(_MAX_COLUMN_BLOCKS, dtype=torch.int32, device=x.device)
+        partials = torch.empty(split_k * column_blocks * GEMV_MAX_ROWS * (block_n + block_r), dtype=torch.float32,
+                               device=x.device)
+    else:
+        counters = partials = y  # unused
+    seg_args = (*(segments + (N, N))[:2], scaling.stride(0) if segments else 0)
+    _gemv_lora_kernel[(column_blocks, split_k)](
+        x, weight, bias if bias is not None else y, lora_a, lora_b, row_slot, lora_rank, scaling, y, partials,
+        counters, M, N, K, k_split, split_k, r_max, *seg_args,
+        x.stride(0), weight.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0),
+        HAS_BIAS=bias is not None, MASK_RANK=mask_rank, SPLIT=split_k > 1, DOT_PRECISION=_dot_precision(x.dtype),
+        BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=warps, num_stages=stages)
+    return y

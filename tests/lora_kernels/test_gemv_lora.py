@@ -1,0 +1,129 @@
+"""`gemv_lora`: a few rows' base GEMM and LoRA delta in one launch, against the GEMM plus the reference
+delta: mixed slots (none, ranks below the bank's), bias, split K, merged projections, the model's op
+and the model end to end (`KernelConfig.gemv_lora_max_rows`)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_DTYPES, TOL
+from lorazor_kernels import build_batch_meta, gemv_lora, get_kernel_config, linear_lora_op, lora_delta_reference
+from lorazor_kernels.kernel_config import CONFIG_ENV
+from test_kernels import check_merged
+
+
+def make(M, K, N, r, L, dtype, seed, slots, ranks=None, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    to = dict(device=DEVICE, dtype=dtype)
+    x = torch.randn(M, K, generator=g).to(**to)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(**to)
+    b = (torch.randn(N, generator=g)).to(**to) if bias else None
+    a = (torch.randn(L, r, K, generator=g) / K**0.5).to(**to)
+    lb = (torch.randn(L, r, N, generator=g) / r**0.5).to(**to).transpose(1, 2)  # the bank's [L, r, N] storage
+    scaling = (torch.rand(L, generator=g) + 0.5).to(DEVICE)
+    rank = (torch.full((L,), r) if ranks is None else torch.tensor(ranks)).to(torch.int32).to(DEVICE)
+    return x, w, b, a, lb, scaling, rank, torch.tensor(slots).to(DEVICE)
+
+
+def expected(x, w, b, a, lb, scaling, rank, slot):
+    out = x.double() @ w.double().T + lora_delta_reference(x.double(), a.double(), lb.double(), scaling.double(),
+                                                           slot, rank)
+    return out + b.double() if b is not None else out
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("M, K, N, slots, ranks, launch", [
+    (1, 96, 48, [2], None, None),                                  # a decode step of one row
+    (5, 300, 70, [2, -1, 0, 3, 2], [8, 3, 5, 0], (32, 64, 4, 1)),  # odd K and N, a row without, rank 0 and 3
+    (4, 260, 40, [-1, 1, 1, 0], None, (16, 32, 4, 1, 3)),          # K split three ways: partials summed
+    (16, 64, 33, list(range(-1, 15)), None, (16, 32, 2, 1)),       # the most rows, 16 slots
+])
+def test_gemv_lora_is_the_gemm_plus_the_delta(dtype, M, K, N, slots, ranks, launch):
+    L = max(max(slots) + 1, len(ranks or ()))
+    x, w, b, a, lb, scaling, rank, slot = make(M, K, N, 8, L, dtype, seed=M + K, slots=slots, ranks=ranks)
+    y = gemv_lora(x, w, b, a, lb, scaling, rank, slot, launch=launch)
+    ref = expected(x, w, b, a, lb, scaling, rank, slot)
+    torch.testing.assert_close(y.double(), ref, **TOL[dtype])
+    delta = ref - expected(x, w, b, a, lb, scaling, rank, torch.full_like(slot, -1))
+    assert delta.abs().max() > 0.1, "the case must have a non-trivial delta"
+    if dtype == torch.float32:  # rows without an adapter (or rank 0) get exactly the base
+        none = (slot < 0) | (rank[slot.clamp(min=0)] == 0)
+        base = gemv_lora(x, w, b, a, lb, scaling, rank, torch.full_like(slot, -1), launch=launch)
+        assert torch.equal(y[none], base[none])
+
+
+def test_gemv_lora_refuses_what_it_does_not_take():
+    x, w, b, a, lb, scaling, rank, slot = make(17, 32, 16, 8, 2, torch.float32, seed=1, slots=[0] * 17)
+    with pytest.raises(ValueError, match="at most 16 rows, got 17"):
+        gemv_lora(x, w, b, a, lb, scaling, rank, slot)
+    with pytest.raises(ValueError, match="weight must be \\[N, K=32\\] in x's dtype torch.float32"):
+        gemv_lora(x[:2], w.half(), b, a, lb, scaling, rank, slot[:2])
+    with pytest.raises(ValueError, match="segments need mask_rank=False"):
+        gemv_lora(x[:2], w, b, a, lb, torch.ones(2, 2, device=DEVICE), rank, slot[:2], segments=(16,))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        gemv_lora(x[:2], w, b, a, lb, torch.ones(2, 2, device=DEVICE), rank, slot[:2], mask_rank=False,
+                  segments=(8,))
+
+
+def gemv_config(rows: int):
+    return dataclasses.replace(get_kernel_config(torch.device(DEVICE)), gemv_lora_max_rows=rows)
+
+
+@pytest.mark.parametrize("widths", [(48, 16, 32), (64, 80), (80,)], ids=["qkv", "gate_up", "plain"])
+def test_merged_projections_through_the_op(widths, monkeypatch):
+    # As the model calls it: merged q/k/v (segment edges 48 | 64) or gate/up, rows <= gemv_lora_max_rows.
+    from lorazor_kernels import ops
+
+    calls = []
+    monkeypatch.setattr(ops, "gemv_lora", lambda *args: calls.append(args[0].shape[0]) or gemv_lora(*args))
+    check_merged("exact", widths, M=7, K=72, r=8, L=5, dtype=torch.float32, linear=True, cfg=gemv_config(16))
+    check_merged("exact", widths, M=9, K=72, r=8, L=5, dtype=torch.float32, linear=True, cfg=gemv_config(8))
+    assert calls == [7], "7 rows take one launch, 9 rows past gemv_lora_max_rows=8 the GEMM and the kernels"
+
+
+def test_the_op_keeps_fp8_weights_and_the_backbone_off_this_path(monkeypatch):
+    from lorazor_kernels import ops, quantize_rows
+
+    monkeypatch.setattr(ops, "gemv_lora", lambda *args: pytest.fail("gemv_lora called"))
+    x, w, b, a, lb, scaling, rank, slot = make(3, 64, 32, 8, 2, torch.float32, seed=2, slots=[0, 1, -1])
+    w8, w_scale = quantize_rows(w)
+    meta = build_batch_meta(slot, 2, "exact")
+    y = linear_lora_op(x, w8, b, a, lb, scaling, rank, meta, cfg=gemv_config(16), weight_scale=w_scale)
+    assert y.shape == (3, 32)
+    no_lora = dataclasses.replace(build_batch_meta(torch.full_like(slot, -1), 2, "exact"), has_lora=False)
+    torch.testing.assert_close(linear_lora_op(x, w, b, a, lb, scaling, rank, no_lora, cfg=gemv_config(16)),
+                               torch.nn.functional.linear(x, w, b))
+
+
+def test_model_with_gemv_lora_gives_peft_tokens(tmp_path, monkeypatch):
+    # The model end to end (Triton kernels, interpreter on the CPU): decode steps of 5 rows take the
+    # one-launch path (merged q/k/v and gate/up, a row without an adapter, a padded row); the prefill's
+    # 25 tokens the GEMM and the kernels.
+    from helpers import EOS, PAD, build_pair, make_batch, peft_generate
+    from lorazor import LoRazorConfig
+    from lorazor_kernels import ops
+
+    path = tmp_path / "gemv.json"
+    path.write_text(json.dumps({**dataclasses.asdict(get_kernel_config(torch.device(DEVICE))),
+                                "gemv_lora_max_rows": 8}))
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    calls = []
+    monkeypatch.setattr(ops, "gemv_lora", lambda *args: calls.append(args[0].shape[0]) or gemv_lora(*args))
+    model, oracle = build_pair("llama", LoRazorConfig(backend="triton", grid="exact", cuda_graphs=False))
+    ids, mask = make_batch(5, 5, seed=6, pad_rows=(1,))
+    adapters = ["math", "sql", None, "med", "sql"]
+    ref = peft_generate(oracle, ids, mask, adapters, max_new_tokens=5)
+    out = model.generate(ids, attention_mask=mask, adapter_ids=adapters, max_new_tokens=5, pad_token_id=PAD,
+                         eos_token_id=EOS)
+    assert torch.equal(out.sequences, ref)
+    assert calls and set(calls) == {5}, calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("widths, K", [((3072, 1024, 1024), 3072), ((8192, 8192), 3072), ((3072,), 8192)])
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_gpu_bf16_model_shapes_in_a_graph(widths, K, M):
+    # Llama-3.2-3B's projections at decode sizes, as the model runs them: captured and replayed.
+    check_merged("exact", widths, M=M, K=K, r=8, L=128, dtype=torch.bfloat16, graph=True, linear=True,
+                 cfg=gemv_config(16))
