@@ -126,8 +126,9 @@ def main() -> None:
                          count_ptr="*i32")
     fp32_gemv = {k: ("*fp32" if v == "*bf16" else v) for k, v in gemv_pointers.items()}
     block_n, block_k, warps, stages = GEMV_LAUNCH
-    for pointers, precision, split, mask_rank in ((gemv_pointers, "tf32", False, False),
-                                                  (gemv_pointers, "tf32", True, True), (fp32_gemv, "ieee", True, False)):
+    variants = ((gemv_pointers, "tf32", False, False), (gemv_pointers, "tf32", True, True),
+                (fp32_gemv, "ieee", True, False))
+    for pointers, precision, split, mask_rank in variants:
         compile_sm90(_gemv_lora_kernel, dict(HAS_BIAS=split, MASK_RANK=mask_rank, SPLIT=split,
                                                 DOT_PRECISION=precision, BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=block_n,
                                                 BLOCK_K=block_k, BLOCK_R=16),
