@@ -37,3 +37,16 @@ def peft_generate(oracle, ids, mask, adapter_ids, **gen):
     with torch.no_grad():
         return oracle.generate(input_ids=ids, attention_mask=mask, adapter_names=peft_names(adapter_ids),
                                pad_token_id=PAD, eos_token_id=EOS, do_sample=False, **gen)
+
+
+def assert_model_gives_peft_tokens(config: LoRazorConfig) -> None:
+    """The tiny llama served by `config` generates PEFT's tokens for a mixed batch: three adapters, a row
+    without one, a padded row; 5-token prompts (a 25-token prefill), then 4 decode steps of 5 rows."""
+    model, oracle = build_pair("llama", config)
+    ids, mask = make_batch(5, 5, seed=6, pad_rows=(1,))
+    adapters = ["math", "sql", None, "med", "sql"]
+    ref = peft_generate(oracle, ids, mask, adapters, max_new_tokens=5)
+    out = model.generate(ids, attention_mask=mask, adapter_ids=adapters, max_new_tokens=5, pad_token_id=PAD,
+                         eos_token_id=EOS)
+    assert torch.equal(out.sequences, ref)
+

@@ -49,17 +49,24 @@ def _row_of(tensor, rows, m):
 
 
 @triton.jit
+def _row_adapter(slot_ptr, rank_ptr, m, r_max, MASK_RANK: tl.constexpr):
+    """(slot, rank) of row m: slot -1 for none; rank r_max unless MASK_RANK reads the slot's own."""
+    slot = tl.load(slot_ptr + m).to(tl.int32)
+    rank = r_max
+    if MASK_RANK:
+        rank = tl.load(rank_ptr + tl.maximum(slot, 0))
+    return slot, rank
+
+
+@triton.jit
 def _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_ptr, bias_ptr, y_ptr, seg, r_max,
                    stride_sg, stride_bl, stride_bn, stride_br, stride_y, HAS_BIAS: tl.constexpr,
                    MASK_RANK: tl.constexpr, BLOCK_R: tl.constexpr):
     """y[rows, cols] = acc + bias + per row m with a slot: scaling[seg, s] * u[m] @ B[s, cols, :].T."""
     offs_r = tl.arange(0, BLOCK_R)
     for m in range(0, M):
-        slot = tl.load(slot_ptr + m).to(tl.int32)
+        slot, rank = _row_adapter(slot_ptr, rank_ptr, m, r_max, MASK_RANK)
         if slot >= 0:
-            rank = r_max
-            if MASK_RANK:
-                rank = tl.load(rank_ptr + slot)
             mask_r = offs_r < rank
             b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
                         mask=mask_r[:, None] & (cols < N)[None, :], other=0.0)  # [BR, BN]
@@ -102,11 +109,8 @@ def _gemv_lora_kernel(x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, slot_ptr, rank_ptr, 
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         # The shrink of each row with an adapter, over the same K columns (its A from L2).
         for m in range(0, M):
-            slot = tl.load(slot_ptr + m).to(tl.int32)
+            slot, rank = _row_adapter(slot_ptr, rank_ptr, m, r_max, MASK_RANK)
             if slot >= 0:
-                rank = r_max
-                if MASK_RANK:
-                    rank = tl.load(rank_ptr + slot)
                 a = tl.load(a_ptr + slot.to(tl.int64) * stride_al + (seg * r_max + offs_r)[:, None] * stride_ar
                             + k[None, :] * stride_ak, mask=(offs_r < rank)[:, None] & mask_k[None, :], other=0.0)
                 x_m = tl.load(x_ptr + m * stride_x + k, mask=mask_k, other=0.0)

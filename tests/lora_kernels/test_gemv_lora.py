@@ -100,7 +100,7 @@ def test_model_with_gemv_lora_gives_peft_tokens(tmp_path, monkeypatch):
     # The model end to end (Triton kernels, interpreter on the CPU): decode steps of 5 rows take the
     # one-launch path (merged q/k/v and gate/up, a row without an adapter, a padded row); the prefill's
     # 25 tokens the GEMM and the kernels.
-    from helpers import EOS, PAD, build_pair, make_batch, peft_generate
+    from helpers import assert_model_gives_peft_tokens
     from lorazor import LoRazorConfig
     from lorazor_kernels import ops
 
@@ -110,13 +110,7 @@ def test_model_with_gemv_lora_gives_peft_tokens(tmp_path, monkeypatch):
     monkeypatch.setenv(CONFIG_ENV, str(path))
     calls = []
     monkeypatch.setattr(ops, "gemv_lora", lambda *args: calls.append(args[0].shape[0]) or gemv_lora(*args))
-    model, oracle = build_pair("llama", LoRazorConfig(backend="triton", grid="exact", cuda_graphs=False))
-    ids, mask = make_batch(5, 5, seed=6, pad_rows=(1,))
-    adapters = ["math", "sql", None, "med", "sql"]
-    ref = peft_generate(oracle, ids, mask, adapters, max_new_tokens=5)
-    out = model.generate(ids, attention_mask=mask, adapter_ids=adapters, max_new_tokens=5, pad_token_id=PAD,
-                         eos_token_id=EOS)
-    assert torch.equal(out.sequences, ref)
+    assert_model_gives_peft_tokens(LoRazorConfig(backend="triton", grid="exact", cuda_graphs=False))
     assert calls and set(calls) == {5}, calls
 
 
