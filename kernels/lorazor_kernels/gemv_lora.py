@@ -6,9 +6,10 @@ Semantics (the same as `linear_lora_op`'s):
 
 At a few rows the step is bound by reading W, and the LoRA delta as its own shrink and expand
 launches costs two launches' fixed time per projection for well under 1% of the bytes. Here each
-program streams a block of W's output channels over its share of K (as `fp8.fp8_weight_only` does
-for fp8 weights) and, in the same loop over K, its rows' own adapter A (a few KB from L2); the
-program that finishes a column block multiplies the rows' u by their adapter's B for those columns.
+program streams a block of W's output channels over its share of K (W in the model's dtype, or fp8
+with a scale per output channel, widened in registers as `fp8.fp8_weight_only` does) and, in the
+same loop over K, its rows' own adapter A (a few KB from L2); the program that finishes a column
+block multiplies the rows' u by their adapter's B for those columns.
 So a projection with LoRA is one launch, like one without.
 
 Rows have different adapters, so A and B are read per row (a runtime loop over the rows, at most
@@ -59,10 +60,13 @@ def _row_adapter(slot_ptr, rank_ptr, m, r_max, MASK_RANK: tl.constexpr):
 
 
 @triton.jit
-def _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_ptr, bias_ptr, y_ptr, seg, r_max,
-                   stride_sg, stride_bl, stride_bn, stride_br, stride_y, HAS_BIAS: tl.constexpr,
-                   MASK_RANK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """y[rows, cols] = acc + bias + per row m with a slot: scaling[seg, s] * u[m] @ B[s, cols, :].T."""
+def _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_ptr, scale_ptr, bias_ptr, y_ptr, seg,
+                   r_max, stride_sg, stride_bl, stride_bn, stride_br, stride_y, HAS_SCALE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, MASK_RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[rows, cols] = acc (times fp8 weights' channel scales) + bias + per row m with a slot:
+    scaling[seg, s] * u[m] @ B[s, cols, :].T."""
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
     offs_r = tl.arange(0, BLOCK_R)
     for m in range(0, M):
         slot, rank = _row_adapter(slot_ptr, rank_ptr, m, r_max, MASK_RANK)
@@ -81,10 +85,10 @@ def _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_
 
 
 @triton.jit
-def _gemv_lora_kernel(x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, slot_ptr, rank_ptr, scaling_ptr, y_ptr, part_ptr,
+def _gemv_lora_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, a_ptr, b_ptr, slot_ptr, rank_ptr, scaling_ptr, y_ptr, part_ptr,
                       count_ptr, M, N, K, K_SPLIT, SPLIT_K, r_max, seg_n1, seg_n2, stride_sg,
                       stride_x, stride_w, stride_al, stride_ar, stride_ak, stride_bl, stride_bn, stride_br, stride_y,
-                      HAS_BIAS: tl.constexpr, MASK_RANK: tl.constexpr, SPLIT: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_RANK: tl.constexpr, SPLIT: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     # Program (n, s): BLOCK_N output channels (inside one segment), the s-th K_SPLIT columns of K.
@@ -106,7 +110,7 @@ def _gemv_lora_kernel(x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, slot_ptr, rank_ptr, 
                     other=0.0)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
                     mask=(cols[:, None] < N) & mask_k[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)  # fp8 weights widened here
         # The shrink of each row with an adapter, over the same K columns (its A from L2).
         for m in range(0, M):
             slot, rank = _row_adapter(slot_ptr, rank_ptr, m, r_max, MASK_RANK)
@@ -117,8 +121,9 @@ def _gemv_lora_kernel(x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, slot_ptr, rank_ptr, 
                 u_m = tl.sum(a.to(tl.float32) * x_m.to(a.dtype).to(tl.float32)[None, :], axis=1)  # [BR]
                 u = tl.where(rows[:, None] == m, u + u_m[None, :], u)
     if not SPLIT:
-        _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_ptr, bias_ptr, y_ptr, seg, r_max,
-                       stride_sg, stride_bl, stride_bn, stride_br, stride_y, HAS_BIAS, MASK_RANK, BLOCK_R)
+        _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_ptr, scale_ptr, bias_ptr, y_ptr,
+                       seg, r_max, stride_sg, stride_bl, stride_bn, stride_br, stride_y, HAS_SCALE, HAS_BIAS,
+                       MASK_RANK, BLOCK_R)
     else:
         # As in `fp8._weight_only_kernel`: partials out, the last arrival of the column block sums them.
         width = BLOCK_N + BLOCK_R
@@ -135,8 +140,9 @@ def _gemv_lora_kernel(x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, slot_ptr, rank_ptr, 
                 acc += tl.load(other + rows[:, None] * width + tl.arange(0, BLOCK_N)[None, :], cache_modifier=".cg")
                 u += tl.load(other + rows[:, None] * width + BLOCK_N + offs_r[None, :], cache_modifier=".cg")
             tl.store(count_ptr + pid_n, 0)
-            _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_ptr, bias_ptr, y_ptr, seg,
-                           r_max, stride_sg, stride_bl, stride_bn, stride_br, stride_y, HAS_BIAS, MASK_RANK, BLOCK_R)
+            _lora_epilogue(acc, u, rows, cols, M, N, slot_ptr, rank_ptr, b_ptr, scaling_ptr, scale_ptr, bias_ptr,
+                           y_ptr, seg, r_max, stride_sg, stride_bl, stride_bn, stride_br, stride_y, HAS_SCALE,
+                           HAS_BIAS, MASK_RANK, BLOCK_R)
 
 
 def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device) -> int:
@@ -150,12 +156,13 @@ def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device) -> 
 
 def gemv_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
               lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor,
-              mask_rank: bool = True, segments: tuple[int, ...] = (), launch: tuple[int, ...] | None = None
-              ) -> torch.Tensor:
+              mask_rank: bool = True, segments: tuple[int, ...] = (), launch: tuple[int, ...] | None = None,
+              weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` plus the batched LoRA delta, in one launch, for at most `GEMV_MAX_ROWS` rows.
 
     Args:
-        x: `[M, K]`, M <= `GEMV_MAX_ROWS`; weight `[N, K]` in x's dtype; bias `[N]` or None.
+        x: `[M, K]`, M <= `GEMV_MAX_ROWS`; weight `[N, K]` in x's dtype, or float8_e4m3fn with
+            `weight_scale` `[N]` (one float32 scale per output channel, `fp8.py`); bias `[N]` or None.
         lora_a, lora_b, scaling, lora_rank: as in `add_batched_lora_` (lora_b `[L, N, r_max]`, best
             the bank's `[L, r, N]` storage seen through a transpose); with `segments` lora_a `[L, G *
             r_max, K]` and scaling `[G, L]`.
@@ -171,8 +178,12 @@ def gemv_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     N = weight.shape[0]
     if M > GEMV_MAX_ROWS:
         raise ValueError(f"gemv_lora takes at most {GEMV_MAX_ROWS} rows, got {M}")
-    if weight.dtype != x.dtype or weight.shape[1] != K:
-        raise ValueError(f"weight must be [N, K={K}] in x's dtype {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    fp8 = weight_scale is not None
+    if weight.shape[1] != K or weight.dtype != (torch.float8_e4m3fn if fp8 else x.dtype):
+        raise ValueError(f"weight must be [N, K={K}] in x's dtype {x.dtype} (float8_e4m3fn with weight_scale), got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    if fp8 and tuple(weight_scale.shape) != (N,):
+        raise ValueError(f"weight_scale must be one scale per output channel [{N}], got {tuple(weight_scale.shape)}")
     block_n, block_k, warps, stages, *split = launch or GEMV_LAUNCH
     segments = tuple(segments or ())
     if segments and mask_rank:
@@ -204,10 +215,11 @@ def gemv_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         counters = partials = y  # unused
     seg_args = (*(segments + (N, N))[:2], scaling.stride(0) if segments else 0)
     _gemv_lora_kernel[(column_blocks, split_k)](
-        x, weight, bias if bias is not None else y, lora_a, lora_b, row_slot, lora_rank, scaling, y, partials,
-        counters, M, N, K, k_split, split_k, r_max, *seg_args,
+        x, weight, weight_scale if fp8 else y, bias if bias is not None else y, lora_a, lora_b, row_slot, lora_rank,
+        scaling, y, partials, counters, M, N, K, k_split, split_k, r_max, *seg_args,
         x.stride(0), weight.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0),
-        HAS_BIAS=bias is not None, MASK_RANK=mask_rank, SPLIT=split_k > 1, DOT_PRECISION=_dot_precision(x.dtype),
-        BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=warps, num_stages=stages)
+        HAS_SCALE=fp8, HAS_BIAS=bias is not None, MASK_RANK=mask_rank, SPLIT=split_k > 1,
+        DOT_PRECISION=_dot_precision(x.dtype), BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_R=block_r, num_warps=warps, num_stages=stages)
     return y

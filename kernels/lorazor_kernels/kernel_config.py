@@ -40,8 +40,9 @@ class KernelConfig:
             ones. 0 in every shipped file: on the H100 16 made the batch-1 step with one adapter
             slower (4.79 against 4.16 ms, benchmarks/results/defaults_h100/): a fused launch took
             11.4 us against 2.6 + 3.1 us for the pair it replaces.
-        gemv_lora_max_rows: in the model's op (`linear_lora_op`, bf16/fp16/fp32 weights), a product of
-            at most this many rows (<= 16) runs the base GEMM and its LoRA delta as one launch
+        gemv_lora_max_rows: in the model's op (`linear_lora_op`; weights in the model's dtype, or fp8
+            with per-channel scales), a product of at most this many rows (<= 16) runs the base GEMM
+            and its LoRA delta as one launch
             (`gemv_lora.py`: the program that streams W's columns also streams its rows' A over the
             same K and adds u @ B); 0: never (the GEMM, then shrink and expand). Not measured on a
             GPU yet: 0 in every shipped file.

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .fp8 import fp8_linear, fp8_linear_op
+from .fp8 import fp8_linear, fp8_linear_op, scaled_mm_available
 from .gemv_lora import GEMV_MAX_ROWS, gemv_lora
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
@@ -115,15 +115,24 @@ def _linear_lora(
     cfg = None
     if backend == "triton":
         cfg = _CONFIGS[config_key] if config_key else get_kernel_config(x.device)
-    if (weight_scale is None and cfg is not None and x.shape[0] <= min(cfg.gemv_lora_max_rows, GEMV_MAX_ROWS)
-            and weight.dtype == x.dtype):
-        return gemv_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, mask_rank, tuple(segments))
+    if cfg is not None and x.shape[0] <= min(cfg.gemv_lora_max_rows, GEMV_MAX_ROWS) and _gemv_takes(x, weight,
+                                                                                                weight_scale):
+        return gemv_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, mask_rank, tuple(segments),
+                         weight_scale=weight_scale)
     # fp8 base weights take their own GEMM (`base_linear`), then the delta added.
     if weight_scale is None and cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None:
         return _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
     y = base_linear(x, weight, bias, weight_scale)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank=mask_rank,
                              segments=segments or None)
+
+
+def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
+    """Whether `gemv_lora` serves this layer: weights in x's dtype, or fp8 with per-channel scales where
+    Triton widens float8_e4m3fn (the GPUs with fp8 units; the interpreter on the CPU)."""
+    if weight_scale is None:
+        return weight.dtype == x.dtype
+    return weight_scale.dim() == 1 and (not x.is_cuda or scaled_mm_available(x.device))
 
 
 # The registered op: torch.compile needs it (an opaque node in the graph); eager callers skip its

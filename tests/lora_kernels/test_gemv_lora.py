@@ -53,6 +53,20 @@ def test_gemv_lora_is_the_gemm_plus_the_delta(dtype, M, K, N, slots, ranks, laun
         assert torch.equal(y[none], base[none])
 
 
+@pytest.mark.parametrize("launch", [None, (16, 32, 4, 1, 3)], ids=["whole_k", "split_k"])
+def test_fp8_weights_with_channel_scales(launch):
+    # fp8 weights widened in registers, each output channel's scale on the finished sums, then the LoRA.
+    from lorazor_kernels import dequantize, quantize_rows
+
+    x, w, b, a, lb, scaling, rank, slot = make(3, 96, 48, 8, 3, torch.float32, seed=5, slots=[1, -1, 2])
+    w8, w_scale = quantize_rows(w)
+    y = gemv_lora(x, w8, b, a, lb, scaling, rank, slot, launch=launch, weight_scale=w_scale)
+    ref = expected(x, dequantize(w8, w_scale, torch.float32), b, a, lb, scaling, rank, slot)
+    torch.testing.assert_close(y.double(), ref, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="weight_scale must be one scale per output channel \\[48\\], got \\(1, 1\\)"):
+        gemv_lora(x, w8, b, a, lb, scaling, rank, slot, weight_scale=torch.ones(1, 1, device=DEVICE))
+
+
 def test_gemv_lora_refuses_what_it_does_not_take():
     x, w, b, a, lb, scaling, rank, slot = make(17, 32, 16, 8, 2, torch.float32, seed=1, slots=[0] * 17)
     with pytest.raises(ValueError, match="at most 16 rows, got 17"):
@@ -76,24 +90,30 @@ def test_merged_projections_through_the_op(widths, monkeypatch):
     from lorazor_kernels import ops
 
     calls = []
-    monkeypatch.setattr(ops, "gemv_lora", lambda *args: calls.append(args[0].shape[0]) or gemv_lora(*args))
+    monkeypatch.setattr(ops, "gemv_lora", lambda *args, **kw: calls.append(args[0].shape[0]) or gemv_lora(*args, **kw))
     check_merged("exact", widths, M=7, K=72, r=8, L=5, dtype=torch.float32, linear=True, cfg=gemv_config(16))
     check_merged("exact", widths, M=9, K=72, r=8, L=5, dtype=torch.float32, linear=True, cfg=gemv_config(8))
     assert calls == [7], "7 rows take one launch, 9 rows past gemv_lora_max_rows=8 the GEMM and the kernels"
 
 
-def test_the_op_keeps_fp8_weights_and_the_backbone_off_this_path(monkeypatch):
-    from lorazor_kernels import ops, quantize_rows
+def test_the_op_takes_channel_scaled_fp8_and_keeps_block_scales_and_the_backbone_off(monkeypatch):
+    from lorazor_kernels import dequantize, ops, quantize_rows
 
-    monkeypatch.setattr(ops, "gemv_lora", lambda *args: pytest.fail("gemv_lora called"))
-    x, w, b, a, lb, scaling, rank, slot = make(3, 64, 32, 8, 2, torch.float32, seed=2, slots=[0, 1, -1])
-    w8, w_scale = quantize_rows(w)
+    calls = []
+    monkeypatch.setattr(ops, "gemv_lora", lambda *args, **kw: calls.append(1) or gemv_lora(*args, **kw))
+    x, w, b, a, lb, scaling, rank, slot = make(3, 256, 256, 8, 2, torch.float32, seed=2, slots=[0, 1, -1])
     meta = build_batch_meta(slot, 2, "exact")
-    y = linear_lora_op(x, w8, b, a, lb, scaling, rank, meta, cfg=gemv_config(16), weight_scale=w_scale)
-    assert y.shape == (3, 32)
+    w8, w_scale = quantize_rows(w)
+    for scale in (w_scale, w_scale.amax().reshape(1, 1).expand(2, 2).contiguous()):  # per channel, 128x128 blocks
+        y = linear_lora_op(x, w8, b, a, lb, scaling, rank, meta, cfg=gemv_config(16), weight_scale=scale)
+        ref = expected(x, dequantize(w8, scale, torch.float32), b, a, lb, scaling, rank, slot)
+        torch.testing.assert_close(y.double(), ref, **TOL[torch.float32])
+    assert calls == [1], "channel scales take the one launch, block scales the fp8 GEMM and the kernels"
+    calls.clear()
     no_lora = dataclasses.replace(build_batch_meta(torch.full_like(slot, -1), 2, "exact"), has_lora=False)
     torch.testing.assert_close(linear_lora_op(x, w, b, a, lb, scaling, rank, no_lora, cfg=gemv_config(16)),
                                torch.nn.functional.linear(x, w, b))
+    assert not calls
 
 
 def test_model_with_gemv_lora_gives_peft_tokens(tmp_path, monkeypatch):
@@ -109,7 +129,7 @@ def test_model_with_gemv_lora_gives_peft_tokens(tmp_path, monkeypatch):
                                 "gemv_lora_max_rows": 8}))
     monkeypatch.setenv(CONFIG_ENV, str(path))
     calls = []
-    monkeypatch.setattr(ops, "gemv_lora", lambda *args: calls.append(args[0].shape[0]) or gemv_lora(*args))
+    monkeypatch.setattr(ops, "gemv_lora", lambda *args, **kw: calls.append(args[0].shape[0]) or gemv_lora(*args, **kw))
     assert_model_gives_peft_tokens(LoRazorConfig(backend="triton", grid="exact", cuda_graphs=False))
     assert calls and set(calls) == {5}, calls
 
@@ -121,3 +141,19 @@ def test_gpu_bf16_model_shapes_in_a_graph(widths, K, M):
     # Llama-3.2-3B's projections at decode sizes, as the model runs them: captured and replayed.
     check_merged("exact", widths, M=M, K=K, r=8, L=128, dtype=torch.bfloat16, graph=True, linear=True,
                  cfg=gemv_config(16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K", [(5120, 3072), (3072, 8192)])
+@pytest.mark.parametrize("M", [1, 16])
+def test_gpu_fp8_weights_at_model_shapes(N, K, M):
+    # bf16 activations over fp8 weights with channel scales (an fp8 base's decode step), 128 slots.
+    from lorazor_kernels import dequantize, quantize_rows
+
+    slots = [(7 * i) % 128 if i % 3 else -1 for i in range(M)] if M > 1 else [5]
+    x, w, b, a, lb, scaling, rank, slot = make(M, K, N, 8, 128, torch.bfloat16, seed=N + M, slots=slots, bias=False)
+    w8, w_scale = quantize_rows(w)
+    y = gemv_lora(x, w8, None, a, lb, scaling, rank, slot, weight_scale=w_scale)
+    ref = expected(x, dequantize(w8, w_scale, torch.bfloat16), None, a, lb, scaling, rank, slot)
+    torch.testing.assert_close(y.double(), ref, **TOL[torch.bfloat16])
+
