@@ -50,3 +50,17 @@ def assert_model_gives_peft_tokens(config: LoRazorConfig) -> None:
                          eos_token_id=EOS)
     assert torch.equal(out.sequences, ref)
 
+
+def use_kernel_config(tmp_path, monkeypatch, **changes) -> None:
+    """Serve this test with the device's kernel config plus `changes`, through the file the environment
+    names (as the model's layers read it)."""
+    import dataclasses
+    import json
+
+    from lorazor_kernels import get_kernel_config
+    from lorazor_kernels.kernel_config import CONFIG_ENV
+
+    path = tmp_path / "kernel_config.json"
+    path.write_text(json.dumps({**dataclasses.asdict(get_kernel_config(torch.device(DEVICE))), **changes}))
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+

@@ -3,13 +3,11 @@ delta: mixed slots (none, ranks below the bank's), bias, split K, merged project
 and the model end to end (`KernelConfig.gemv_lora_max_rows`)."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
 from conftest import DEVICE, KERNEL_DTYPES, TOL
 from lorazor_kernels import build_batch_meta, gemv_lora, get_kernel_config, linear_lora_op, lora_delta_reference
-from lorazor_kernels.kernel_config import CONFIG_ENV
 from test_kernels import check_merged
 
 
@@ -120,14 +118,11 @@ def test_model_with_gemv_lora_gives_peft_tokens(tmp_path, monkeypatch):
     # The model end to end (Triton kernels, interpreter on the CPU): decode steps of 5 rows take the
     # one-launch path (merged q/k/v and gate/up, a row without an adapter, a padded row); the prefill's
     # 25 tokens the GEMM and the kernels.
-    from helpers import assert_model_gives_peft_tokens
+    from helpers import assert_model_gives_peft_tokens, use_kernel_config
     from lorazor import LoRazorConfig
     from lorazor_kernels import ops
 
-    path = tmp_path / "gemv.json"
-    path.write_text(json.dumps({**dataclasses.asdict(get_kernel_config(torch.device(DEVICE))),
-                                "gemv_lora_max_rows": 8}))
-    monkeypatch.setenv(CONFIG_ENV, str(path))
+    use_kernel_config(tmp_path, monkeypatch, gemv_lora_max_rows=8)
     calls = []
     monkeypatch.setattr(ops, "gemv_lora", lambda *args, **kw: calls.append(args[0].shape[0]) or gemv_lora(*args, **kw))
     assert_model_gives_peft_tokens(LoRazorConfig(backend="triton", grid="exact", cuda_graphs=False))

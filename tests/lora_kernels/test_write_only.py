@@ -2,7 +2,6 @@
 against the reference: every row overwritten, rows without a slot or rank exactly zero."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -15,16 +14,14 @@ from lorazor_kernels import (
     lora_fused,
     lora_shrink,
 )
-from lorazor_kernels.kernel_config import CONFIG_ENV
+from helpers import use_kernel_config
 from test_kernels import check_merged, make_case
 
 
 @pytest.fixture
 def gemm_adds_lora(tmp_path, monkeypatch):
     """The device's kernel config with `gemm_adds_lora` on, through the environment (as the model reads it)."""
-    path = tmp_path / "gemm_adds_lora.json"
-    path.write_text(json.dumps({**dataclasses.asdict(get_kernel_config(torch.device(DEVICE))), "gemm_adds_lora": True}))
-    monkeypatch.setenv(CONFIG_ENV, str(path))
+    use_kernel_config(tmp_path, monkeypatch, gemm_adds_lora=True)
     from lorazor_kernels import ops
 
     calls = []
