@@ -161,15 +161,19 @@ def gemv_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     """`x @ weight.T + bias` plus the batched LoRA delta, in one launch, for at most `GEMV_MAX_ROWS` rows.
 
     Args:
-        x: `[M, K]`, M <= `GEMV_MAX_ROWS`; weight `[N, K]` in x's dtype, or float8_e4m3fn with
-            `weight_scale` `[N]` (one float32 scale per output channel, `fp8.py`); bias `[N]` or None.
-        lora_a, lora_b, scaling, lora_rank: as in `add_batched_lora_` (lora_b `[L, N, r_max]`, best
-            the bank's `[L, r, N]` storage seen through a transpose); with `segments` lora_a `[L, G *
-            r_max, K]` and scaling `[G, L]`.
+        x: `[M, K]`, M <= `GEMV_MAX_ROWS`.
+        weight: `[N, K]` in x's dtype, or float8_e4m3fn with `weight_scale`.
+        bias: `[N]` or None.
+        lora_a: `[L, r_max, K]` (with `segments`, `[L, G * r_max, K]`).
+        lora_b: `[L, N, r_max]`, best the bank's `[L, r, N]` storage seen through a transpose.
+        scaling: `[L]` (with `segments`, `[G, L]`).
+        lora_rank: `[L]` int32 real rank per slot.
         row_slot: `[M]` slot per row, -1 for none.
         mask_rank: read each slot's rank and mask past it (False: zeros past each rank, as the bank stores them).
         segments: merged projections' inner column edges (see `lora_expand`), multiples of 16.
         launch: (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) for probes; None: `GEMV_LAUNCH`.
+        weight_scale: fp8 weights' float32 scales, one per output channel `[N]` (`fp8.py`); None for
+            weights in x's dtype.
 
     Returns:
         `[M, N]` in x's dtype.
