@@ -50,6 +50,8 @@
 #                    then bench_engine.py's mixed trace (LoRazor, backbone; compiled, defaults), bf16 then fp8 (req/s)
 #   step-configs     probes/step_roofline.py --defaults, decode rows ($CONFIG_ROWS, default batch 1 and 256, backbone and 128
 #                    adapters) once per kernel config file of $KERNEL_CONFIGS (one process each; "default": the GPU's own)
+#   gemv-ab          the same for the GPU's own file and that file with gemv_lora_max_rows 16 (rows $GEMV_ROWS, default
+#                    1 backbone, 1, 4 and 16 with adapters), then tests/lora_kernels/test_gemv_lora.py
 #   engine-defaults  issue #54's bench: bench_engine.py's mixed trace at the defaults, LoRazor and backbone, the old eager
 #                    default then the compiled default (one process each; the decode-heavy trace: engine-decode-heavy)
 #   cold-adapters    bench_cold_adapters.py: TTFT of requests whose adapter was on disk, in host memory or in a slot,
@@ -107,6 +109,14 @@ engine_runs() {  # "mode seqs tokens skip seconds [name [VAR=value ...] [bench_e
       --max-num-batched-tokens "$tokens" --tag "_$name" "${args[@]}" > "$W/engine_$name.log" 2>&1
     tar czf "$TGZ" -C "$W" .
   done
+}
+step_with_config() {  # $1: a kernel config file ("default": this GPU's own), $2: decode rows; one step_roofline process
+  local cfg=$1 name
+  name=$(basename "$cfg" .json)
+  env $([ "$cfg" != default ] && echo LORAZOR_KERNEL_CONFIG=$cfg) timeout ${CONFIG_STEP_S:-200} \
+    python3 benchmarks/probes/step_roofline.py --defaults --compile auto --modes async --phases floors,decode \
+    --decode-rows "$2" --out "$W" --tag "_cfg_$name" > "$W/step_cfg_$name.log" 2>&1
+  tar czf "$TGZ" -C "$W" .
 }
 for step in "$@"; do
   start=$(date +%s)
@@ -241,13 +251,19 @@ PY
     step-configs) # the decode step at the defaults (compiled, Llama-3.2-3B shape, 128 adapters) once per kernel config file
              # of $KERNEL_CONFIGS (paths; "default": this GPU's own file), one process each, in order
              for cfg in ${KERNEL_CONFIGS:-default}; do
-               name=$(basename "$cfg" .json)
-               env $([ "$cfg" != default ] && echo LORAZOR_KERNEL_CONFIG=$cfg) timeout ${CONFIG_STEP_S:-200} \
-                 python3 benchmarks/probes/step_roofline.py --defaults --compile auto --modes async --phases floors,decode \
-                 --decode-rows ${CONFIG_ROWS:-1:backbone,1:lora,256:backbone,256:lora} --out "$W" --tag "_cfg_$name" \
-                 > "$W/step_cfg_$name.log" 2>&1
-               tar czf "$TGZ" -C "$W" .
+               step_with_config "$cfg" "${CONFIG_ROWS:-1:backbone,1:lora,256:backbone,256:lora}"
              done ;;
+    gemv-ab) # KernelConfig.gemv_lora_max_rows: this GPU's own file, then the same file with it at 16 (a few rows' GEMM
+             # and LoRA in one launch), decode rows $GEMV_ROWS; then gemv_lora's tests (its GPU tests included)
+             own=$(python3 -c "import torch; from lorazor_kernels.kernel_config import kernel_config_path as p
+print(p(torch.device('cuda')))")
+             python3 -c "import json, sys; d = json.load(open(sys.argv[1])); d['gemv_lora_max_rows'] = 16
+json.dump(d, open(sys.argv[2], 'w'))" "$own" "$W/gemv16.json"
+             for cfg in default "$W/gemv16.json"; do
+               step_with_config "$cfg" "${GEMV_ROWS:-1:backbone,1:lora,4:lora,16:lora}"
+             done
+             timeout 240 python3 -m pytest tests/lora_kernels/test_gemv_lora.py -q -p no:cacheprovider \
+               > "$W/tests_gemv.log" 2>&1 ;;
     engine-defaults) engine_runs "eager 512 4096 exact ${DEFAULTS_ENGINE_S:-240} defaults_eager;
                           compiled 512 4096 exact ${DEFAULTS_ENGINE_S:-240} defaults_compiled" ;;
     cold-adapters) # issue #56: 1,000 adapters on disk, 32 slots, 128 host copies, Zipf(1.1), open loop; then all resident
