@@ -210,6 +210,27 @@ def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device, pro
     return min(triton.cdiv(programs_per_sm * sms, column_blocks), triton.cdiv(K, block_k))
 
 
+def plan_split_k(column_blocks: int, K: int, block_k: int, device: torch.device, programs_per_sm: int,
+                 forced: int = 0) -> tuple[int, int]:
+    """(splits, K columns per split) of a few rows' weight-streaming GEMM (this file's weight-only kernel,
+    `gemv_lora`): `forced` splits if > 0, else `_split_k`'s; each split whole BLOCK_Ks, so rounding can
+    leave fewer splits than asked."""
+    split_k = forced or _split_k(column_blocks, K, block_k, device, programs_per_sm)
+    k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    return triton.cdiv(K, k_split), k_split
+
+
+def arrival_counters(device: torch.device, column_blocks: int, who: str) -> torch.Tensor:
+    """The split-K arrival counters on `device` (one per column block, zeroed once, left zeroed by
+    every launch); refuses more column blocks than they hold, naming `who` and the count."""
+    if column_blocks > _MAX_COLUMN_BLOCKS:
+        raise ValueError(f"{who} splits K for at most {_MAX_COLUMN_BLOCKS} column blocks, got {column_blocks}")
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        counters = _COUNTERS[device] = torch.zeros(_MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
+    return counters
+
+
 def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                     launch: tuple[int, ...] | None = None) -> torch.Tensor:
     """`fp8_linear` with x unquantized, in one kernel launch: for a few rows (at most
@@ -243,17 +264,10 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         if SCALE_BLOCK % block_k:
             raise ValueError(f"a block-scaled fp8 GEMM needs BLOCK_K dividing {SCALE_BLOCK}, got {block_k}")
     column_blocks = triton.cdiv(N, block_n)
-    split_k = split[0] if split and split[0] else _split_k(column_blocks, K, block_k, x.device,
-                                                           config.fp8_programs_per_sm)
-    k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole BLOCK_Ks per split
-    split_k = triton.cdiv(K, k_split)
+    split_k, k_split = plan_split_k(column_blocks, K, block_k, x.device, config.fp8_programs_per_sm,
+                                    split[0] if split else 0)
     if split_k > 1:
-        if column_blocks > _MAX_COLUMN_BLOCKS:
-            raise ValueError(f"fp8_weight_only splits K for at most {_MAX_COLUMN_BLOCKS} column blocks, "
-                             f"got {column_blocks}")
-        counters = _COUNTERS.get(x.device)
-        if counters is None:
-            counters = _COUNTERS[x.device] = torch.zeros(_MAX_COLUMN_BLOCKS, dtype=torch.int32, device=x.device)
+        counters = arrival_counters(x.device, column_blocks, "fp8_weight_only")
         partials = torch.empty(split_k * column_blocks * block_m * block_n, dtype=torch.float32, device=x.device)
     else:
         counters = partials = scale  # unused

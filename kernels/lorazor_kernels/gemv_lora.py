@@ -17,10 +17,10 @@ Rows have different adapters, so A and B are read per row (a runtime loop over t
 gate/up) pass `segments` as `lora_expand` does: segment g uses A's rows `[g * r_max, (g + 1) * r_max)`,
 B's columns of the segment and `scaling[g]`.
 
-Split K: a launch with fewer column blocks than the GPU has multiprocessors splits K; each program
-writes its partial sums (of x @ W.T and of u) and the last of a column block's programs to finish adds
-them up, applies the LoRA and writes y (an arrival counter per column block, left zeroed for the next
-launch).
+Split K, as `fp8.fp8_weight_only` does (and with its plan and arrival counters): a launch with fewer
+column blocks than the GPU has multiprocessors splits K; each program writes its partial sums (of
+x @ W.T and of u) and the last of a column block's programs to finish adds them up, applies the LoRA
+and writes y.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import arrival_counters, plan_split_k
 from .lora_kernels import padded_rank
-from .lora_launch import _cuda_index, _dot_precision, _sm_count
+from .lora_launch import _dot_precision
 
 # The most rows this path takes (its dot tile is this tall; rows past M are masked).
 GEMV_MAX_ROWS = 16
@@ -38,9 +39,6 @@ GEMV_MAX_ROWS = 16
 GEMV_LAUNCH = (32, 256, 4, 3)
 # Programs per multiprocessor a launch aims for when it splits K.
 GEMV_PROGRAMS_PER_SM = 3
-_MAX_COLUMN_BLOCKS = 4096
-# Arrival counters of split-K launches, per device, zeroed once (each launch leaves them zeroed).
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -145,15 +143,6 @@ def _gemv_lora_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, a_ptr, b_ptr, slot_ptr,
                            HAS_BIAS, MASK_RANK, BLOCK_R)
 
 
-def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device) -> int:
-    """Splits of K: none if the column blocks fill the multiprocessors, else about
-    `GEMV_PROGRAMS_PER_SM` programs per multiprocessor, at most one BLOCK_K per split."""
-    sms = _sm_count(_cuda_index(device)) if device.type == "cuda" else 1
-    if column_blocks >= sms:
-        return 1
-    return min(triton.cdiv(GEMV_PROGRAMS_PER_SM * sms, column_blocks), triton.cdiv(K, block_k))
-
-
 def gemv_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
               lora_b: torch.Tensor, scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor,
               mask_rank: bool = True, segments: tuple[int, ...] = (), launch: tuple[int, ...] | None = None,
@@ -203,16 +192,11 @@ def gemv_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     column_blocks = triton.cdiv(N, block_n)
-    split_k = split[0] if split and split[0] else _split_k(column_blocks, K, block_k, x.device)
-    k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k  # whole BLOCK_Ks per split
-    split_k = triton.cdiv(K, k_split)
+    split_k, k_split = plan_split_k(column_blocks, K, block_k, x.device, GEMV_PROGRAMS_PER_SM,
+                                    split[0] if split else 0)
     block_r = padded_rank(r_max)
     if split_k > 1:
-        if column_blocks > _MAX_COLUMN_BLOCKS:
-            raise ValueError(f"gemv_lora splits K for at most {_MAX_COLUMN_BLOCKS} column blocks, got {column_blocks}")
-        counters = _COUNTERS.get(x.device)
-        if counters is None:
-            counters = _COUNTERS[x.device] = torch.zeros(_MAX_COLUMN_BLOCKS, dtype=torch.int32, device=x.device)
+        counters = arrival_counters(x.device, column_blocks, "gemv_lora")
         partials = torch.empty(split_k * column_blocks * GEMV_MAX_ROWS * (block_n + block_r), dtype=torch.float32,
                                device=x.device)
     else:
