@@ -35,11 +35,6 @@ class KernelConfig:
         fused: run shrink and expand as one kernel (`lora_fused`) instead of two. Off on the H200
             and the H100: measured slower there (benchmarks/results/kernels.md, defaults_h100/), the
             split-K shrink keeps more loads in flight.
-        fused_max_rows: with `fused` off, a product of at most this many rows still runs fused (0:
-            never): one launch per projection for small decode steps, shrink + expand for larger
-            ones. 0 in every shipped file: on the H100 16 made the batch-1 step with one adapter
-            slower (4.79 against 4.16 ms, benchmarks/results/defaults_h100/): a fused launch took
-            11.4 us against 2.6 + 3.1 us for the pair it replaces.
         gemv_lora_max_rows: in the model's op (`linear_lora_op`; weights in the model's dtype, or fp8
             with per-channel scales), a product of at most this many rows (<= 16) runs the base GEMM
             and its LoRA delta as one launch
@@ -92,7 +87,6 @@ class KernelConfig:
     expand_num_warps: int = 4
     expand_num_stages: int = 2
     fused: bool = False
-    fused_max_rows: int = 0
     gemv_lora_max_rows: int = 0
     fused_block_k: int = 256
     fused_block_n: int = 128

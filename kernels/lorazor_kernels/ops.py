@@ -75,9 +75,9 @@ def add_batched_lora_(
 
 
 def _triton_delta(y, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, write_only=False):
-    """The delta into y by the Triton kernels, fused (`cfg.fused`, or at most `cfg.fused_max_rows`
-    rows) or shrink + expand: added, or with `write_only` written over it."""
-    if cfg.fused or x.shape[0] <= cfg.fused_max_rows:
+    """The delta into y by the Triton kernels, fused (`cfg.fused`) or shrink + expand: added, or with
+    `write_only` written over it."""
+    if cfg.fused:
         return lora_fused(x, lora_a, lora_b, scaling, lora_rank, y, meta, cfg, mask_rank, segments=segments or None,
                           write_only=write_only)
     u = lora_shrink(x, lora_a, lora_rank, meta, cfg, mask_rank)
@@ -242,5 +242,5 @@ def batched_lora(
     meta = build_batch_meta(row_slot, lora_a.shape[0], grid, block_m)
     cfg = get_kernel_config(x.device)
     if fused is not None:
-        cfg = dataclasses.replace(cfg, fused=fused, fused_max_rows=0)
+        cfg = dataclasses.replace(cfg, fused=fused)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, rank, meta, backend, cfg, mask_rank)

@@ -60,18 +60,18 @@ def test_write_only_needs_the_exact_grid():
         lora_fused(x, a, b, s, rank, torch.empty(12, 16, device=DEVICE), meta, write_only=True)
 
 
-@pytest.mark.parametrize("rows, fused_calls", [(5, 1), (37, 0)])
-def test_gemm_adds_lora_fused_up_to_fused_max_rows(gemm_adds_lora, monkeypatch, rows, fused_calls):
-    # `fused_max_rows`: a product of a few rows takes one fused launch (write-only, then the GEMM adds
-    # x @ W.T); a larger one shrink + expand. Both are the GEMM plus the delta.
+@pytest.mark.parametrize("fused, fused_calls", [(True, 1), (False, 0)])
+def test_gemm_adds_lora_with_the_fused_kernel(gemm_adds_lora, monkeypatch, fused, fused_calls):
+    # With `fused`, the delta is one fused launch (write-only, then the GEMM adds x @ W.T); without,
+    # shrink + expand. Both are the GEMM plus the delta, merged q/k/v included.
     from lorazor_kernels import lora_launch, ops
 
     calls = []
     real = lora_launch.lora_fused
     monkeypatch.setattr(ops, "lora_fused", lambda *args, **kw: calls.append(kw["write_only"]) or real(*args, **kw))
-    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), gemm_adds_lora=True, fused=False,
-                              fused_max_rows=16, fused_block_n=16)
-    check_merged("exact", (48, 16, 32), M=rows, K=72, r=8, L=5, dtype=torch.float32, linear=True, cfg=cfg)
+    cfg = dataclasses.replace(get_kernel_config(torch.device(DEVICE)), gemm_adds_lora=True, fused=fused,
+                              fused_block_n=16)
+    check_merged("exact", (48, 16, 32), M=5, K=72, r=8, L=5, dtype=torch.float32, linear=True, cfg=cfg)
     assert calls == [True] * fused_calls and gemm_adds_lora
 
 
