@@ -30,11 +30,10 @@ import triton
 import triton.language as tl
 
 from .fp8 import arrival_counters, plan_split_k
+from .kernel_config import GEMV_MAX_ROWS  # rows past M in its tile are masked
 from .lora_kernels import padded_rank
 from .lora_launch import _dot_precision
 
-# The most rows this path takes (its dot tile is this tall; rows past M are masked).
-GEMV_MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): the launch, unless a probe passes its own.
 GEMV_LAUNCH = (32, 256, 4, 3)
 # Programs per multiprocessor a launch aims for when it splits K.

@@ -13,6 +13,8 @@ import torch
 CONFIG_DIR = Path(__file__).parent / "configs"
 # A JSON file that replaces the per-GPU file, e.g. to try launch parameters without editing the package.
 CONFIG_ENV = "LORAZOR_KERNEL_CONFIG"
+# The most rows `gemv_lora` takes (its dot tile is this tall), so the largest `gemv_lora_max_rows`.
+GEMV_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,11 @@ class KernelConfig:
     fp8_num_warps: int = 4
     fp8_num_stages: int = 3
     fp8_programs_per_sm: int = 3
+
+    def __post_init__(self):
+        if not 0 <= self.gemv_lora_max_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"gemv_lora_max_rows must be 0 (off) to {GEMV_MAX_ROWS} (gemv_lora's most rows), got "
+                             f"{self.gemv_lora_max_rows}")
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -13,7 +13,7 @@ import os
 import torch
 
 from .fp8 import fp8_linear, fp8_linear_op, scaled_mm_available
-from .gemv_lora import GEMV_MAX_ROWS, gemv_lora
+from .gemv_lora import gemv_lora
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
@@ -115,8 +115,7 @@ def _linear_lora(
     cfg = None
     if backend == "triton":
         cfg = _CONFIGS[config_key] if config_key else get_kernel_config(x.device)
-    if cfg is not None and x.shape[0] <= min(cfg.gemv_lora_max_rows, GEMV_MAX_ROWS) and _gemv_takes(x, weight,
-                                                                                                weight_scale):
+    if cfg is not None and x.shape[0] <= cfg.gemv_lora_max_rows and _gemv_takes(x, weight, weight_scale):
         return gemv_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, mask_rank, tuple(segments),
                          weight_scale=weight_scale)
     # fp8 base weights take their own GEMM (`base_linear`), then the delta added.

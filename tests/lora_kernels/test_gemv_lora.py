@@ -78,6 +78,15 @@ def test_gemv_lora_refuses_what_it_does_not_take():
                   segments=(8,))
 
 
+def test_a_gemv_row_limit_past_the_kernel_is_refused_naming_it():
+    from lorazor_kernels import KernelConfig
+
+    with pytest.raises(ValueError, match="gemv_lora_max_rows must be 0 \\(off\\) to 16 .*got 17"):
+        KernelConfig(gemv_lora_max_rows=17)
+    with pytest.raises(ValueError, match="got -1"):
+        dataclasses.replace(KernelConfig(), gemv_lora_max_rows=-1)
+
+
 def gemv_config(rows: int):
     return dataclasses.replace(get_kernel_config(torch.device(DEVICE)), gemv_lora_max_rows=rows)
 
