@@ -23,7 +23,7 @@ from .expert_fp8 import expert_grouped_fp8, quantize_experts
 from .expert_gemv import DECODE_PAIRS, expert_gemv, expert_gemv_reference
 from .expert_lora import expert_lora, expert_lora_reference
 from .fp8 import dequantize, fp8_linear, fp8_linear_reference, quantize_rows
-from .gemv_lora import gemv_lora
+from .gemv_lora import gemv_linear, gemv_lora
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound, slot_bound_class
@@ -59,6 +59,7 @@ __all__ = [
     "fill_pending_reference",
     "fp8_linear",
     "fp8_linear_reference",
+    "gemv_linear",
     "gemv_lora",
     "get_kernel_config",
     "linear_lora_op",

@@ -3,6 +3,7 @@ delta: mixed slots (none, ranks below the bank's), bias, split K, merged project
 and the model end to end (`KernelConfig.gemv_lora_max_rows`)."""
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -161,3 +162,126 @@ def test_gpu_fp8_weights_at_model_shapes(N, K, M):
     ref = expected(x, dequantize(w8, w_scale, torch.bfloat16), None, a, lb, scaling, rank, slot)
     torch.testing.assert_close(y.double(), ref, **TOL[torch.bfloat16])
 
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("M, K, N, launch, bias", [
+    (1, 96, 48, None, True),                 # one row, whole K
+    (5, 300, 70, (32, 64, 4, 1), False),     # odd K and N
+    (16, 260, 40, (16, 32, 4, 1, 3), True),  # the most rows, K split three ways
+])
+def test_gemv_linear_is_the_gemm(dtype, M, K, N, launch, bias):
+    # The kernel without its adapter work: a backbone product of a few rows.
+    from lorazor_kernels import gemv_linear
+
+    x, w, b, *_ = make(M, K, N, 8, 1, dtype, seed=K, slots=[-1] * M, bias=bias)
+    y = gemv_linear(x, w, b, launch=launch)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    torch.testing.assert_close(y.double(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("launch", [None, (16, 32, 4, 1, 3)], ids=["whole_k", "split_k"])
+def test_gemv_linear_fp8_weights(launch):
+    from lorazor_kernels import dequantize, gemv_linear, quantize_rows
+
+    x, w, b, *_ = make(3, 96, 48, 8, 1, torch.float32, seed=9, slots=[-1] * 3)
+    w8, w_scale = quantize_rows(w)
+    ref = x.double() @ dequantize(w8, w_scale, torch.float32).double().T + b.double()
+    torch.testing.assert_close(gemv_linear(x, w8, b, w_scale, launch=launch).double(), ref, **TOL[torch.float32])
+
+
+def test_base_linear_takes_gemv_up_to_its_rows(tmp_path, monkeypatch):
+    # `KernelConfig.gemv_max_rows`: a base product of that many rows or fewer (any leading shape) takes
+    # the one kernel, more rows the plain GEMM; fp8 with channel scales too, block scales never.
+    from helpers import use_kernel_config
+    from lorazor_kernels import base_linear, dequantize, gemv_linear, ops, quantize_rows
+
+    use_kernel_config(tmp_path, monkeypatch, gemv_max_rows=8)
+    calls = []
+    monkeypatch.setattr(ops, "_gemv_linear", lambda x, *a: calls.append(x.shape[0]) or gemv_linear(x, *a))
+    x, w, b, *_ = make(9, 256, 256, 8, 1, torch.float32, seed=4, slots=[-1] * 9)
+    for rows in (x[:8].view(2, 4, 256), x):
+        ref = torch.nn.functional.linear(rows, w, b)
+        torch.testing.assert_close(base_linear(rows, w, b), ref, **TOL[torch.float32])
+    assert calls == [8], "8 rows take gemv_linear, 9 rows past gemv_max_rows=8 the GEMM"
+    calls.clear()
+    w8, w_scale = quantize_rows(w)
+    for scale in (w_scale, w_scale.amax().reshape(1, 1).expand(2, 2).contiguous()):  # per channel, 128x128 blocks
+        ref = x[:3].double() @ dequantize(w8, scale, torch.float32).double().T + b.double()
+        torch.testing.assert_close(base_linear(x[:3], w8, b, scale).double(), ref, **TOL[torch.float32])
+    assert calls == [3], "channel scales take gemv_linear, block scales the fp8 GEMM"
+
+
+def test_a_gemv_base_row_limit_past_the_kernel_is_refused_naming_it():
+    from lorazor_kernels import KernelConfig
+
+    with pytest.raises(ValueError, match="gemv_max_rows must be 0 \\(off\\) to 16 .*got 20"):
+        KernelConfig(gemv_max_rows=20)
+
+
+def test_backbone_model_with_gemv_gives_hf_tokens(tmp_path, monkeypatch):
+    # Rows without adapters only: every decode step's projections take gemv_linear (no LoRA in the
+    # step), the rest of the model as before; the tokens are the base model's.
+    from helpers import PAD, EOS, build_pair, make_batch, peft_generate, use_kernel_config
+    from lorazor import LoRazorConfig
+    from lorazor_kernels import gemv_linear, ops
+
+    use_kernel_config(tmp_path, monkeypatch, gemv_max_rows=8, gemv_lora_max_rows=8)
+    calls = []
+    monkeypatch.setattr(ops, "_gemv_linear", lambda x, *a: calls.append(x.shape[0]) or gemv_linear(x, *a))
+    model, oracle = build_pair("llama", LoRazorConfig(backend="triton", grid="exact", cuda_graphs=False))
+    ids, mask = make_batch(3, 5, seed=7, pad_rows=(1,))
+    ref = peft_generate(oracle, ids, mask, [None] * 3, max_new_tokens=4)
+    out = model.generate(ids, attention_mask=mask, adapter_ids=[None] * 3, max_new_tokens=4, pad_token_id=PAD,
+                         eos_token_id=EOS)
+    assert torch.equal(out.sequences, ref)
+    assert calls and set(calls) == {3}, calls
+
+
+
+def test_compiled_backbone_steps_take_gemv_as_one_opaque_op(tmp_path, monkeypatch):
+    # Compiled, the base products of a step without LoRA rows run `lorazor::gemv_linear` (opaque, no graph
+    # break: the config is read once, at trace time) and give the eager engine's tokens.
+    from helpers import PAD, build_pair, use_kernel_config
+    from lorazor import LoRazorConfig, LoRazorEngine
+    from torch._dynamo.utils import counters
+
+    gemv_module = importlib.import_module("lorazor_kernels.gemv_lora")  # the package names the function so
+    use_kernel_config(tmp_path, monkeypatch, gemv_max_rows=8)
+    calls = []
+    real = gemv_module.gemv_linear
+    monkeypatch.setattr(gemv_module, "gemv_linear", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    counters.clear()
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 96, (5 + i,), generator=g).tolist() for i in range(3)]
+    outs = []
+    for compile in (True, False):
+        model = build_pair("llama", LoRazorConfig(backend="triton", compile=compile, cuda_graphs=False))[0]
+        engine = LoRazorEngine(model, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=4)
+        done = engine.generate([dict(prompt_ids=p, adapter=None, max_new_tokens=5, do_sample=False, pad_token_id=PAD,
+                                     eos_token_id=None) for p in prompts])
+        outs.append([o.token_ids for o in done])
+        assert calls, f"compile={compile}: the decode steps' base products take gemv_linear"
+        calls.clear()
+    assert outs[0] == outs[1]
+    assert dict(counters["graph_break"]) == {}
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K", [(5120, 3072), (16384, 3072), (3072, 8192)])
+@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_gemv_linear_at_model_shapes_in_a_graph(N, K, M, pdl):
+    # Llama-3.2-3B's merged projections at decode sizes, captured and replayed after another kernel
+    # writes x (with programmatic dependent launch the first weight block is read before the wait).
+    from lorazor_kernels import gemv_linear
+
+    x, w, *_ = make(M, K, N, 8, 1, torch.bfloat16, seed=N + M, slots=[-1] * M, bias=False)
+    source = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    gemv_linear(x, w, pdl=pdl)  # compile outside the capture
+    with torch.cuda.graph(graph):
+        x.copy_(source * 2)
+        y = gemv_linear(x, w, pdl=pdl)
+    x.zero_()
+    graph.replay()
+    torch.testing.assert_close(y.double(), (source * 2).double() @ w.double().T, **TOL[torch.bfloat16])
