@@ -50,9 +50,6 @@
 #                    then bench_engine.py's mixed trace (LoRazor, backbone; compiled, defaults), bf16 then fp8 (req/s)
 #   step-configs     probes/step_roofline.py --defaults, decode rows ($CONFIG_ROWS, default batch 1 and 256, backbone and 128
 #                    adapters) once per kernel config file of $KERNEL_CONFIGS (one process each; "default": the GPU's own)
-#   gemv-ab          the same for the GPU's own file, that file with gemv_lora_max_rows 16, and with gemv_max_rows 16
-#                    too (rows $GEMV_ROWS, default 1 backbone, 1, 4 and 16 with adapters), then
-#                    tests/lora_kernels/test_gemv_lora.py
 #   engine-defaults  issue #54's bench: bench_engine.py's mixed trace at the defaults, LoRazor and backbone, the old eager
 #                    default then the compiled default (one process each; the decode-heavy trace: engine-decode-heavy)
 #   cold-adapters    bench_cold_adapters.py: TTFT of requests whose adapter was on disk, in host memory or in a slot,
@@ -254,21 +251,6 @@ PY
              for cfg in ${KERNEL_CONFIGS:-default}; do
                step_with_config "$cfg" "${CONFIG_ROWS:-1:backbone,1:lora,256:backbone,256:lora}"
              done ;;
-    gemv-ab) # KernelConfig.gemv_lora_max_rows and gemv_max_rows: this GPU's own file, then the same file with
-             # gemv_lora_max_rows 16 (a few rows' GEMM and LoRA in one launch), then also gemv_max_rows 16 (the
-             # backbone's products through the same kernel), decode rows $GEMV_ROWS; then gemv_lora's tests
-             own=$(python3 -c "import torch; from lorazor_kernels.kernel_config import kernel_config_path as p
-print(p(torch.device('cuda')))")
-             for spec in "gemv_lora16:gemv_lora_max_rows=16" "gemv16:gemv_lora_max_rows=16,gemv_max_rows=16"; do
-               python3 -c "import json, sys; d = json.load(open(sys.argv[1]))
-d.update({k: int(v) for k, v in (kv.split('=') for kv in sys.argv[3].split(','))})
-json.dump(d, open(sys.argv[2], 'w'))" "$own" "$W/${spec%%:*}.json" "${spec#*:}"
-             done
-             for cfg in default "$W/gemv_lora16.json" "$W/gemv16.json"; do
-               step_with_config "$cfg" "${GEMV_ROWS:-1:backbone,1:lora,4:lora,16:lora}"
-             done
-             timeout 240 python3 -m pytest tests/lora_kernels/test_gemv_lora.py -q -p no:cacheprovider \
-               > "$W/tests_gemv.log" 2>&1 ;;
     engine-defaults) engine_runs "eager 512 4096 exact ${DEFAULTS_ENGINE_S:-240} defaults_eager;
                           compiled 512 4096 exact ${DEFAULTS_ENGINE_S:-240} defaults_compiled" ;;
     cold-adapters) # issue #56: 1,000 adapters on disk, 32 slots, 128 host copies, Zipf(1.1), open loop; then all resident

@@ -6,7 +6,6 @@
 - attention: decode attention over a contiguous cache (`decode_attention.py`) and paged attention
   with the pool writes (`paged_attention.py`);
 - fp8 weights: per-channel quantization and the weight-only fp8 GEMM (`fp8.py`);
-- a decode step of a few rows: the base GEMM and its LoRA delta in one launch (`gemv_lora.py`);
 - MoE experts: each token-expert pair's LoRA delta from its own slot and expert (`expert_lora.py`), a
   decode step's few pairs through their experts' base weights (`expert_gemv.py`), the pairs' outputs
   back to their tokens (`expert_combine.py`), and fp8 experts
@@ -23,7 +22,6 @@ from .expert_fp8 import expert_grouped_fp8, quantize_experts
 from .expert_gemv import DECODE_PAIRS, expert_gemv, expert_gemv_reference
 from .expert_lora import expert_lora, expert_lora_reference
 from .fp8 import dequantize, fp8_linear, fp8_linear_reference, quantize_rows
-from .gemv_lora import gemv_linear, gemv_lora
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import GRID_MODES, LoRABatchMeta, build_batch_meta, row_bound, slot_bound_class
@@ -59,8 +57,6 @@ __all__ = [
     "fill_pending_reference",
     "fp8_linear",
     "fp8_linear_reference",
-    "gemv_linear",
-    "gemv_lora",
     "get_kernel_config",
     "linear_lora_op",
     "lora_delta_reference",

@@ -212,8 +212,8 @@ def _split_k(column_blocks: int, K: int, block_k: int, device: torch.device, pro
 
 def plan_split_k(column_blocks: int, K: int, block_k: int, device: torch.device, programs_per_sm: int,
                  forced: int = 0) -> tuple[int, int]:
-    """(splits, K columns per split) of a few rows' weight-streaming GEMM (this file's weight-only kernel,
-    `gemv_lora`): `forced` splits if > 0, else `_split_k`'s; each split whole BLOCK_Ks, so rounding can
+    """(splits, K columns per split) of a few rows' weight-streaming GEMM (the weight-only kernel):
+    `forced` splits if > 0, else `_split_k`'s; each split whole BLOCK_Ks, so rounding can
     leave fewer splits than asked."""
     split_k = forced or _split_k(column_blocks, K, block_k, device, programs_per_sm)
     k_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k

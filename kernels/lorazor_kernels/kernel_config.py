@@ -13,9 +13,6 @@ import torch
 CONFIG_DIR = Path(__file__).parent / "configs"
 # A JSON file that replaces the per-GPU file, e.g. to try launch parameters without editing the package.
 CONFIG_ENV = "LORAZOR_KERNEL_CONFIG"
-# The most rows `gemv_lora` takes (its dot tile is this tall), so the largest `gemv_lora_max_rows`
-# and `gemv_max_rows`.
-GEMV_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -38,17 +35,6 @@ class KernelConfig:
         fused: run shrink and expand as one kernel (`lora_fused`) instead of two. Off on the H200
             and the H100: measured slower there (benchmarks/results/kernels.md, defaults_h100/), the
             split-K shrink keeps more loads in flight.
-        gemv_lora_max_rows: in the model's op (`linear_lora_op`; weights in the model's dtype, or fp8
-            with per-channel scales), a product of at most this many rows (<= 16) runs the base GEMM
-            and its LoRA delta as one launch
-            (`gemv_lora.py`: the program that streams W's columns also streams its rows' A over the
-            same K and adds u @ B); 0: never (the GEMM, then shrink and expand). Not measured on a
-            GPU yet: 0 in every shipped file.
-        gemv_max_rows: a base product with no LoRA (`base_linear`: a step without adapter rows, or a
-            layer no adapter targets) of at most this many rows (<= 16) runs `gemv_lora`'s kernel without
-            the adapter work (`gemv_linear`) instead of cuBLAS (or, for fp8 per-channel weights, the
-            weight-only kernel); with `pdl`, each program reads its first weight block before waiting
-            for the kernel ahead. 0: never. Not measured on a GPU yet: 0 in every shipped file.
         fused_block_k / fused_block_n: K chunk of the fused shrink loop, N chunk of its expand loop.
         fused_programs_per_sm: split N over about this many fused programs per multiprocessor.
         fused_num_warps / fused_num_stages: Triton launch options of the fused kernel.
@@ -95,8 +81,6 @@ class KernelConfig:
     expand_num_warps: int = 4
     expand_num_stages: int = 2
     fused: bool = False
-    gemv_lora_max_rows: int = 0
-    gemv_max_rows: int = 0
     fused_block_k: int = 256
     fused_block_n: int = 128
     fused_programs_per_sm: int = 2
@@ -110,12 +94,6 @@ class KernelConfig:
     fp8_num_warps: int = 4
     fp8_num_stages: int = 3
     fp8_programs_per_sm: int = 3
-
-    def __post_init__(self):
-        for name in ("gemv_lora_max_rows", "gemv_max_rows"):
-            if not 0 <= getattr(self, name) <= GEMV_MAX_ROWS:
-                raise ValueError(f"{name} must be 0 (off) to {GEMV_MAX_ROWS} (gemv_lora's most rows), got "
-                                 f"{getattr(self, name)}")
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

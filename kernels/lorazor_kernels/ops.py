@@ -12,8 +12,7 @@ import os
 
 import torch
 
-from .fp8 import fp8_linear, fp8_linear_op, scaled_mm_available
-from .gemv_lora import _gemv_linear, gemv_linear_op, gemv_lora
+from .fp8 import fp8_linear, fp8_linear_op
 from .kernel_config import KernelConfig, get_kernel_config
 from .lora_launch import lora_expand, lora_fused, lora_shrink
 from .meta import LoRABatchMeta, build_batch_meta
@@ -115,23 +114,12 @@ def _linear_lora(
     cfg = None
     if backend == "triton":
         cfg = _CONFIGS[config_key] if config_key else get_kernel_config(x.device)
-    if cfg is not None and x.shape[0] <= cfg.gemv_lora_max_rows and _gemv_takes(x, weight, weight_scale):
-        return gemv_lora(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, mask_rank, tuple(segments),
-                         weight_scale=weight_scale, pdl=cfg.pdl)
     # fp8 base weights take their own GEMM (`base_linear`), then the delta added.
     if weight_scale is None and cfg is not None and cfg.gemm_adds_lora and grid == "exact" and bias is None:
         return _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
     y = base_linear(x, weight, bias, weight_scale)
     return add_batched_lora_(y, x, lora_a, lora_b, scaling, lora_rank, meta, backend, cfg, mask_rank=mask_rank,
                              segments=segments or None)
-
-
-def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
-    """Whether `gemv_lora` serves this layer: weights in x's dtype, or fp8 with per-channel scales where
-    Triton widens float8_e4m3fn (the GPUs with fp8 units; the interpreter on the CPU)."""
-    if weight_scale is None:
-        return weight.dtype == x.dtype
-    return weight_scale.dim() == 1 and (not x.is_cuda or scaled_mm_available(x.device))
 
 
 # The registered op: torch.compile needs it (an opaque node in the graph); eager callers skip its
@@ -174,8 +162,7 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
     """`linear(x, weight, bias)` plus the batched LoRA delta, as the registered custom op
     `lorazor::linear_lora` (x `[M, K]`; the other arguments as in `add_batched_lora_`).
 
-    The base GEMM, then the delta added in place; with `KernelConfig.gemv_lora_max_rows`, a product
-    of that many rows or fewer as one launch (`gemv_lora.py`); with `KernelConfig.gemm_adds_lora` (`exact`
+    The base GEMM, then the delta added in place; with `KernelConfig.gemm_adds_lora` (`exact`
     grid, no bias) the delta first, written by a write-only expand, and the GEMM adding x @ W.T to
     it. torch.compile treats the op as opaque, so compiled model code runs the GEMM and the Triton
     kernels as they are. `weight_scale`: fp8 base weights' per-channel scales (`fp8.py`); the GEMM is
@@ -196,27 +183,12 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
 def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The base layer's product (x of any leading shape): a plain linear, or with `weight_scale` over
-    fp8 weights (`fp8.py`); a product of at most `KernelConfig.gemv_max_rows` rows through `gemv_linear`."""
-    if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        max_rows = _gemv_max_rows(x.device)
-        # `max_rows and`: with the path off (the default) no row count is compared, so a compiled
-        # graph gets no guard on it.
-        if max_rows and x.numel() // x.shape[-1] <= max_rows and _gemv_takes(x, weight, weight_scale):
-            gemv = gemv_linear_op if torch.compiler.is_compiling() else _gemv_linear
-            y = gemv(x.reshape(-1, x.shape[-1]), weight, bias, weight_scale)
-            return y.view(*x.shape[:-1], y.shape[-1])
+    fp8 weights (`fp8.py`)."""
     if weight_scale is None:
         return torch.nn.functional.linear(x, weight, bias)
     gemm = fp8_linear_op if torch.compiler.is_compiling() else fp8_linear
     y = gemm(x.reshape(-1, x.shape[-1]), weight, weight_scale, bias)
     return y.view(*x.shape[:-1], y.shape[-1])
-
-
-@torch._dynamo.assume_constant_result
-def _gemv_max_rows(device: torch.device) -> int:
-    """`KernelConfig.gemv_max_rows` of the device, a constant to torch.compile (reading the config file's
-    path is not traceable)."""
-    return get_kernel_config(device).gemv_max_rows
 
 
 def batched_lora(

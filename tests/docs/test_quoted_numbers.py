@@ -316,12 +316,12 @@ def test_default_engine_numbers_equal_the_defaults_run():
 
 
 def test_fp8_and_adapter_load_numbers_equal_their_runs():
-    runs = json.loads(read(RESULTS / "defaults_h100" / "runs.json"))
-    step = {(tag, r["batch"], r["kind"]): r["step_ms"] for tag in runs for r in runs[tag] if r["phase"] == "decode"}
     models = page("docs/models.md")
-    for name, shape in (("llama", "Llama-3.2-3B"), ("mistral", "Mistral-7B")):
-        ratio = [step[(f"{name}_fp8_943e0b3", batch, kind)] / step[(f"{name}_bf16_943e0b3", batch, kind)]
-                 for batch, kind in ((1, "backbone"), (256, "backbone"), (256, "lora"))]
+    data = json.loads((RESULTS / "defaults_h100" / "data.json").read_text())
+    for name, shape in (("llama-3.2-3b", "Llama-3.2-3B"), ("mistral-7b", "Mistral-7B")):
+        fp8, bf16 = ({(r["batch"], r["kind"]): r["step_ms"] for r in data[f"step_roofline_{name}_{q}_a8dd29f.json"]
+                      if r.get("phase") == "decode"} for q in ("fp8", "bf16"))
+        ratio = [fp8[key] / bf16[key] for key in ((1, "backbone"), (256, "backbone"), (256, "lora"))]
         assert f"| {shape} | " + " | ".join(f"{r:.2f}x" for r in ratio) + " |" in models
     trace = {tag: {r["system"]: r["req_s"] for r in map(json.loads, read(
         RESULTS / "engine" / "mixed_defaults_h100" / f"rows_exact_{tag}.jsonl").splitlines())}
@@ -397,3 +397,23 @@ def test_h100_kernel_config_trace_equals_its_run():
     assert f"| compiled, the H100's file | {lorazor:.1f} | {backbone:.1f} | **{lorazor / backbone:.2f}x**" in page(
         "benchmarks/results/engine/mixed_defaults_h100/README.md")
 
+
+
+def test_h100_a8dd29f_tables_equal_their_runs():
+    # The one-launch GEMM + LoRA A/B and the bf16 / fp8 rows of both shapes (defaults_h100/README.md).
+    data = json.loads((RESULTS / "defaults_h100" / "data.json").read_text())
+    readme = page("benchmarks/results/defaults_h100/README.md")
+
+    def steps(name):
+        return {(r["batch"], r["kind"]): r["step_ms"] for r in data[name] if r.get("phase") == "decode"}
+
+    for cfg in ("default", "gemv_lora16", "gemv16"):
+        for ms in steps(f"step_roofline_cfg_{cfg}_a8dd29f.json").values():
+            assert f"{ms:.3f} ms" in readme, (cfg, ms)
+    for model in ("llama-3.2-3b", "mistral-7b"):
+        bf16, fp8 = (steps(f"step_roofline_{model}_{q}_a8dd29f.json") for q in ("bf16", "fp8"))
+        for key in bf16:
+            assert f"{bf16[key]:.3f} ms" in readme and f"{fp8[key]:.3f} ms" in readme, (model, key)
+            assert f"{fp8[key] / bf16[key]:.2f}" in readme, (model, key)
+    sweep = data["kernels_sweep_a8dd29f.json"]["sweep"]
+    assert f"at {sweep[0]['us']} us" in readme and f"at {min(r['us'] for r in sweep)} us" in readme

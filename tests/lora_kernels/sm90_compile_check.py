@@ -118,26 +118,6 @@ def main() -> None:
         compile_sm90(mk._batch_meta_kernel, dict(BLOCK_ROWS=rows, BLOCK_SLOTS=slots, TILE_CHUNK=mk.TILE_CHUNK, BM=16,
                                                  TILES=tiles),
                      meta_pointers)
-    # A few rows' GEMM and LoRA in one launch (`gemv_lora.py`): bf16, fp32 and fp8 weights, K whole or split, rank
-    # masked or not, with programmatic dependent launch or without; and without the LoRA (`gemv_linear`).
-    from lorazor_kernels.gemv_lora import GEMV_LAUNCH, GEMV_MAX_ROWS, _gemv_lora_kernel
-
-    gemv_pointers = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16",
-                         slot_ptr="*i64", rank_ptr="*i32", scaling_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32",
-                         count_ptr="*i32")
-    fp32_gemv = {k: ("*fp32" if v == "*bf16" else v) for k, v in gemv_pointers.items()}
-    block_n, block_k, warps, stages = GEMV_LAUNCH
-    fp8_gemv = dict(gemv_pointers, w_ptr="*fp8e4nv", scale_ptr="*fp32")
-    # (pointers, precision, split, mask_rank, has_lora, gdc)
-    variants = ((gemv_pointers, "tf32", False, False, True, True), (gemv_pointers, "tf32", True, True, True, False),
-                (fp32_gemv, "ieee", True, False, True, False), (fp8_gemv, "tf32", True, False, True, True),
-                (gemv_pointers, "tf32", True, False, False, True), (fp8_gemv, "tf32", False, False, False, True))
-    for pointers, precision, split, mask_rank, has_lora, gdc in variants:
-        consts = dict(HAS_SCALE=pointers is fp8_gemv, HAS_BIAS=split, HAS_LORA=has_lora, MASK_RANK=mask_rank,
-                      SPLIT=split, DOT_PRECISION=precision, BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-                      BLOCK_R=16, USE_GDC=gdc)
-        compile_sm90(_gemv_lora_kernel, consts, pointers, options=dict(num_warps=warps, num_stages=stages))
-    count += len(variants)
     # The async step's token fill.
     from lorazor_kernels import token_fill
 

@@ -86,34 +86,16 @@ def test_the_adapters_effect_is_kept(pair):
         assert ((delta - delta_ref).norm() / delta_ref.norm()).item() < 0.1, name  # ... the same one
 
 
-def assert_greedy_equals_dequantized_peft(model, oracle, max_new_tokens: int) -> None:
+def test_greedy_generate_equals_peft_on_the_dequantized_weights(pair):
+    model, oracle = pair
     ids, mask = make_batch(len(ADAPTERS), 6, seed=5, pad_rows=(1, 3))
-    out = model.generate(ids, attention_mask=mask, adapter_ids=ADAPTERS, max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    out = model.generate(ids, attention_mask=mask, adapter_ids=ADAPTERS, max_new_tokens=8, do_sample=False,
+                         pad_token_id=PAD, eos_token_id=EOS)
     with torch.no_grad():
         ref = dequantized_oracle(oracle).generate(input_ids=ids, attention_mask=mask,
-                                                  adapter_names=peft_names(ADAPTERS), max_new_tokens=max_new_tokens,
+                                                  adapter_names=peft_names(ADAPTERS), max_new_tokens=8,
                                                   do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
     assert torch.equal(out.sequences, ref)
-
-
-def test_greedy_generate_equals_peft_on_the_dequantized_weights(pair):
-    assert_greedy_equals_dequantized_peft(*pair, max_new_tokens=8)
-
-
-def test_one_launch_gemv_lora_in_fp8_equals_peft_on_the_dequantized_weights(tmp_path, monkeypatch):
-    # `KernelConfig.gemv_lora_max_rows` on an fp8 base (Triton kernels, interpreter on the CPU): the
-    # decode steps' projections with LoRA take `gemv_lora` over the fp8 weights and their scales.
-    from helpers import use_kernel_config
-    from lorazor_kernels import gemv_lora, ops
-
-    use_kernel_config(tmp_path, monkeypatch, gemv_lora_max_rows=8)
-    calls = []
-    monkeypatch.setattr(ops, "gemv_lora", lambda *args, **kw: calls.append(kw["weight_scale"] is not None)
-                        or gemv_lora(*args, **kw))
-    model, oracle = build_pair("llama", LoRazorConfig(quantization="fp8", backend="triton", cuda_graphs=False))
-    assert_greedy_equals_dequantized_peft(model, oracle, max_new_tokens=6)
-    assert calls and all(calls), "the decode steps' fp8 projections did not take gemv_lora"
 
 
 def test_the_engine_equals_static_generate_in_fp8(pair):
