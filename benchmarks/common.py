@@ -26,19 +26,28 @@ def projections(shape: dict) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
+def commit() -> str:
+    """The tree's commit: `$LORAZOR_COMMIT` if set (give it literally: a device machine may hold a copy of the
+    tree whose .git names an older HEAD), else git's HEAD with "+dirty" when tracked files differ from it, so a
+    result never names a commit its tree was not."""
+    sha = os.environ.get("LORAZOR_COMMIT", "")
+    if sha:
+        return sha
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+    return f"{sha}+dirty" if sha and changed else sha or "unknown"
+
+
 def environment() -> dict:
     """Commit, GPU and package versions, recorded with every result."""
     import transformers
     import triton
 
-    # The device gets a copy of the tree without .git: pass LORAZOR_COMMIT=<sha> there.
-    sha = os.environ.get("LORAZOR_COMMIT", "")
-    if not sha:
-        try:
-            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        except OSError:
-            sha = "unknown"
-    env = {"commit": sha or "unknown", "python": platform.python_version(), "torch": torch.__version__,
+    env = {"commit": commit(), "python": platform.python_version(), "torch": torch.__version__,
            "triton": triton.__version__, "transformers": transformers.__version__}
     try:
         import peft

@@ -2,6 +2,8 @@
 # One GPU-machine call: GPU tests and the benchmarks users rerun. Results land in $OUT/all.tgz (a
 # device call returns few files; a second invocation in the same call writes $OUT/all_<time>.tgz). On the GPU machine, from the repository root:
 #   LORAZOR_COMMIT=<sha> bash benchmarks/run_device.sh gpu-tests kernels e2e-quick
+# Give the sha literally (not $(git rev-parse ...) run there): the machine's copy of the tree may carry a .git whose
+# HEAD is older than its files; without LORAZOR_COMMIT the results say "<that HEAD>+dirty".
 # Steps:
 #   gpu-tests        every test on the GPU (or those under $TEST_PATHS), in $SHARDS parallel shards over the GPUs (default 20, $SHARD_TIMEOUT s each,
 #                    files of more than $UNIT_MAX tests split across shards,

@@ -247,3 +247,24 @@ def test_cold_adapter_bench_classes_every_request_of_a_tiny_trace(tmp_path):
     assert cold["completed"] == resident["completed"] == 60
     assert sum(c["requests"] for c in cold["by_class"].values()) == 60 and cold["by_class"]["disk"]["requests"] > 0
     assert resident["by_class"]["gpu"]["requests"] == 60
+
+
+def test_results_name_a_tree_that_differs_from_its_head_dirty(tmp_path, monkeypatch):
+    # A device machine may hold the current files under an older .git HEAD: without LORAZOR_COMMIT the
+    # recorded commit says so ("+dirty") instead of naming a commit the tree was not.
+    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+    from common import commit
+
+    monkeypatch.delenv("LORAZOR_COMMIT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (tmp_path / "f.py").write_text("a = 1\n")
+    subprocess.run(git + ["add", "f.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "c"], check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert commit() == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert commit() == f"{head}+dirty"
+    monkeypatch.setenv("LORAZOR_COMMIT", "abc1234")
+    assert commit() == "abc1234"
