@@ -100,7 +100,10 @@ def profile_steps(engine, steps: int = 5, cpu: bool = True, top: int = 10) -> di
 
 
 # Kernel name fragments -> category, first match wins (cuBLAS names its Hopper GEMMs nvjet/sm90_xmma).
-CATEGORIES = (("attention", ("paged_attention", "decode_attention", "flash", "fmha")),
+# Inductor's kernels first: it names a fused kernel after the ops it fuses (`triton_poi_fused_linear_lora_mul_silu_
+# ...`, `..._paged_attention_...`), which are not LoRA or attention kernels.
+CATEGORIES = (("fused (inductor)", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")),
+              ("attention", ("paged_attention", "decode_attention", "flash", "fmha")),
               ("lora", ("lora", "_zero_rows", "_batch_meta")),
               ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce")),
               ("fused (inductor)", ("triton_",)),

@@ -268,3 +268,18 @@ def test_results_name_a_tree_that_differs_from_its_head_dirty(tmp_path, monkeypa
     assert commit() == f"{head}+dirty"
     monkeypatch.setenv("LORAZOR_COMMIT", "abc1234")
     assert commit() == "abc1234"
+
+
+def test_step_profile_categories_name_inductors_fused_kernels_inductor():
+    # Inductor names a fused kernel after the ops it fuses: `..._linear_lora_mul_silu_...` is a SiLU, not LoRA.
+    sys.path[:0] = [str(EXAMPLES.parent / "benchmarks" / "probes"), str(EXAMPLES.parent / "benchmarks")]
+    from step_roofline import kernel_breakdown
+
+    def kernel(name, us):
+        return types.SimpleNamespace(name=name, time_range=types.SimpleNamespace(start=0.0, end=us))
+
+    kernels = [kernel("triton_poi_fused_linear_lora_mul_silu_slice_view_5", 300.0),
+               kernel("_lora_expand_kernel", 50.0), kernel("triton_poi_fused_add_cat_paged_attention_slice_3", 30.0),
+               kernel("_paged_attention_kernel", 70.0), kernel("nvjet_sm90_tst_128x8_64x12_2x1_v_badd_TNT", 500.0)]
+    categories = kernel_breakdown(kernels, steps=1)["category_ms"]
+    assert categories == {"fused (inductor)": 0.33, "lora": 0.05, "attention": 0.07, "gemm": 0.5}
