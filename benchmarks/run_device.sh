@@ -51,7 +51,10 @@
 #                    (backbone and 128 adapters), bf16 then fp8, Llama-3.2-3B then Mistral-7B shapes (one process each);
 #                    then bench_engine.py's mixed trace (LoRazor, backbone; compiled, defaults), bf16 then fp8 (req/s)
 #   step-configs     probes/step_roofline.py --defaults, decode rows ($CONFIG_ROWS, default batch 1 and 256, backbone and 128
-#                    adapters) once per kernel config file of $KERNEL_CONFIGS (one process each; "default": the GPU's own)
+#                    adapters) once per kernel config file of $KERNEL_CONFIGS (one process each; "default": the GPU's own);
+#                    $STEP_ARGS are added to each (e.g. "--quantization fp8")
+#   config-ab        the same for the GPU's own file, then that file with $CONFIG_CHANGES ("key=value,...", JSON values:
+#                    e.g. fp8_pdl=true), one process each
 #   engine-defaults  issue #54's bench: bench_engine.py's mixed trace at the defaults, LoRazor and backbone, the old eager
 #                    default then the compiled default (one process each; the decode-heavy trace: engine-decode-heavy)
 #   cold-adapters    bench_cold_adapters.py: TTFT of requests whose adapter was on disk, in host memory or in a slot,
@@ -115,7 +118,7 @@ step_with_config() {  # $1: a kernel config file ("default": this GPU's own), $2
   name=$(basename "$cfg" .json)
   env $([ "$cfg" != default ] && echo LORAZOR_KERNEL_CONFIG=$cfg) timeout ${CONFIG_STEP_S:-200} \
     python3 benchmarks/probes/step_roofline.py --defaults --compile auto --modes async --phases floors,decode \
-    --decode-rows "$2" --out "$W" --tag "_cfg_$name" > "$W/step_cfg_$name.log" 2>&1
+    --decode-rows "$2" ${STEP_ARGS:-} --out "$W" --tag "_cfg_$name" > "$W/step_cfg_$name.log" 2>&1
   tar czf "$TGZ" -C "$W" .
 }
 for step in "$@"; do
@@ -251,6 +254,15 @@ PY
     step-configs) # the decode step at the defaults (compiled, Llama-3.2-3B shape, 128 adapters) once per kernel config file
              # of $KERNEL_CONFIGS (paths; "default": this GPU's own file), one process each, in order
              for cfg in ${KERNEL_CONFIGS:-default}; do
+               step_with_config "$cfg" "${CONFIG_ROWS:-1:backbone,1:lora,256:backbone,256:lora}"
+             done ;;
+    config-ab) [ -n "${CONFIG_CHANGES:-}" ] || { echo "config-ab: set CONFIG_CHANGES=key=value,..."; exit 2; }
+             own=$(python3 -c "import torch; from lorazor_kernels.kernel_config import kernel_config_path as p
+print(p(torch.device('cuda')))")
+             python3 -c "import json, sys; d = json.load(open(sys.argv[1]))
+d.update({k: json.loads(v) for k, v in (kv.split('=') for kv in sys.argv[3].split(','))})
+json.dump(d, open(sys.argv[2], 'w'))" "$own" "$W/changed.json" "$CONFIG_CHANGES"
+             for cfg in default "$W/changed.json"; do
                step_with_config "$cfg" "${CONFIG_ROWS:-1:backbone,1:lora,256:backbone,256:lora}"
              done ;;
     engine-defaults) engine_runs "eager 512 4096 exact ${DEFAULTS_ENGINE_S:-240} defaults_eager;

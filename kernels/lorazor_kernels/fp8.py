@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .kernel_config import get_kernel_config
-from .lora_launch import _cuda_index, _sm_count
+from .lora_launch import _cuda_index, _sm_count, pdl_launch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -147,10 +147,30 @@ def _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows,
 
 
 @triton.jit
+def _weight_only_w(w_ptr, cols, k, N, K, stride_w):
+    """A K tile's fp8 weights `[BN, BK]`."""
+    return tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                   mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _weight_only_tile(acc, x_ptr, w, scale_ptr, rows, cols, k, k_tile, M, N, K, stride_x, stride_s,
+                      BLOCK_SCALED: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """acc += x[rows, k] @ w.T (the fp8 weights widened in registers); block-scaled weights: times the
+    tile's scale per channel."""
+    x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+    if BLOCK_SCALED:
+        block_scale = tl.load(scale_ptr + (cols // SCALE_BLOCK) * stride_s + k_tile // SCALE_BLOCK, mask=cols < N,
+                              other=0.0)
+        return acc + tl.dot(x, tl.trans(w.to(x.dtype))) * block_scale[None, :]
+    return acc + tl.dot(x, tl.trans(w.to(x.dtype)))
+
+
+@triton.jit
 def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, SPLIT_K,
                         stride_x, stride_w, stride_y, stride_s, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                         BLOCK_SCALED: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):
     # Program (n, s, m): BLOCK_N output channels, BLOCK_M rows from the m-th, the s-th K_SPLIT columns
     # of K. The fp8 weights are read once per row block and widened in registers (every
     # float8_e4m3fn value is exact in bf16 and fp16); the products accumulate in fp32. Block-scaled
@@ -161,19 +181,20 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, coun
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_k * K_SPLIT
-    for k0 in range(0, K_SPLIT, BLOCK_K):  # the last split's columns past K are masked
+    k_begin = pid_k * K_SPLIT  # < K: every split has columns (`plan_split_k`)
+    # The first K tile's weights before the wait for the kernel ahead (USE_GDC, `KernelConfig.fp8_pdl`):
+    # weights never depend on it, so with programmatic dependent launch this read overlaps its tail.
+    w = _weight_only_w(w_ptr, cols, k_begin + ks, N, K, stride_w)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()  # x, the partials and y only after the kernel ahead is done
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = _weight_only_tile(acc, x_ptr, w, scale_ptr, rows, cols, k_begin + ks, k_begin, M, N, K, stride_x, stride_s,
+                            BLOCK_SCALED, SCALE_BLOCK)
+    for k0 in range(BLOCK_K, K_SPLIT, BLOCK_K):  # the last split's columns past K are masked
         k = k_begin + k0 + ks
-        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
-                    other=0.0)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
-                    mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
-        if BLOCK_SCALED:
-            block_scale = tl.load(scale_ptr + (cols // SCALE_BLOCK) * stride_s + (k_begin + k0) // SCALE_BLOCK,
-                                  mask=cols < N, other=0.0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype))) * block_scale[None, :]
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        w = _weight_only_w(w_ptr, cols, k, N, K, stride_w)
+        acc = _weight_only_tile(acc, x_ptr, w, scale_ptr, rows, cols, k, k_begin + k0, M, N, K, stride_x, stride_s,
+                                BLOCK_SCALED, SCALE_BLOCK)
     if not SPLIT:
         _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS, BLOCK_SCALED)
     else:
@@ -275,7 +296,7 @@ def fp8_weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         x, weight, scale, bias if bias is not None else scale, y, partials, counters, M, N, K, k_split, split_k,
         x.stride(0), weight.stride(0), y.stride(0), scale.stride(0), HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         BLOCK_SCALED=blocks, SCALE_BLOCK=SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl_launch(config.fp8_pdl, x.device))
     return y
 
 

@@ -67,6 +67,9 @@ class KernelConfig:
             multiprocessor. The H100 sweep (844ba1d): down (8,192 x 3,072: 96 blocks of 32 channels
             on 132 multiprocessors) took 0.026 ms unsplit and 0.018 ms in 4 splits; gate/up (512
             blocks) was slower split in two (0.034 against 0.027 ms).
+        fp8_pdl: launch the fp8 weight-only GEMM with programmatic dependent launch (Hopper or newer),
+            each program reading its first weight tile before waiting for the kernel ahead. Not
+            measured on a GPU yet: off in every shipped file.
     """
 
     shrink_block_k: int = 128
@@ -94,6 +97,7 @@ class KernelConfig:
     fp8_num_warps: int = 4
     fp8_num_stages: int = 3
     fp8_programs_per_sm: int = 3
+    fp8_pdl: bool = False
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KernelConfig":

@@ -70,7 +70,13 @@ def _sm_count(device_index: int) -> int:
 
 def _pdl_options(cfg: KernelConfig, device: torch.device) -> dict:
     """Launch options for programmatic dependent launch: `cfg.pdl` on a Hopper or newer GPU."""
-    on = cfg.pdl and device.type == "cuda" and _hopper_or_newer(_cuda_index(device))
+    return pdl_launch(cfg.pdl, device)
+
+
+def pdl_launch(on: bool, device: torch.device) -> dict:
+    """A kernel's `USE_GDC` and launch options: programmatic dependent launch if `on` and the GPU is
+    Hopper or newer (off on older GPUs and the CPU)."""
+    on = on and device.type == "cuda" and _hopper_or_newer(_cuda_index(device))
     return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
 
 

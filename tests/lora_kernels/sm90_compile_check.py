@@ -118,6 +118,18 @@ def main() -> None:
         compile_sm90(mk._batch_meta_kernel, dict(BLOCK_ROWS=rows, BLOCK_SLOTS=slots, TILE_CHUNK=mk.TILE_CHUNK, BM=16,
                                                  TILES=tiles),
                      meta_pointers)
+    # The fp8 weight-only GEMM: per-channel scales split over K with programmatic dependent launch (its decode
+    # path on the H100 and H200), block-scaled without.
+    from lorazor_kernels import fp8
+
+    fp8_pointers = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
+                        part_ptr="*fp32", count_ptr="*i32")
+    for split, blocks, gdc in ((True, False, True), (False, True, False)):
+        compile_sm90(fp8._weight_only_kernel, dict(HAS_BIAS=blocks, SPLIT=split, BLOCK_SCALED=blocks,
+                                                   SCALE_BLOCK=fp8.SCALE_BLOCK, BLOCK_M=fp8.WEIGHT_ONLY_ROWS,
+                                                   BLOCK_N=32, BLOCK_K=128 if blocks else 512, USE_GDC=gdc),
+                     fp8_pointers, options=dict(num_warps=4, num_stages=3))
+    count += 2
     # The async step's token fill.
     from lorazor_kernels import token_fill
 

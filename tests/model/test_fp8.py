@@ -257,6 +257,52 @@ def test_block_scaled_weight_only_kernel_equals_its_definition_in_the_interprete
         assert got["error"] < 1e-3 and got["reference_error"] < 1e-6 and got["counters"] == 0, (case, got)
 
 
+def test_fp8_pdl_setting_reaches_the_weight_only_launch(tmp_path, monkeypatch):
+    # `KernelConfig.fp8_pdl` decides the weight-only kernel's programmatic dependent launch (`pdl` the LoRA
+    # kernels'); the result is the definition's either way (the interpreter runs no PDL).
+    from helpers import use_kernel_config
+    from lorazor_kernels import fp8 as fp8_module
+
+    asked = []
+    real = fp8_module.pdl_launch
+    monkeypatch.setattr(fp8_module, "pdl_launch", lambda on, device: asked.append(on) or real(on, device))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 96, generator=g).to(DEVICE), torch.randn(48, 96, generator=g).to(DEVICE)
+    weight, scale = quantize_rows(w)
+    exact = x.double() @ (weight.double() * scale.double()[:, None]).T
+    for on in (True, False):
+        (tmp_path / str(on)).mkdir()  # a file per setting: configs are cached by path
+        use_kernel_config(tmp_path / str(on), monkeypatch, fp8_pdl=on, pdl=not on)
+        got = fp8_module.fp8_weight_only(x, weight, scale)
+        assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-5
+    assert asked == [True, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K", [(5120, 3072), (3072, 8192)])
+def test_gpu_weight_only_gemm_with_pdl_in_a_graph(N, K, tmp_path, monkeypatch):
+    # With `fp8_pdl` the first weight tile is read before the wait for the kernel ahead, which here
+    # writes x inside the same graph: the result must be of the x it wrote.
+    from helpers import use_kernel_config
+    from lorazor_kernels.fp8 import fp8_weight_only
+
+    use_kernel_config(tmp_path, monkeypatch, fp8_pdl=True)
+    g = torch.Generator().manual_seed(N)
+    source = torch.randn(1, K, generator=g).bfloat16().cuda()
+    weight, scale = quantize_rows(torch.randn(N, K, generator=g).cuda())
+    x = source.clone()
+    fp8_weight_only(x, weight, scale)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.copy_(source * 2)
+        y = fp8_weight_only(x, weight, scale)
+    x.zero_()
+    graph.replay()
+    exact = (source * 2).double() @ (weight.double() * scale.double()[:, None]).T
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 4e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M, K, N, bias, split", [(1, 2048, 512, False, 0), (7, 3072, 1000, True, 0),
                                                   (256, 2048, 640, False, None), (33, 4100, 300, True, None)])
