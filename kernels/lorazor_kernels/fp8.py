@@ -147,18 +147,10 @@ def _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows,
 
 
 @triton.jit
-def _weight_only_w(w_ptr, cols, k, N, K, stride_w):
-    """A K tile's fp8 weights `[BN, BK]`."""
-    return tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
-                   mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
-
-
-@triton.jit
-def _weight_only_tile(acc, x_ptr, w, scale_ptr, rows, cols, k, k_tile, M, N, K, stride_x, stride_s,
-                      BLOCK_SCALED: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    """acc += x[rows, k] @ w.T (the fp8 weights widened in registers); block-scaled weights: times the
-    tile's scale per channel."""
-    x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+def _weight_only_dot(acc, x, w, scale_ptr, cols, k_tile, N, stride_s, BLOCK_SCALED: tl.constexpr,
+                     SCALE_BLOCK: tl.constexpr):
+    """acc + x @ w.T (the fp8 weights widened in registers); block-scaled weights: times the K tile's
+    scale per channel."""
     if BLOCK_SCALED:
         block_scale = tl.load(scale_ptr + (cols // SCALE_BLOCK) * stride_s + k_tile // SCALE_BLOCK, mask=cols < N,
                               other=0.0)
@@ -182,19 +174,26 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, coun
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * K_SPLIT  # < K: every split has columns (`plan_split_k`)
-    # The first K tile's weights before the wait for the kernel ahead (USE_GDC, `KernelConfig.fp8_pdl`):
-    # weights never depend on it, so with programmatic dependent launch this read overlaps its tail.
-    w = _weight_only_w(w_ptr, cols, k_begin + ks, N, K, stride_w)
-    if USE_GDC:
+    start = 0
+    if USE_GDC:  # `KernelConfig.fp8_pdl`
+        # The first K tile's weights before the wait for the kernel ahead: weights never depend on it,
+        # so with programmatic dependent launch this read overlaps its tail.
+        k = k_begin + ks
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
         tl.extra.cuda.gdc_wait()  # x, the partials and y only after the kernel ahead is done
         tl.extra.cuda.gdc_launch_dependents()
-    acc = _weight_only_tile(acc, x_ptr, w, scale_ptr, rows, cols, k_begin + ks, k_begin, M, N, K, stride_x, stride_s,
-                            BLOCK_SCALED, SCALE_BLOCK)
-    for k0 in range(BLOCK_K, K_SPLIT, BLOCK_K):  # the last split's columns past K are masked
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        acc = _weight_only_dot(acc, x, w, scale_ptr, cols, k_begin, N, stride_s, BLOCK_SCALED, SCALE_BLOCK)
+        start = BLOCK_K
+    for k0 in range(start, K_SPLIT, BLOCK_K):  # the last split's columns past K are masked
         k = k_begin + k0 + ks
-        w = _weight_only_w(w_ptr, cols, k, N, K, stride_w)
-        acc = _weight_only_tile(acc, x_ptr, w, scale_ptr, rows, cols, k, k_begin + k0, M, N, K, stride_x, stride_s,
-                                BLOCK_SCALED, SCALE_BLOCK)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc = _weight_only_dot(acc, x, w, scale_ptr, cols, k_begin + k0, N, stride_s, BLOCK_SCALED, SCALE_BLOCK)
     if not SPLIT:
         _weight_only_epilogue(acc, scale_ptr, bias_ptr, y_ptr, M, N, stride_y, rows, cols, HAS_BIAS, BLOCK_SCALED)
     else:
