@@ -70,6 +70,10 @@
 #   moe-ab           bench_moe.py's decode rows (batch 1, 256) and prefill, first on the tree in $AB_TREE (src/ and
 #                    kernels/ of another commit, e.g. `git archive <rev> src kernels | tar x -C .ab`, carried), then
 #                    on this one: one process each, in one call
+#   tree-ab          the engine at its defaults on two trees: the tree in $AB_TREE (as for moe-ab), then this one, each
+#                    with emptied compile caches: step_roofline.py --defaults --phases floors,warmup,decode (rows
+#                    $AB_ROWS, default batch 1 and 256, backbone and 128 adapters; $STEP_ARGS added), then the same
+#                    warm-up again on the caches it left (a restart); one process each, in one call
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
 #                    (needs fastapi, uvicorn, pydantic: carry their wheels as .whl/, see the device README)
 # One-off probes (benchmarks/probes/) are run directly; see their docstrings.
@@ -292,6 +296,19 @@ json.dump(d, open(sys.argv[2], 'w'))" "$own" "$W/changed.json" "$CONFIG_CHANGES"
                python3 $ab --out "$W/moe_ab_old" > "$W/moe_ab_old.log" 2>&1
              tar czf "$TGZ" -C "$W" .
              timeout ${MOE_AB_S:-200} python3 $ab --out "$W/moe_ab_new" > "$W/moe_ab_new.log" 2>&1 ;;
+    tree-ab) [ -d "${AB_TREE:-}/src" ] || { echo "tree-ab: AB_TREE must hold src/ and kernels/ of the other tree"; exit 2; }
+             for side in old new; do
+               tree=$([ $side = old ] && echo "$AB_TREE" || echo "$PWD")
+               export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_ab_$side TRITON_CACHE_DIR=/tmp/triton_ab_$side
+               rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
+               R="python3 benchmarks/probes/step_roofline.py --defaults --compile auto --modes async ${STEP_ARGS:-}"
+               PYTHONPATH=$tree/src:$tree/kernels${PYTHONPATH:+:$PYTHONPATH} timeout ${AB_STEP_S:-200} $R \
+                 --phases floors,warmup,decode --decode-rows "${AB_ROWS:-1:backbone,1:lora,256:backbone,256:lora}" \
+                 --out "$W" --tag "_ab_$side" > "$W/ab_$side.log" 2>&1
+               PYTHONPATH=$tree/src:$tree/kernels${PYTHONPATH:+:$PYTHONPATH} timeout ${AB_RESTART_S:-120} $R \
+                 --phases floors,warmup --out "$W" --tag "_ab_${side}_restart" > "$W/ab_${side}_restart.log" 2>&1
+               tar czf "$TGZ" -C "$W" .
+             done ;;
     serving) if [ -d .whl ]; then  # fastapi, uvicorn, pydantic wheels carried in (device README)
                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
                  .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
