@@ -71,7 +71,7 @@
 #                    kernels/ of another commit, e.g. `git archive <rev> src kernels | tar x -C .ab`, carried), then
 #                    on this one: one process each, in one call
 #   tree-ab          the engine at its defaults on two trees: the tree in $AB_TREE (as for moe-ab), then this one, each
-#                    with emptied compile caches: step_roofline.py --defaults --phases floors,warmup,decode (rows
+#                    with emptied compile caches: step_roofline.py --defaults --phases floors,warmup,decode,prefill (rows
 #                    $AB_ROWS, default batch 1 and 256, backbone and 128 adapters; $STEP_ARGS added), then the same
 #                    warm-up again on the caches it left (a restart); one process each, in one call
 #   serving          bench_serving.py: HTTP open loop against the in-process engine at the same rates
@@ -303,7 +303,7 @@ json.dump(d, open(sys.argv[2], 'w'))" "$own" "$W/changed.json" "$CONFIG_CHANGES"
                rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
                R="python3 benchmarks/probes/step_roofline.py --defaults --compile auto --modes async ${STEP_ARGS:-}"
                PYTHONPATH=$tree/src:$tree/kernels${PYTHONPATH:+:$PYTHONPATH} timeout ${AB_STEP_S:-200} $R \
-                 --phases floors,warmup,decode --decode-rows "${AB_ROWS:-1:backbone,1:lora,256:backbone,256:lora}" \
+                 --phases floors,warmup,decode,prefill --decode-rows "${AB_ROWS:-1:backbone,1:lora,256:backbone,256:lora}" \
                  --out "$W" --tag "_ab_$side" > "$W/ab_$side.log" 2>&1
                PYTHONPATH=$tree/src:$tree/kernels${PYTHONPATH:+:$PYTHONPATH} timeout ${AB_RESTART_S:-120} $R \
                  --phases floors,warmup --out "$W" --tag "_ab_${side}_restart" > "$W/ab_${side}_restart.log" 2>&1
