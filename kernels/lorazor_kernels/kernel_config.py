@@ -59,6 +59,12 @@ class KernelConfig:
             read of y (benchmarks/results/archive/expand_probe_b946ee5/). On in the H200 file since
             1a153d7: compiled decode of Llama-3.2-3B at 128 adapters 7.20-7.24 ms per step
             against 7.37-7.43 without it (benchmarks/results/archive/e2e_ab_gemm_adds_lora_1a153d7/).
+        lora_beside_gemm: in the model's op (`linear_lora_op`, `exact` grid), run the LoRA delta's
+            shrink and write-only expand on a side stream while the base GEMM (bf16 or fp8) runs,
+            and add the two outside the op, where torch.compile fuses the add into the next
+            elementwise kernel (rotary, SiLU-multiply, the residual add): the delta's chain of
+            small kernels leaves the step's critical path. Takes precedence over `gemm_adds_lora`.
+            Not measured on a GPU yet: off in every shipped file.
         fp8_block_n / fp8_block_k / fp8_num_warps / fp8_num_stages: the launch of the fp8
             weight-only GEMM (`fp8.fp8_weight_only`, decode steps of a few rows). The H100 sweep's
             best for 3 of the 4 Llama-3.2-3B GEMMs unsplit (`probes/fp8_gemm.py --sweep`, 995d0e0).
@@ -92,6 +98,7 @@ class KernelConfig:
     pdl: bool = False
     one_program_meta: bool = False
     gemm_adds_lora: bool = False
+    lora_beside_gemm: bool = False
     fp8_block_n: int = 32
     fp8_block_k: int = 512
     fp8_num_warps: int = 4

@@ -136,6 +136,54 @@ def _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, ma
     return delta.addmm_(x, weight.t())
 
 
+def _linear_lora_beside(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor,
+    scaling: torch.Tensor, lora_rank: torch.Tensor, row_slot: torch.Tensor, sorted_rows: torch.Tensor,
+    slot_start: torch.Tensor, tile_slot: torch.Tensor | None, tile_rows: torch.Tensor | None,
+    large_slots: torch.Tensor | None, grid: str, num_slots: int, block_m: int, row_bound: int, class_split: bool,
+    backend: str, mask_rank: bool, segments: list[int], config_key: str, weight_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`KernelConfig.lora_beside_gemm`: (x @ W.T + bias, the delta), the delta's shrink and write-only
+    expand on a side stream while the base GEMM runs on the caller's (`exact` grid, Triton kernels).
+    The caller adds the two (compiled, inductor folds the add into the op that consumes the sum)."""
+    meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
+                         tile_rows, row_bound, large_slots, class_split)
+    cfg = _CONFIGS[config_key] if config_key else get_kernel_config(x.device)
+    delta = x.new_empty(x.shape[0], weight.shape[0])
+    if not x.is_cuda:
+        return base_linear(x, weight, bias, weight_scale), _triton_delta(
+            delta, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, write_only=True)
+    # Every tensor the side stream reads or writes was made on the caller's stream before the fork, and the
+    # caller's stream waits for the side stream before the outputs are used or anything is freed.
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        _triton_delta(delta, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, write_only=True)
+    y = base_linear(x, weight, bias, weight_scale)
+    main.wait_stream(side)
+    return y, delta
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the LoRA kernels run on beside the base GEMM, one per device."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+_linear_lora_beside_op = torch.library.custom_op("lorazor::linear_lora_beside", mutates_args=())(_linear_lora_beside)
+
+
+@_linear_lora_beside_op.register_fake
+def _(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
+      large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments,
+      config_key, weight_scale=None):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], weight.shape[0])
+
+
 @_linear_lora_op.register_fake
 def _(x, weight, bias, lora_a, lora_b, scaling, lora_rank, row_slot, sorted_rows, slot_start, tile_slot, tile_rows,
       large_slots, grid, num_slots, block_m, row_bound, class_split, backend, mask_rank, segments,
@@ -167,17 +215,32 @@ def linear_lora_op(x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta: Lo
     it. torch.compile treats the op as opaque, so compiled model code runs the GEMM and the Triton
     kernels as they are. `weight_scale`: fp8 base weights' per-channel scales (`fp8.py`); the GEMM is
     then `fp8_linear`. `cfg`: the kernel launch config (default: the device's tuned file, looked
-    up per call through a cached device name). (The shrink on a side stream beside the GEMM was measured slower end to
-    end: `benchmarks/results/archive/e2e_ab_overlap_e8044b4/`.)
+    up per call through a cached device name). With `KernelConfig.lora_beside_gemm` (`exact` grid) the
+    delta's kernels run on a side stream beside the GEMM and the sum is formed here, outside the op, where
+    torch.compile fuses it into the next elementwise kernel. (The shrink alone on a side stream, the
+    expand after the GEMM, was measured slower end to end: `benchmarks/results/archive/e2e_ab_overlap_e8044b4/`.)
     """
     if meta.has_lora is False:
         return base_linear(x, weight, bias, weight_scale)
-    op = torch.ops.lorazor.linear_lora if torch.compiler.is_compiling() else _linear_lora
-    return op(
-        x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
-        meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
-        meta.row_bound, meta.class_split, backend, mask_rank, list(segments), _config_key(cfg), weight_scale,
-    )
+    args = (x, weight, bias, lora_a, lora_b, scaling, lora_rank, meta.row_slot, meta.sorted_rows, meta.slot_start,
+            meta.tile_slot, meta.tile_rows, meta.large_slots, meta.grid, meta.num_slots, meta.block_m,
+            meta.row_bound, meta.class_split, backend, mask_rank, list(segments), _config_key(cfg), weight_scale)
+    compiling = torch.compiler.is_compiling()
+    if backend == "triton" and meta.grid == "exact" and _beside_gemm(cfg, x.device):
+        y, delta = (torch.ops.lorazor.linear_lora_beside if compiling else _linear_lora_beside)(*args)
+        return y + delta
+    return (torch.ops.lorazor.linear_lora if compiling else _linear_lora)(*args)
+
+
+def _beside_gemm(cfg: KernelConfig | None, device: torch.device) -> bool:
+    """`lora_beside_gemm` of `cfg`, else of the device's config (a constant to torch.compile)."""
+    return cfg.lora_beside_gemm if cfg is not None else _device_beside_gemm(device)
+
+
+@torch._dynamo.assume_constant_result
+def _device_beside_gemm(device: torch.device) -> bool:
+    # Reading the config file's path is not traceable: dynamo calls this once and keeps the answer.
+    return get_kernel_config(device).lora_beside_gemm
 
 
 def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
