@@ -86,17 +86,23 @@ def test_compiled_steps_take_the_op_beside_the_gemm_with_no_graph_break(tmp_path
     calls = []
     real = ops._linear_lora_beside
     monkeypatch.setattr(ops, "_linear_lora_beside", lambda x, *args: calls.append(1) or real(x, *args))
+    # Compiled code is shared by code object: reset before (an earlier test's graphs hold its config) and after
+    # (this test's hold lora_beside_gemm for the tests after it).
+    torch._dynamo.reset()
     counters.clear()
-    g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(3, 96, (5 + i,), generator=g).tolist() for i in range(3)]
-    outs = []
-    for compile in (True, False):
-        config = LoRazorConfig(backend="triton", grid="exact", compile=compile, cuda_graphs=False)
-        model = build_pair("llama", config)[0]
-        engine = LoRazorEngine(model, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=4)
-        done = engine.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=5, do_sample=False, pad_token_id=PAD,
-                                     eos_token_id=None) for p, a in zip(prompts, ["math", None, "sql"])])
-        outs.append([o.token_ids for o in done])
+    try:
+        g = torch.Generator().manual_seed(9)
+        prompts = [torch.randint(3, 96, (5 + i,), generator=g).tolist() for i in range(3)]
+        outs = []
+        for compile in (True, False):
+            config = LoRazorConfig(backend="triton", grid="exact", compile=compile, cuda_graphs=False)
+            model = build_pair("llama", config)[0]
+            engine = LoRazorEngine(model, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=4)
+            done = engine.generate([dict(prompt_ids=p, adapter=a, max_new_tokens=5, do_sample=False, pad_token_id=PAD,
+                                         eos_token_id=None) for p, a in zip(prompts, ["math", None, "sql"])])
+            outs.append([o.token_ids for o in done])
+    finally:
+        torch._dynamo.reset()
     assert outs[0] == outs[1]
     assert dict(counters["graph_break"]) == {}
     assert calls
