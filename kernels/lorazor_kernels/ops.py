@@ -131,9 +131,15 @@ def _lora_then_gemm(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, ma
     """`KernelConfig.gemm_adds_lora`: the delta written (not added) into a fresh buffer by a write-only
     expand (after its shrink, or fused with it), then the GEMM adds x @ W.T to it in its epilogue (one
     pass over the output instead of the expand's read + write)."""
-    delta = _triton_delta(x.new_empty(x.shape[0], weight.shape[0]), x, lora_a, lora_b, scaling, lora_rank, meta,
-                          cfg, mask_rank, segments, write_only=True)
-    return delta.addmm_(x, weight.t())
+    return _write_only_delta(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank,
+                             segments).addmm_(x, weight.t())
+
+
+def _write_only_delta(x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, out=None):
+    """The delta alone, `[M, N]`, written (not added) by the write-only expand into `out` (default: a fresh
+    buffer on the current stream)."""
+    out = x.new_empty(x.shape[0], weight.shape[0]) if out is None else out
+    return _triton_delta(out, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, write_only=True)
 
 
 def _linear_lora_beside(
@@ -149,16 +155,17 @@ def _linear_lora_beside(
     meta = LoRABatchMeta(grid, x.shape[0], num_slots, block_m, sorted_rows, slot_start, row_slot, tile_slot,
                          tile_rows, row_bound, large_slots, class_split)
     cfg = _CONFIGS[config_key] if config_key else get_kernel_config(x.device)
-    delta = x.new_empty(x.shape[0], weight.shape[0])
+    delta_args = (x, weight, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments)
     if not x.is_cuda:
-        return base_linear(x, weight, bias, weight_scale), _triton_delta(
-            delta, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, write_only=True)
-    # Every tensor the side stream reads or writes was made on the caller's stream before the fork, and the
-    # caller's stream waits for the side stream before the outputs are used or anything is freed.
+        return base_linear(x, weight, bias, weight_scale), _write_only_delta(*delta_args)
+    # Every tensor the side stream reads or writes was made on the caller's stream before the fork (the delta
+    # too: a buffer allocated on the side stream could be reused there while the caller still reads it), and
+    # the caller's stream waits for the side stream before the outputs are used or anything is freed.
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    delta = x.new_empty(x.shape[0], weight.shape[0])
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        _triton_delta(delta, x, lora_a, lora_b, scaling, lora_rank, meta, cfg, mask_rank, segments, write_only=True)
+        _write_only_delta(*delta_args, out=delta)
     y = base_linear(x, weight, bias, weight_scale)
     main.wait_stream(side)
     return y, delta
